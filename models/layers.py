@@ -1,0 +1,109 @@
+"""Building blocks of the Llama family as pure functions: RMSNorm, rotary embeddings, MLP.
+
+Where it sits: `models/llama.py` calls these inside its per-layer scan body. They promise
+the numerics of Hugging Face transformers (PyTorch) for the same weights: RMSNorm and
+rotary angles are computed in float32 and cast back, as HF does, so f32 logits agree to
+~1e-5 and bf16 rounding happens at the same places.
+"""
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """HF LlamaRMSNorm: normalize in f32, cast back, then scale."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def silu_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, biases=None):
+    """down(silu(gate(x)) * up(x)); weights are [in, out]. `biases` = (gate, up, down) or None."""
+    g = x @ gate
+    u = x @ up
+    if biases is not None:
+        g, u = g + biases[0], u + biases[1]
+    out = (jax.nn.silu(g) * u) @ down
+    return out if biases is None else out + biases[2]
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters as HF writes them (`rope_parameters` or the older
+    `rope_theta` + `rope_scaling`). Supported types: default, linear, llama3."""
+
+    head_dim: int
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    partial_rotary_factor: float = 1.0
+
+    SUPPORTED = ("default", "linear", "llama3")
+
+    @classmethod
+    def from_hf(cls, hf_config: dict, head_dim: int) -> "RopeConfig":
+        params = dict(hf_config.get("rope_parameters") or {})
+        legacy = hf_config.get("rope_scaling") or {}
+        params = {**legacy, **params}
+        theta = params.get("rope_theta", hf_config.get("rope_theta", 10000.0))
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in cls.SUPPORTED:
+            raise ValueError(
+                f"rope type {rope_type!r} is not supported (supported: {', '.join(cls.SUPPORTED)})"
+            )
+        return cls(
+            head_dim=head_dim,
+            theta=float(theta),
+            rope_type=rope_type,
+            factor=float(params.get("factor", 1.0)),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(
+                params.get("original_max_position_embeddings", 8192)
+            ),
+            partial_rotary_factor=float(hf_config.get("partial_rotary_factor", 1.0)),
+        )
+
+    def inv_freq(self) -> jax.Array:
+        """[rotary_dim / 2] inverse frequencies, as HF's rope init functions compute them."""
+        dim = int(self.head_dim * self.partial_rotary_factor)
+        inv_freq = 1.0 / (self.theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+        if self.rope_type == "linear":
+            return inv_freq / self.factor
+        if self.rope_type == "llama3":
+            low_freq_wavelen = self.original_max_position_embeddings / self.low_freq_factor
+            high_freq_wavelen = self.original_max_position_embeddings / self.high_freq_factor
+            wavelen = 2 * math.pi / inv_freq
+            scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / self.factor, inv_freq)
+            smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor) / (
+                self.high_freq_factor - self.low_freq_factor
+            )
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+            return jnp.where(is_medium, smoothed, scaled)
+        return inv_freq
+
+
+def rope_cos_sin(rope: RopeConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables [T, rotary_dim] in f32 for the given positions (HF layout: halves)."""
+    freqs = positions.astype(jnp.float32)[:, None] * rope.inv_freq()[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half rotary embedding of x [T, heads, H]; cos/sin [T, rotary_dim]."""
+    rotary_dim = cos.shape[-1]
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    cos = cos[:, None, :].astype(x.dtype)
+    sin = sin[:, None, :].astype(x.dtype)
+    half = rotary_dim // 2
+    rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
+    out = x_rot * cos + rotated * sin
+    return out if rotary_dim == x.shape[-1] else jnp.concatenate([out, x_pass], axis=-1)

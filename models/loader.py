@@ -1,0 +1,198 @@
+"""Load a Hugging Face checkpoint folder into a Flax model: config.json + *.safetensors.
+
+Where it sits: the first thing the runner does; `load_model(path, dtype)` returns a ready
+`nnx.Module` whose weights came from the folder, cast to `dtype`. Also `model_from_params`
+for research code that brings its own params pytree.
+
+Promises:
+- one `model.safetensors` or many shards listed in `model.safetensors.index.json`;
+- bf16 / f16 / f32 weights cast to the chosen dtype;
+- per-layer HF tensors stacked on the leading `layers` axis, linear weights transposed to
+  [in, out];
+- a clear ValueError naming what is wrong for a missing folder, a missing or broken
+  config.json, an unsupported architecture, missing shards or missing / unexpected /
+  mis-shaped tensors.
+"""
+
+import json
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+
+from models.registry import resolve_architecture
+
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# HF per-layer tensor name -> (our stacked name, is a linear weight to transpose)
+_LAYER_NAMES = {
+    "input_layernorm.weight": ("input_layernorm", False),
+    "post_attention_layernorm.weight": ("post_attention_layernorm", False),
+    "self_attn.q_proj.weight": ("q_proj", True),
+    "self_attn.k_proj.weight": ("k_proj", True),
+    "self_attn.v_proj.weight": ("v_proj", True),
+    "self_attn.o_proj.weight": ("o_proj", True),
+    "self_attn.q_proj.bias": ("q_bias", False),
+    "self_attn.k_proj.bias": ("k_bias", False),
+    "self_attn.v_proj.bias": ("v_bias", False),
+    "self_attn.o_proj.bias": ("o_bias", False),
+    "self_attn.q_norm.weight": ("q_norm", False),
+    "self_attn.k_norm.weight": ("k_norm", False),
+    "mlp.gate_proj.weight": ("gate_proj", True),
+    "mlp.up_proj.weight": ("up_proj", True),
+    "mlp.down_proj.weight": ("down_proj", True),
+    "mlp.gate_proj.bias": ("gate_bias", False),
+    "mlp.up_proj.bias": ("up_bias", False),
+    "mlp.down_proj.bias": ("down_bias", False),
+}
+_TOP_NAMES = {
+    "model.embed_tokens.weight": "embed_tokens",
+    "model.norm.weight": "norm",
+    "lm_head.weight": "lm_head",
+}
+
+DTYPES = {
+    "float32": jnp.float32,
+    "float": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+    "half": jnp.float16,
+}
+
+
+def resolve_dtype(dtype) -> jnp.dtype:
+    """'auto' -> bf16 on accelerators, f32 on CPU; names or jnp dtypes pass through."""
+    if dtype is None or dtype == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; expected auto or one of {sorted(DTYPES)}")
+        return DTYPES[dtype]
+    return jnp.dtype(dtype)
+
+
+def read_hf_config(path: str) -> dict:
+    if not os.path.isdir(path):
+        raise ValueError(f"model path {path!r} is not a directory (no model hub is reachable)")
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"model folder {path!r} has no config.json")
+    try:
+        with open(config_path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path} is not valid JSON: {e}") from e
+
+
+def safetensors_files(path: str) -> list[str]:
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
+        if missing:
+            raise ValueError(f"{index_path} names shards that are missing: {missing}")
+        return [os.path.join(path, s) for s in shards]
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"model folder {path!r} has no *.safetensors weights")
+    return [os.path.join(path, f) for f in files]
+
+
+def read_hf_tensors(path: str) -> dict[str, np.ndarray]:
+    """All tensors of the folder as numpy (bf16 through ml_dtypes)."""
+    tensors = {}
+    for file in safetensors_files(path):
+        with safe_open(file, framework="flax") as f:
+            for name in f.keys():
+                tensors[name] = np.asarray(f.get_tensor(name))
+    return tensors
+
+
+def hf_to_params(tensors: dict[str, np.ndarray], num_layers: int) -> dict:
+    """HF tensor names -> our nested params dict (layers stacked, linear weights [in, out])."""
+    params: dict = {"layers": {}}
+    per_layer: dict[str, list] = {}
+    unexpected = []
+    for name, array in tensors.items():
+        if name in _TOP_NAMES:
+            params[_TOP_NAMES[name]] = array
+            continue
+        match = _LAYER_KEY.match(name)
+        if match and match.group(2) in _LAYER_NAMES:
+            ours, transpose = _LAYER_NAMES[match.group(2)]
+            per_layer.setdefault(ours, [None] * num_layers)[int(match.group(1))] = (
+                array.T if transpose else array
+            )
+        elif not name.endswith("rotary_emb.inv_freq"):
+            unexpected.append(name)
+    if unexpected:
+        raise ValueError(f"checkpoint has tensors this architecture does not use: {unexpected[:5]}")
+    for ours, arrays in per_layer.items():
+        missing = [i for i, a in enumerate(arrays) if a is None]
+        if missing:
+            raise ValueError(f"checkpoint lacks {ours} for layers {missing}")
+        params["layers"][ours] = np.stack(arrays)
+    return params
+
+
+def model_from_params(model_cls, config, params: dict, dtype) -> nnx.Module:
+    """Build the model abstractly (no random init) and fill it from a nested params dict.
+
+    `params` has the structure of `nnx.state(model, nnx.Param)` as plain arrays, e.g.
+    {"embed_tokens": ..., "layers": {"q_proj": [L, D, N*H], ...}, "norm": ..., "lm_head": ...}.
+    """
+    model = nnx.eval_shape(lambda: model_cls(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    state = nnx.state(model, nnx.Param)
+    flat_expected = dict(_flatten(nnx.to_pure_dict(state)))
+    flat_given = dict(_flatten(params))
+    missing = sorted(set(flat_expected) - set(flat_given))
+    extra = sorted(set(flat_given) - set(flat_expected))
+    if missing or extra:
+        raise ValueError(f"params do not fit the model: missing {missing}, unexpected {extra}")
+    for key, spec in flat_expected.items():
+        if tuple(flat_given[key].shape) != tuple(spec.shape):
+            raise ValueError(
+                f"param {key} has shape {tuple(flat_given[key].shape)}, expected {tuple(spec.shape)}"
+            )
+    filled = _unflatten({k: jnp.asarray(v, dtype=dtype) for k, v in flat_given.items()})
+    nnx.replace_by_pure_dict(state, filled)
+    nnx.update(model, state)
+    return model
+
+
+def load_model(path: str, dtype="auto") -> nnx.Module:
+    """Load an HF checkpoint folder; returns the Flax model with weights in `dtype`."""
+    hf_config = read_hf_config(path)
+    model_cls, config_cls = resolve_architecture(hf_config)
+    try:
+        config = config_cls.from_hf(hf_config)
+    except KeyError as e:
+        raise ValueError(f"{path}/config.json lacks the field {e.args[0]!r}") from e
+    params = hf_to_params(read_hf_tensors(path), config.num_hidden_layers)
+    if config.tie_word_embeddings:
+        params.pop("lm_head", None)  # some tied checkpoints still store a copy
+    return model_from_params(model_cls, config, params, resolve_dtype(dtype))
+
+
+def _flatten(tree: dict, prefix: str = ""):
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            yield from _flatten(value, name + ".")
+        else:
+            yield name, value
+
+
+def _unflatten(flat: dict) -> dict:
+    tree: dict = {}
+    for name, value in flat.items():
+        *parents, leaf = name.split(".")
+        node = tree
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+    return tree

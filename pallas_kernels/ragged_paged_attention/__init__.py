@@ -1,0 +1,70 @@
+"""One entry point for ragged paged attention that picks the implementation by backend.
+
+`reference` (XLA) on CPU, the Pallas GPU kernel on CUDA/ROCm, the Pallas TPU kernel on TPU.
+`impl=` or the `JENGINE_ATTENTION_IMPL` environment variable forces one of
+"reference", "gpu", "tpu"; `interpret=True` runs a Pallas kernel in the interpreter
+(how they are tested on a CPU-only machine).
+"""
+
+import os
+
+import jax
+
+from pallas_kernels.ragged_paged_attention.reference import (
+    ragged_paged_attention_reference,
+    update_kv_cache,
+)
+
+IMPLEMENTATIONS = ("reference", "gpu", "tpu")
+
+
+def default_impl(backend: str | None = None) -> str:
+    forced = os.environ.get("JENGINE_ATTENTION_IMPL")
+    if forced:
+        if forced not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"JENGINE_ATTENTION_IMPL={forced!r}; expected one of {IMPLEMENTATIONS}"
+            )
+        return forced
+    backend = backend or jax.default_backend()
+    return {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(backend, "reference")
+
+
+def ragged_paged_attention(
+    q,
+    kv_cache,
+    layer,
+    kv_lens,
+    block_tables,
+    query_start_loc,
+    *,
+    sm_scale: float,
+    q_block_size: int = 16,
+    sliding_window: int | None = None,
+    impl: str | None = None,
+    interpret: bool = False,
+):
+    """See `reference.ragged_paged_attention_reference` for the arguments and promises."""
+    impl = impl or default_impl()
+    kwargs = dict(sm_scale=sm_scale, q_block_size=q_block_size, sliding_window=sliding_window)
+    args = (q, kv_cache, layer, kv_lens, block_tables, query_start_loc)
+    if impl == "reference":
+        return ragged_paged_attention_reference(*args, **kwargs)
+    if impl == "gpu":
+        from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
+
+        return ragged_paged_attention_gpu(*args, **kwargs, interpret=interpret)
+    if impl == "tpu":
+        from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
+
+        return ragged_paged_attention_tpu(*args, **kwargs, interpret=interpret)
+    raise ValueError(f"unknown attention implementation {impl!r}; expected {IMPLEMENTATIONS}")
+
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "default_impl",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+    "update_kv_cache",
+]

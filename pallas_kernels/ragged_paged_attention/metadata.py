@@ -1,0 +1,136 @@
+"""Query-block metadata shared by the reference and both Pallas kernels.
+
+A ragged batch holds the new tokens of R requests back to back (`query_start_loc`). Every
+implementation cuts each request's queries into blocks of at most `q_block_size` tokens
+that belong to one request only, so a block reads the pages of exactly one request. The
+number of blocks is static: a request of q_len tokens needs ceil(q_len / Bq) blocks, so
+T tokens over R requests need at most min(T, T // Bq + R) blocks. Unused blocks have
+q_len 0 and point at request 0; every implementation masks them out.
+
+Axis letters: T tokens, R requests, B query blocks, Q tokens per block, P pages per request.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+class QueryBlocks(NamedTuple):
+    request: jax.Array  # [B] int32: which request the block belongs to
+    q_start: jax.Array  # [B] int32: first token of the block in the flat batch
+    q_len: jax.Array  # [B] int32: tokens in the block (0 for unused blocks)
+    q_pos: jax.Array  # [B] int32: context position of the block's first token
+
+
+def num_query_blocks(num_tokens: int, num_requests: int, q_block_size: int) -> int:
+    """Static upper bound on the number of query blocks of a ragged batch."""
+    return max(1, min(num_tokens, num_tokens // q_block_size + num_requests))
+
+
+def query_blocks(
+    query_start_loc: jax.Array, kv_lens: jax.Array, num_tokens: int, q_block_size: int
+) -> QueryBlocks:
+    """Split each request's queries into blocks of at most `q_block_size` tokens."""
+    num_requests = kv_lens.shape[0]
+    num_blocks = num_query_blocks(num_tokens, num_requests, q_block_size)
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [R]
+    blocks_per_request = (q_lens + q_block_size - 1) // q_block_size
+    first_block = jnp.cumsum(blocks_per_request) - blocks_per_request  # exclusive cumsum
+    block_ids = jnp.arange(num_blocks, dtype=jnp.int32)
+    # A block belongs to the last request whose first block is at or before it.
+    request = jnp.searchsorted(first_block + blocks_per_request, block_ids, side="right")
+    in_use = request < num_requests
+    request = jnp.where(in_use, request, 0).astype(jnp.int32)
+    index_in_request = block_ids - first_block[request]
+    offset = index_in_request * q_block_size
+    q_len = jnp.clip(q_lens[request] - offset, 0, q_block_size)
+    q_len = jnp.where(in_use, q_len, 0).astype(jnp.int32)
+    q_start = (query_start_loc[request] + offset).astype(jnp.int32)
+    # The first new token of a request sits at context position kv_len - q_len.
+    q_pos = (kv_lens[request] - q_lens[request] + offset).astype(jnp.int32)
+    return QueryBlocks(request, q_start, q_len, q_pos)
+
+
+class RowLayout(NamedTuple):
+    """How the Pallas kernels lay one query block out as matrix rows for one kv head.
+
+    Row r of a block holds token r // Gp of the block and q head r % Gp of the kv head's
+    group; Gp is the group size G = N / K padded to a power of two and M = max(16, Bq * Gp)
+    rows, so the row count suits both Triton (powers of two, dot operands >= 16) and TPU
+    sublane tiling. Rows of padded heads or tokens hold zeros and are dropped on the way out.
+    """
+
+    q_block_size: int  # Bq, a power of two
+    group: int  # G
+    group_padded: int  # Gp
+    rows: int  # M
+
+
+def row_layout(num_q_heads: int, num_kv_heads: int, q_block_size: int) -> RowLayout:
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} q heads are not a multiple of {num_kv_heads} kv heads")
+    group = num_q_heads // num_kv_heads
+    q_block_size = 1 << (max(q_block_size, 1) - 1).bit_length()
+    group_padded = 1 << (group - 1).bit_length()
+    return RowLayout(q_block_size, group, group_padded, max(16, q_block_size * group_padded))
+
+
+def block_token_index(blocks: QueryBlocks, q_block_size: int, num_tokens: int) -> jax.Array:
+    """[B, Q] flat token index of each block slot; `num_tokens` (out of range) when unused."""
+    offsets = jnp.arange(q_block_size, dtype=jnp.int32)
+    index = blocks.q_start[:, None] + offsets[None, :]
+    return jnp.where(offsets[None, :] < blocks.q_len[:, None], index, num_tokens)
+
+
+def gather_query_rows(
+    q: jax.Array, token_index: jax.Array, num_kv_heads: int, layout: RowLayout
+) -> jax.Array:
+    """[T, N, H] queries -> [B, K, M, H] kernel rows (see `RowLayout`), zeros where unused."""
+    num_tokens, _, head_dim = q.shape
+    num_blocks, q_block_size = token_index.shape
+    q = q.reshape(num_tokens, num_kv_heads, layout.group, head_dim)
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, layout.group_padded - layout.group), (0, 0)))
+    rows = q.at[token_index].get(mode="fill", fill_value=0)  # [B, Q, K, Gp, H]
+    rows = rows.transpose(0, 2, 1, 3, 4)
+    rows = rows.reshape(num_blocks, num_kv_heads, q_block_size * layout.group_padded, head_dim)
+    extra = layout.rows - rows.shape[2]
+    return jnp.pad(rows, ((0, 0), (0, 0), (0, extra), (0, 0)))
+
+
+def scatter_query_rows(
+    out: jax.Array, token_index: jax.Array, num_tokens: int, layout: RowLayout
+) -> jax.Array:
+    """Inverse of `gather_query_rows`: [B, K, M, H] -> [T, N, H], zeros for padding tokens."""
+    num_blocks, num_kv_heads, _, head_dim = out.shape
+    q_block_size = token_index.shape[1]
+    out = out[:, :, : q_block_size * layout.group_padded]
+    out = out.reshape(num_blocks, num_kv_heads, q_block_size, layout.group_padded, head_dim)
+    out = out[:, :, :, : layout.group].transpose(0, 2, 1, 3, 4)
+    out = out.reshape(num_blocks, q_block_size, num_kv_heads * layout.group, head_dim)
+    result = jnp.zeros((num_tokens, *out.shape[2:]), out.dtype)
+    return result.at[token_index].set(out, mode="drop")
+
+
+def page_range(
+    q_len: jax.Array,
+    q_pos: jax.Array,
+    kv_len: jax.Array,
+    block_size: int,
+    sliding_window: int | None,
+) -> tuple[jax.Array, jax.Array]:
+    """[first, end) pages of its request that a query block can see (scalars, empty if unused).
+
+    The last token of the block sits at q_pos + q_len - 1, so nothing past it is read; with a
+    sliding window nothing before the first token's window is read either.
+    """
+    # lax.div (truncating) on non-negative values: `//` lowers through `sign`, which the
+    # TPU lowering cannot emit without a TPU attached.
+    size = jnp.int32(block_size)
+    visible = jnp.maximum(jnp.minimum(q_pos + q_len, kv_len), 0)
+    end = jnp.where(q_len > 0, lax.div(visible + size - 1, size), 0)
+    if sliding_window is None:
+        return jnp.zeros_like(end), end
+    first = lax.div(jnp.maximum(q_pos - sliding_window + 1, 0), size)
+    return jnp.minimum(first, end), end

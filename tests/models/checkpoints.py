@@ -1,0 +1,91 @@
+"""Tiny random-weight HF checkpoints of every supported family, written with save_pretrained.
+
+Weights are drawn wider than HF's init (norm scales around 1, biases non-zero) so that a
+mismatch in any tensor shows in the logits.
+"""
+
+import torch
+import transformers
+
+VOCAB = 256
+
+BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
+
+FAMILIES = {
+    "llama2": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(num_key_value_heads=4),
+    ),
+    "llama3": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            ),
+        ),
+    ),
+    "mistral": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        dict(num_key_value_heads=1, sliding_window=None),
+    ),
+    "qwen2": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        dict(tie_word_embeddings=True),
+    ),
+    "qwen3": (
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        dict(head_dim=32, num_attention_heads=8, num_key_value_heads=2),
+    ),
+}
+
+
+def make_checkpoint(
+    family: str,
+    path: str,
+    *,
+    seed: int = 0,
+    torch_dtype=torch.float32,
+    config_overrides: dict | None = None,
+    **save_kwargs,
+):
+    """Write a random `family` checkpoint to `path`; returns the HF model (float32, eval)."""
+    config_cls, model_cls, overrides = FAMILIES[family]
+    config = config_cls(**{**BASE, **overrides, **(config_overrides or {})})
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+            else:
+                param.copy_(0.08 * torch.randn_like(param))
+    model.to(torch_dtype).save_pretrained(path, **save_kwargs)
+    return model.float()
+
+
+def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """Logits [S, V] of one sequence, computed alone (the oracle)."""
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].float()
