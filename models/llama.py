@@ -206,6 +206,6 @@ class LlamaForCausalLM(nnx.Module):
         return rms_norm(hidden, self.norm.value, c.rms_norm_eps), kv_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
-        """[R, D] final hidden states -> [R, V] float32 logits (computed in the model dtype, as HF)."""
+        """[R, D] final hidden states -> [R, V] f32 logits (computed in the model dtype, as HF)."""
         head = self.embed_tokens.value if self.config.tie_word_embeddings else self.lm_head.value
         return (hidden @ head.T).astype(jnp.float32)

@@ -107,7 +107,7 @@ def read_hf_tensors(path: str) -> dict[str, np.ndarray]:
     tensors = {}
     for file in safetensors_files(path):
         with safe_open(file, framework="flax") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 tensors[name] = np.asarray(f.get_tensor(name))
     return tensors
 
@@ -156,7 +156,8 @@ def model_from_params(model_cls, config, params: dict, dtype) -> nnx.Module:
     for key, spec in flat_expected.items():
         if tuple(flat_given[key].shape) != tuple(spec.shape):
             raise ValueError(
-                f"param {key} has shape {tuple(flat_given[key].shape)}, expected {tuple(spec.shape)}"
+                f"param {key} has shape {tuple(flat_given[key].shape)}, "
+                f"expected {tuple(spec.shape)}"
             )
     filled = _unflatten({k: jnp.asarray(v, dtype=dtype) for k, v in flat_given.items()})
     nnx.replace_by_pure_dict(state, filled)
