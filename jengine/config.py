@@ -1,0 +1,122 @@
+"""Engine configuration: frozen, validated dataclasses, one per concern.
+
+Where it sits: built once by the entry points (CLI flags, ``LLM(...)`` keyword arguments)
+and handed down read-only: ``CacheConfig`` to the KV-cache sizing in the runner and to the
+block pool, ``SchedulerConfig`` to the scheduler. ``ModelConfig`` and ``EngineConfig``
+(which bundles all parts) join this module later.
+
+What it promises: an instance that exists is valid; a bad value raises ``ValueError``
+naming the field at construction time, long before a step runs. Instances are frozen, so
+every component sees the same numbers for the life of the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+def _require(ok: bool, field: str, msg: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{field} {msg}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Paged KV cache layout and size.
+
+    block_size: tokens per KV block (a power of two so page arithmetic is shifts).
+    enable_prefix_caching: keep full blocks findable by content hash after their request
+        ends, so a later request with the same prefix skips recomputing it.
+    num_gpu_blocks: explicit block count (overrides any memory-derived count); includes the
+        reserved null block 0.
+    kv_cache_memory_bytes: explicit KV-cache byte budget (the CPU path; on accelerators it
+        overrides gpu_memory_utilization).
+    gpu_memory_utilization: fraction of device memory the engine may use in total (weights,
+        activations and KV cache) when no explicit budget is given.
+    """
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_gpu_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        bs = self.block_size
+        _require(
+            isinstance(bs, int) and bs >= 1 and bs & (bs - 1) == 0,
+            "block_size",
+            "must be a power of two >= 1",
+            bs,
+        )
+        if self.num_gpu_blocks is not None:
+            # One block is the reserved null block; at least one more must hold real tokens.
+            _require(
+                self.num_gpu_blocks >= 2, "num_gpu_blocks", "must be >= 2", self.num_gpu_blocks
+            )
+        if self.kv_cache_memory_bytes is not None:
+            _require(
+                self.kv_cache_memory_bytes > 0,
+                "kv_cache_memory_bytes",
+                "must be > 0",
+                self.kv_cache_memory_bytes,
+            )
+        _require(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            "gpu_memory_utilization",
+            "must be in (0, 1]",
+            self.gpu_memory_utilization,
+        )
+
+
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """What the scheduler may put into one step.
+
+    max_num_seqs: requests running at once (and so at most per step).
+    max_num_batched_tokens: the per-step token budget shared by prefill chunks and decodes.
+    max_model_len: longest sequence (prompt + output) a request may reach.
+    policy: "fcfs" (arrival order) or "priority" (lower value first, then arrival order;
+        the lowest-priority running request is the one preempted).
+    long_prefill_token_threshold: if > 0, a request gets at most this many tokens per step,
+        so one long prompt cannot take the whole budget from the others.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    policy: SchedulingPolicy = "fcfs"
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1", self.max_num_seqs)
+        _require(
+            self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            "must be >= 1",
+            self.max_num_batched_tokens,
+        )
+        # Every running request needs at least one token per step to make progress.
+        _require(
+            self.max_num_batched_tokens >= self.max_num_seqs,
+            "max_num_batched_tokens",
+            f"must be >= max_num_seqs ({self.max_num_seqs})",
+            self.max_num_batched_tokens,
+        )
+        _require(self.max_model_len >= 1, "max_model_len", "must be >= 1", self.max_model_len)
+        _require(
+            self.policy in ("fcfs", "priority"),
+            "policy",
+            "must be 'fcfs' or 'priority'",
+            self.policy,
+        )
+        _require(
+            self.long_prefill_token_threshold >= 0,
+            "long_prefill_token_threshold",
+            "must be >= 0",
+            self.long_prefill_token_threshold,
+        )

@@ -1,0 +1,405 @@
+"""Scheduler: decides, each step, which tokens of which requests run, and records results.
+
+Where it sits: ``EngineCore.step()`` is ``schedule() -> runner.execute() ->
+update_from_output()``. ``schedule()`` returns a ``SchedulerOutput``; the runner answers
+with a ``ModelRunnerOutput``; ``update_from_output()`` appends the sampled tokens, checks
+stop conditions, frees finished requests and returns the ``EngineCoreOutputs`` for the
+front end. It owns the ``KVCacheManager`` and every live ``Request``.
+
+What it promises (vLLM V1 rules):
+- No prefill or decode phase. Each step hands out one budget of
+  ``max_num_batched_tokens`` tokens so every request's ``num_computed_tokens`` catches up
+  with its ``num_tokens``: chunked prefill, prefix hits, resumed requests and decodes are
+  the same subtraction. Running requests are served first, then waiting ones.
+- At most ``max_num_seqs`` requests run; ``num_computed_tokens`` never exceeds
+  ``max_model_len``.
+- When the pool runs dry for a running request, another running request is preempted by
+  recompute (FCFS: the latest; priority: the lowest priority, latest arrival): its blocks
+  are freed and it re-enters the front of the waiting queue, so its eventual output is
+  what it would have been without preemption. No new request is admitted in a step that
+  preempted.
+- ``num_computed_tokens`` is advanced when a step is scheduled (so the next ``schedule``
+  could run before the previous results arrive).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+
+from jengine.config import CacheConfig, SchedulerConfig
+from jengine.core.kv_cache_manager import KVCacheManager
+from jengine.core.outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    ModelRunnerOutput,
+    SchedulerStats,
+)
+from jengine.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from jengine.request import Request, RequestStatus
+
+
+class WaitingQueue:
+    """Requests waiting to (re)start: arrival order for FCFS, (priority, arrival) otherwise.
+
+    FCFS puts a preempted request back at the very front; under the priority policy it
+    simply rejoins at its (priority, arrival) rank, which is ahead of later arrivals.
+    """
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._tiebreak = itertools.count()  # keeps heap order total and stable
+
+    def _push(self, request: Request) -> None:
+        key = (request.priority, request.arrival_time, next(self._tiebreak), request)
+        heapq.heappush(self._heap, key)
+
+    def add(self, request: Request) -> None:
+        if self.policy == "priority":
+            self._push(request)
+        else:
+            self._fifo.append(request)
+
+    def add_preempted(self, request: Request) -> None:
+        if self.policy == "priority":
+            self._push(request)
+        else:
+            self._fifo.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._heap[0][3] if self.policy == "priority" else self._fifo[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._fifo.popleft()
+
+    def remove(self, request: Request) -> None:
+        if self.policy == "priority":
+            self._heap = [e for e in self._heap if e[3] is not request]
+            heapq.heapify(self._heap)
+        else:
+            self._fifo.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.policy == "priority" else len(self._fifo)
+
+    def __iter__(self) -> Iterator[Request]:
+        """In scheduling order."""
+        if self.policy == "priority":
+            return iter([e[3] for e in sorted(self._heap)])
+        return iter(self._fifo)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        log_stats: bool = True,
+    ) -> None:
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.max_model_len = scheduler_config.max_model_len
+        self.log_stats = log_stats
+        # A request may grow to max_model_len tokens while running alone; if the pool cannot
+        # hold that, it would preempt itself forever. Refuse to start instead.
+        usable_tokens = (num_blocks - 1) * cache_config.block_size
+        if usable_tokens < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {usable_tokens} tokens ({num_blocks - 1} blocks of "
+                f"{cache_config.block_size}), fewer than max_model_len={self.max_model_len}; "
+                "give it more memory or lower max_model_len"
+            )
+        self.kv_cache_manager = KVCacheManager(
+            block_size=cache_config.block_size,
+            num_blocks=num_blocks,
+            max_model_len=self.max_model_len,
+            enable_caching=cache_config.enable_prefix_caching,
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue(scheduler_config.policy)
+        self.running: list[Request] = []
+        # Ids whose runner state must go, reported with the next SchedulerOutput.
+        self.finished_req_ids: set[str] = set()
+        self._num_preemptions = 0  # since the last make_stats()
+
+    # -- requests in and out ----------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if not 0 < request.num_prompt_tokens <= self.max_model_len:
+            raise ValueError(
+                f"prompt of request {request.request_id!r} has {request.num_prompt_tokens} "
+                f"tokens; it must have between 1 and max_model_len={self.max_model_len}"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(
+        self,
+        request_ids: str | Iterable[str],
+        finished_status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+    ) -> None:
+        """End requests from outside (client abort); unknown or finished ids are ignored."""
+        assert RequestStatus.is_finished(finished_status)
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = finished_status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    # -- schedule ---------------------------------------------------------------------
+
+    def _num_new_tokens(self, request: Request, budget: int, num_computed: int) -> int:
+        n = request.num_tokens - num_computed
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < n:
+            n = threshold
+        return max(0, min(n, budget, self.max_model_len - num_computed))
+
+    def _pop_victim(self) -> tuple[Request, int]:
+        """Remove the request to preempt from ``running``; return it and its old index."""
+        if self.config.policy == "priority":
+            idx = max(
+                range(len(self.running)),
+                key=lambda i: (self.running[i].priority, self.running[i].arrival_time),
+            )
+        else:
+            idx = len(self.running) - 1
+        return self.running.pop(idx), idx
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._num_preemptions += 1
+        self.waiting.add_preempted(request)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
+        preempted: list[Request] = []
+
+        # 1. Running requests, in order, until the budget is spent.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = self._num_new_tokens(request, budget, request.num_computed_tokens)
+            if n == 0:
+                i += 1
+                continue
+            while (blocks := self.kv_cache_manager.allocate_slots(request, n)) is None:
+                victim, idx = self._pop_victim()
+                if idx < i:
+                    i -= 1
+                if victim.request_id in num_scheduled:
+                    # Priority policy may pick a request already scheduled this step: undo.
+                    budget += num_scheduled.pop(victim.request_id)
+                    del new_block_ids[victim.request_id]
+                    scheduled_running.remove(victim)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if blocks is None:
+                # The request preempted itself. Under FCFS it was the last one; under the
+                # priority policy the next one (now at index i) may still fit.
+                continue
+            scheduled_running.append(request)
+            num_scheduled[request.request_id] = n
+            new_block_ids[request.request_id] = [b.block_id for b in blocks]
+            budget -= n
+            i += 1
+
+        # 2. Waiting requests, unless memory was just too tight for the running ones.
+        while (
+            not preempted
+            and len(self.waiting) > 0
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting.peek()
+            hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            n = self._num_new_tokens(request, budget, num_hit)
+            if n == 0:
+                break
+            if self.kv_cache_manager.allocate_slots(request, n, hit_blocks, num_hit) is None:
+                break  # head-of-line: later requests wait too, preserving the policy order
+            self.waiting.pop()
+            self.kv_cache_manager.record_prefix_lookup(request, num_hit)
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            scheduled_new.append(request)
+            num_scheduled[request.request_id] = n
+            budget -= n
+
+        # 3. Describe the step, then advance the computed counters past it.
+        new_reqs = [
+            NewRequestData(
+                req_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                sampling_params=r.sampling_params,
+                block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+                output_token_ids=list(r.output_token_ids),
+                eos_token_id=r.eos_token_id,
+            )
+            for r in scheduled_new
+        ]
+        cached_reqs = [
+            CachedRequestData(
+                req_id=r.request_id,
+                new_block_ids=new_block_ids[r.request_id],
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in scheduled_running
+        ]
+        for r in scheduled_running:
+            r.num_computed_tokens += num_scheduled[r.request_id]
+        for r in scheduled_new:
+            r.num_computed_tokens += num_scheduled[r.request_id]
+
+        finished = self.finished_req_ids
+        finished.update(r.request_id for r in preempted)
+        self.finished_req_ids = set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            finished_req_ids=finished,
+        )
+
+    # -- results ----------------------------------------------------------------------
+
+    def _check_stop(self, request: Request) -> bool:
+        """Set the finished status if the last appended token ends the request."""
+        params = request.sampling_params
+        max_tokens = request.max_tokens
+        if request.num_tokens >= self.max_model_len or (
+            max_tokens is not None and request.num_output_tokens >= max_tokens
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        if request.num_output_tokens < params.min_tokens:
+            return False
+        last = request.output_token_ids[-1]
+        if not params.ignore_eos and last == request.eos_token_id:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last
+            return True
+        return False
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        logprobs = runner_output.logprobs
+        row_start: dict[str, int] = {}
+        if logprobs is not None:
+            row = 0
+            for req_id, sampled in zip(
+                runner_output.req_ids, runner_output.sampled_token_ids, strict=True
+            ):
+                row_start[req_id] = row
+                row += len(sampled)
+
+        outputs: list[EngineCoreOutput] = []
+        any_stopped = False
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            # Aborted (or preempted) while the step ran: its results are void.
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            sampled = runner_output.sampled_token_ids[runner_output.req_id_to_index[req_id]]
+            new_token_ids: list[int] = []
+            stopped = False
+            for token_id in sampled:
+                request.append_output_token_ids(token_id)
+                new_token_ids.append(token_id)
+                if self._check_stop(request):
+                    stopped = True
+                    break
+
+            params = request.sampling_params
+            new_logprobs = None
+            if logprobs is not None and params.logprobs is not None and new_token_ids:
+                start = row_start[req_id]
+                new_logprobs = logprobs.to_lists(start, start + len(new_token_ids), params.logprobs)
+            new_prompt_logprobs = None
+            prompt_lp = runner_output.prompt_logprobs_dict.get(req_id)
+            if prompt_lp is not None and params.prompt_logprobs is not None:
+                new_prompt_logprobs = prompt_lp.to_lists(0, len(prompt_lp), params.prompt_logprobs)
+
+            if stopped:
+                any_stopped = True
+                self._free_request(request)
+            if new_token_ids or stopped or new_prompt_logprobs is not None:
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=req_id,
+                        new_token_ids=new_token_ids,
+                        new_logprobs=new_logprobs,
+                        new_prompt_logprobs=new_prompt_logprobs,
+                        finish_reason=request.get_finished_reason(),
+                        stop_reason=request.stop_reason,
+                        num_cached_tokens=max(request.num_cached_tokens, 0),
+                    )
+                )
+        if any_stopped:
+            self.running = [r for r in self.running if not r.is_finished()]
+        return EngineCoreOutputs(
+            outputs=outputs,
+            timestamp=time.monotonic(),
+            scheduler_stats=self.make_stats() if self.log_stats else None,
+        )
+
+    # -- metrics and maintenance ------------------------------------------------------
+
+    def make_stats(self) -> SchedulerStats:
+        queries, hits = self.kv_cache_manager.take_prefix_cache_stats()
+        num_preemptions, self._num_preemptions = self._num_preemptions, 0
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            num_preemptions=num_preemptions,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()

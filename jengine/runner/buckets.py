@@ -1,0 +1,115 @@
+"""Padding buckets: the few fixed shapes every step is padded to. Pure functions.
+
+Where it sits: `input_batch.py` picks a `StepShape` for each SchedulerOutput;
+`model_runner.py` compiles every shape of `all_step_shapes` at warmup, so serving
+compiles nothing.
+
+A step's shape is (tokens T, requests R, pages per request P, query block Bq):
+- decode-only steps (every request runs one token): T = R, a power of two up to
+  `max_num_seqs`, and Bq = 1 (one gathered copy of the pages per request);
+- steps with a prefill chunk: T a bucket of 16 * 2^k up to `max_num_batched_tokens`,
+  R = min(T, max_num_seqs) rounded up to a power of two, Bq = PREFILL_Q_BLOCK;
+- P: the longest context in the step, rounded up to a power of two of pages (at least
+  MIN_PAGES), capped at the pages of `max_model_len`.
+Padding waste is below 2x on every axis; the number of shapes is
+(#request buckets + #token buckets) x #page buckets, e.g. (7 + 6) x 4 = 52 for
+max_num_seqs 64, max_num_batched_tokens 512, max_model_len 512 and block_size 16.
+"""
+
+from dataclasses import dataclass
+
+MIN_TOKENS = 16
+MIN_PAGES = 4
+PREFILL_Q_BLOCK = 16
+
+
+@dataclass(frozen=True, order=True)
+class StepShape:
+    num_tokens: int  # T
+    num_reqs: int  # R
+    num_pages: int  # P
+    q_block_size: int  # Bq
+
+    @property
+    def is_decode(self) -> bool:
+        return self.q_block_size == 1
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def capped_buckets(start: int, cap: int) -> list[int]:
+    """start, 2*start, 4*start, ... below cap, then cap itself."""
+    buckets, size = [], start
+    while size < cap:
+        buckets.append(size)
+        size *= 2
+    return [*buckets, cap]
+
+
+def token_buckets(max_num_batched_tokens: int) -> list[int]:
+    return capped_buckets(MIN_TOKENS, max_num_batched_tokens)
+
+
+def request_buckets(max_num_seqs: int) -> list[int]:
+    return capped_buckets(1, max_num_seqs)
+
+
+def page_buckets(max_pages: int) -> list[int]:
+    return capped_buckets(min(MIN_PAGES, max_pages), max_pages)
+
+
+def smallest_fitting(buckets: list[int], n: int) -> int:
+    for size in buckets:
+        if size >= n:
+            return size
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def max_pages_per_request(max_model_len: int, block_size: int) -> int:
+    return -(-max_model_len // block_size)
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """The bucket lists of one engine configuration."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_pages: int
+
+    @classmethod
+    def create(cls, max_num_seqs, max_num_batched_tokens, max_model_len, block_size):
+        return cls(
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_pages_per_request(max_model_len, block_size),
+        )
+
+    def prefill_num_reqs(self, num_tokens: int) -> int:
+        return smallest_fitting(
+            request_buckets(self.max_num_seqs), min(num_tokens, self.max_num_seqs)
+        )
+
+    def shape_for(self, num_tokens: int, num_reqs: int, max_pages_used: int) -> StepShape:
+        """The padded shape of a step with these many tokens, requests and pages."""
+        num_pages = smallest_fitting(page_buckets(self.max_pages), max(1, max_pages_used))
+        if num_tokens == num_reqs:  # decode-only: one token per request
+            padded = smallest_fitting(request_buckets(self.max_num_seqs), num_reqs)
+            return StepShape(padded, padded, num_pages, 1)
+        padded_tokens = smallest_fitting(token_buckets(self.max_num_batched_tokens), num_tokens)
+        # Every request has a token, so R <= min(T, max_num_seqs) always fits.
+        padded_reqs = self.prefill_num_reqs(padded_tokens)
+        return StepShape(padded_tokens, padded_reqs, num_pages, PREFILL_Q_BLOCK)
+
+    def all_shapes(self) -> list[StepShape]:
+        """Every shape `shape_for` can return: what warmup compiles."""
+        shapes = set()
+        for num_pages in page_buckets(self.max_pages):
+            for reqs in request_buckets(self.max_num_seqs):
+                shapes.add(StepShape(reqs, reqs, num_pages, 1))
+            for tokens in token_buckets(self.max_num_batched_tokens):
+                reqs = self.prefill_num_reqs(tokens)
+                shapes.add(StepShape(tokens, reqs, num_pages, PREFILL_Q_BLOCK))
+        return sorted(shapes)

@@ -1,0 +1,181 @@
+"""On-device sampling and logprobs: pure functions traced into the jitted step.
+
+Where it sits: `model_runner.py` calls `sample` on the logits of the last token of every
+request and `top_logprobs` for logprobs; only the sampled ids and requested logprobs go
+back to the host.
+
+Promises:
+- greedy (temperature 0) is argmax after logit bias, penalties and min_tokens masking;
+- random sampling uses a key derived only from the request's seed and how many tokens it
+  has generated, so the same seed and params give the same tokens whatever else shares
+  the batch (and after preemption);
+- vLLM's semantics and order: logit bias, min_tokens (EOS and stop ids masked), penalties
+  (repetition over prompt + output, presence / frequency over output), temperature,
+  min-p, top-k, top-p;
+- logprobs are the model's raw log-softmax (vLLM's default `raw_logprobs`), with the
+  sampled token's rank;
+- work a batch does not ask for (penalties, truncation, random draws) is skipped with
+  `lax.cond`, so a greedy batch pays for an argmax only.
+
+Per-request state that outlives a step (output token counts, prompt-token mask, dense
+logit bias) sits on device in `SamplingState`, one row per persistent batch slot.
+"""
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+_GREEDY_EPS = 1e-5
+MAX_SUPPRESSED_IDS = 16  # EOS + stop token ids masked before min_tokens
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SamplingState:
+    """Per-slot history the penalties and logit bias need: [S, V] each."""
+
+    output_counts: jax.Array  # int32: how often each token was generated
+    prompt_mask: jax.Array  # bool: token occurs in the prompt
+    logit_bias: jax.Array  # float32: dense bias (zero where none)
+
+    @classmethod
+    def zeros(cls, num_slots: int, vocab_size: int) -> "SamplingState":
+        return cls(
+            jnp.zeros((num_slots, vocab_size), jnp.int32),
+            jnp.zeros((num_slots, vocab_size), jnp.bool_),
+            jnp.zeros((num_slots, vocab_size), jnp.float32),
+        )
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SamplingMetadata:
+    """Per-request sampling parameters of one step, [R] each unless noted."""
+
+    slots: jax.Array  # int32: row of the request in SamplingState
+    temperature: jax.Array  # float32; < 1e-5 means greedy
+    top_k: jax.Array  # int32; 0 = off
+    top_p: jax.Array  # float32; 1 = off
+    min_p: jax.Array  # float32; 0 = off
+    seeds: jax.Array  # uint32: the request's seed (drawn by the engine if not given)
+    output_index: jax.Array  # int32: tokens the request generated before this one
+    presence_penalty: jax.Array  # float32
+    frequency_penalty: jax.Array  # float32
+    repetition_penalty: jax.Array  # float32
+    use_history: jax.Array  # bool: penalties or logit bias read this request's slot
+    suppressed_ids: jax.Array  # [R, MAX_SUPPRESSED_IDS] int32, -1 = none
+    sample_mask: jax.Array  # bool: this step yields a token (False mid-prefill, padding)
+
+
+def _apply_history(raw: jax.Array, meta: SamplingMetadata, state: SamplingState):
+    counts = state.output_counts[meta.slots]
+    prompt = state.prompt_mask[meta.slots]
+    logits = raw + state.logit_bias[meta.slots]
+    rep = meta.repetition_penalty[:, None]
+    seen = prompt | (counts > 0)
+    # vLLM / HF repetition penalty: divide positive logits, multiply negative ones.
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - meta.frequency_penalty[:, None] * counts
+    logits = logits - meta.presence_penalty[:, None] * (counts > 0)
+    # Slots of requests without penalties or bias hold stale history: leave them alone.
+    return jnp.where(meta.use_history[:, None], logits, raw)
+
+
+def _truncate(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    """min-p, top-k, top-p on temperature-scaled logits: masked entries become -inf."""
+    vocab = logits.shape[-1]
+    probs = jax.nn.softmax(logits, axis=-1)
+    logits = jnp.where(probs < meta.min_p[:, None] * probs.max(-1, keepdims=True), -jnp.inf, logits)
+    sorted_logits = -jnp.sort(-logits, axis=-1)  # descending
+    k = jnp.where(meta.top_k > 0, jnp.minimum(meta.top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
+    sorted_logits = jnp.where(sorted_logits < kth, -jnp.inf, sorted_logits)
+    sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
+    exclusive_cumsum = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    keep = exclusive_cumsum < meta.top_p[:, None]  # the first token is always kept
+    threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+    threshold = jnp.maximum(threshold, kth)
+    return jnp.where(logits < threshold, -jnp.inf, logits)
+
+
+def _gumbel_sample(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    def one(seed, index, row):
+        key = jax.random.fold_in(jax.random.key(seed), index)
+        return jnp.argmax(row + jax.random.gumbel(key, row.shape, row.dtype))
+
+    return jax.vmap(one)(meta.seeds, meta.output_index, logits)
+
+
+def sample(
+    logits: jax.Array, meta: SamplingMetadata, state: SamplingState
+) -> tuple[jax.Array, SamplingState]:
+    """[R, V] f32 logits -> ([R] int32 sampled ids, state with the new tokens counted)."""
+    logits = jax.lax.cond(
+        jnp.any(meta.use_history), _apply_history, lambda l, m, s: l, logits, meta, state
+    )
+    rows = jnp.arange(logits.shape[0])[:, None]
+    suppressed = jnp.where(meta.suppressed_ids >= 0, meta.suppressed_ids, logits.shape[-1])
+    logits = logits.at[rows, suppressed].set(-jnp.inf, mode="drop")
+
+    greedy = meta.temperature < _GREEDY_EPS
+    greedy_ids = jnp.argmax(logits, axis=-1)
+
+    def random_ids(logits):
+        scaled = logits / jnp.where(greedy, 1.0, meta.temperature)[:, None]
+        truncating = jnp.any((meta.top_k > 0) | (meta.top_p < 1.0) | (meta.min_p > 0.0))
+        scaled = jax.lax.cond(truncating, _truncate, lambda l, m: l, scaled, meta)
+        return _gumbel_sample(scaled, meta)
+
+    all_greedy = jnp.all(greedy | ~meta.sample_mask)
+    sampled_random = jax.lax.cond(all_greedy, lambda l: greedy_ids, random_ids, logits)
+    sampled = jnp.where(greedy, greedy_ids, sampled_random).astype(jnp.int32)
+
+    # Count the new token for penalties; rows that yield nothing write out of range.
+    count_rows = jnp.where(meta.sample_mask, meta.slots, state.output_counts.shape[0])
+    counts = state.output_counts.at[count_rows, sampled].add(1, mode="drop")
+    return sampled, SamplingState(counts, state.prompt_mask, state.logit_bias)
+
+
+def top_logprobs(
+    logits: jax.Array, token_ids: jax.Array, num_logprobs: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Raw logprobs of `token_ids` plus the top `num_logprobs` of each row.
+
+    Returns ids [rows, k+1] (column 0 = the given token), logprobs [rows, k+1] and the
+    1-based rank of the given token in its row.
+    """
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    top_values, top_ids = jax.lax.top_k(logprobs, num_logprobs)
+    chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)
+    ranks = jnp.sum(logprobs > chosen, axis=-1) + 1
+    ids = jnp.concatenate([token_ids[:, None], top_ids], axis=-1).astype(jnp.int32)
+    values = jnp.concatenate([chosen, top_values], axis=-1)
+    return ids, values, ranks.astype(jnp.int32)
+
+
+def write_slot_history(
+    state: SamplingState,
+    slot: jax.Array,
+    prompt_ids: jax.Array,
+    output_ids: jax.Array,
+    bias_ids: jax.Array,
+    bias_values: jax.Array,
+) -> SamplingState:
+    """Reset one slot's history for a request that (re)enters the batch.
+
+    Ids are padded with -1 to fixed lengths so one compiled function serves every request.
+    """
+    vocab = state.output_counts.shape[1]
+
+    def valid(ids):
+        return jnp.where(ids >= 0, ids, vocab)  # out of range: dropped
+
+    counts = jnp.zeros((vocab,), jnp.int32).at[valid(output_ids)].add(1, mode="drop")
+    prompt = jnp.zeros((vocab,), jnp.bool_).at[valid(prompt_ids)].set(True, mode="drop")
+    bias = jnp.zeros((vocab,), jnp.float32).at[valid(bias_ids)].set(bias_values, mode="drop")
+    return SamplingState(
+        state.output_counts.at[slot].set(counts),
+        state.prompt_mask.at[slot].set(prompt),
+        state.logit_bias.at[slot].set(bias),
+    )

@@ -1,0 +1,189 @@
+"""SamplingParams: how one request wants its tokens chosen and when it wants to stop.
+
+Where it sits: the user (``LLM.generate``, the OpenAI layer) builds one per request; it
+travels with the request through the input processor, across the ZMQ boundary to the
+engine core, into the scheduler's ``Request`` (stop checks), and to the model runner (the
+on-device sampler). The front end uses the string-level fields (``stop``,
+``skip_special_tokens``, ...) while detokenizing.
+
+What it promises: names, defaults and meanings follow vLLM's ``SamplingParams``; every
+instance that exists has been validated (``__post_init__`` runs on construction *and* on
+msgspec decode) and normalized (``stop`` is a list, ``top_k`` 0 means disabled, greedy
+requests carry neutral top-p/top-k/min-p), so downstream code never re-checks. It is a
+plain-typed ``msgspec.Struct``, so it round-trips through msgpack unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import math
+
+import msgspec
+
+# Below this temperature sampling is greedy (argmax); same threshold as vLLM.
+_SAMPLING_EPS = 1e-5
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def _require(ok: bool, field: str, msg: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{field} {msg}, got {value!r}")
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Sampling and stopping parameters of one request (vLLM semantics).
+
+    n: number of completions to return for the prompt.
+    presence_penalty / frequency_penalty: in [-2, 2]; penalize tokens that already appear
+        in the output (once / per occurrence).
+    repetition_penalty: > 0; divides positive (multiplies negative) logits of tokens seen in
+        the prompt or the output; 1.0 disables it.
+    temperature: >= 0; below 1e-5 the request is greedy.
+    top_p: in (0, 1]; nucleus sampling mass. top_k: 0 or -1 disables it (normalized to 0).
+    min_p: in [0, 1]; drop tokens whose probability is below min_p * max probability.
+    seed: per-request seed; the same seed and params give the same tokens whatever else
+        shares the batch.
+    stop: strings that end generation (checked by the front end on detokenized text).
+    stop_token_ids: token ids that end generation (checked by the scheduler).
+    ignore_eos: keep generating after the EOS token.
+    max_tokens: tokens to generate at most; None means until max_model_len.
+    min_tokens: EOS and stop_token_ids cannot end generation before this many tokens.
+    logprobs: number of top logprobs to return per generated token (plus the sampled one).
+    prompt_logprobs: number of top logprobs to return per prompt token.
+    logit_bias: token id -> additive bias on the logit.
+    include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens,
+    detokenize: detokenization options used by the front end.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] | None = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        # Normalize first so validation (and everything downstream) sees one shape.
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0  # vLLM accepts both spellings of "disabled"; keep one.
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._validate()
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy ignores the truncation knobs; neutral values let the runner skip them.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _validate(self) -> None:
+        _require(isinstance(self.n, int) and self.n >= 1, "n", "must be an int >= 1", self.n)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(-2.0 <= value <= 2.0, name, "must be in [-2, 2]", value)
+        _require(
+            self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            "must be > 0",
+            self.repetition_penalty,
+        )
+        _require(
+            math.isfinite(self.temperature) and self.temperature >= 0.0,
+            "temperature",
+            "must be a finite number >= 0",
+            self.temperature,
+        )
+        _require(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]", self.top_p)
+        _require(
+            isinstance(self.top_k, int) and self.top_k >= 0,
+            "top_k",
+            "must be -1 or 0 (disabled) or a positive int",
+            self.top_k,
+        )
+        _require(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]", self.min_p)
+        _require(
+            self.seed is None or isinstance(self.seed, int), "seed", "must be an int", self.seed
+        )
+        _require(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "must contain only non-empty strings",
+            self.stop,
+        )
+        _require(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must contain only ints >= 0",
+            self.stop_token_ids,
+        )
+        if self.max_tokens is not None:
+            _require(
+                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                "max_tokens",
+                "must be an int >= 1 or None",
+                self.max_tokens,
+            )
+        _require(
+            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            "min_tokens",
+            "must be an int >= 0",
+            self.min_tokens,
+        )
+        if self.max_tokens is not None:
+            _require(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                f"must be <= max_tokens ({self.max_tokens})",
+                self.min_tokens,
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _require(
+                value is None or (isinstance(value, int) and value >= 0),
+                name,
+                "must be an int >= 0 or None",
+                value,
+            )
+        if self.logit_bias is not None:
+            for token_id, bias in self.logit_bias.items():
+                _require(token_id >= 0, "logit_bias", "keys must be token ids >= 0", token_id)
+                _require(math.isfinite(bias), "logit_bias", "values must be finite", bias)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (the lists and dict are not shared), e.g. one per n-way child."""
+        return copy.deepcopy(self)
