@@ -1,0 +1,189 @@
+"""Ragged paged attention as a Pallas kernel for GPUs (Triton lowering).
+
+Where it sits: `ragged_paged_attention(..., impl="gpu")` calls it on CUDA/ROCm. It keeps every
+promise of `reference.ragged_paged_attention_reference` (same arguments, same output) and
+matches it to float32 rounding.
+
+How: the wrapper cuts the batch into query blocks of at most Bq tokens of one request
+(`metadata.query_blocks`) and lays each block out as M matrix rows per kv head
+(`metadata.RowLayout`: Bq tokens x the G q heads that share the kv head). One program per
+(query block, kv head) walks its request's pages with a flash-attention online softmax in
+float32 and writes its [M, H] rows; the wrapper scatters rows back to [T, N, H].
+
+GPU Pallas has no scalar prefetch, so block tables, per-block metadata and the layer index
+are ordinary inputs and pages are gathered by dynamic indexing of the whole cache inside
+the kernel. The body uses plain ref indexing, `lax.dot_general` and `fori_loop` only, so it
+should carry over to Mosaic GPU; the wrapper asks for the Triton backend explicitly.
+
+Triton constraints the wrapper enforces: block_size and H are powers of two >= 16 (they are
+dot operand dims); M is a power of two >= 16 by construction.
+
+Axis letters: T tokens, R requests, N q heads, K kv heads, G q heads per kv head (Gp padded),
+H head dim, P pages per request, S slots per page, B query blocks, M rows per block.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.ragged_paged_attention.metadata import (
+    block_token_index,
+    gather_query_rows,
+    page_range,
+    query_blocks,
+    row_layout,
+    scatter_query_rows,
+)
+
+# Finite stand-in for -inf: exp(MASK - MASK) must not be NaN for rows that have seen no key.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def _kernel(
+    # per query block [B] / per request [R, P] / [1] metadata, all in global memory
+    request_ref,
+    q_len_ref,
+    q_pos_ref,
+    kv_lens_ref,
+    block_tables_ref,
+    layer_ref,
+    # data
+    q_ref,  # [M, H] this block's rows for this kv head
+    kv_ref,  # [L, 2, K, num_blocks, S, H] the whole cache
+    o_ref,  # [M, H]
+    *,
+    sm_scale: float,
+    group_shift: int,
+    sliding_window: int | None,
+):
+    block, kv_head = pl.program_id(0), pl.program_id(1)
+    request = request_ref[block]
+    q_len = q_len_ref[block]
+    q_pos = q_pos_ref[block]
+    kv_len = kv_lens_ref[request]
+    layer = layer_ref[0]
+    block_size = kv_ref.shape[4]
+    rows, head_dim = q_ref.shape
+
+    q = q_ref[...]
+    # Row r is token r >> log2(Gp) of the block; rows past q_len (and padding rows) see nothing.
+    row_token = lax.shift_right_logical(
+        lax.broadcasted_iota(jnp.int32, (rows, block_size), 0), group_shift
+    )
+    row_pos = q_pos + row_token
+    slot = lax.broadcasted_iota(jnp.int32, (rows, block_size), 1)
+    v_slot = lax.broadcasted_iota(jnp.int32, (block_size, head_dim), 0)
+
+    def body(page_index, carry):
+        acc, m_prev, l_prev = carry
+        page = block_tables_ref[request, page_index]
+        k = kv_ref[layer, 0, kv_head, page]  # [S, H]
+        v = kv_ref[layer, 1, kv_head, page]
+        kv_start = page_index * block_size
+        s = lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )  # [M, S]
+        kv_pos = kv_start + slot
+        mask = (row_token < q_len) & (kv_pos <= row_pos) & (kv_pos < kv_len)
+        if sliding_window is not None:
+            mask &= kv_pos > row_pos - sliding_window
+        # `where`, not an additive bias: NaN keys in unused slots must not reach the max.
+        s = jnp.where(mask, s * sm_scale, MASK_VALUE)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        alpha = jnp.exp(m_prev - m_next)
+        # Masked probabilities are exactly 0 even while a row's max is still MASK_VALUE.
+        p = jnp.where(mask, jnp.exp(s - m_next), 0.0)
+        l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+        # Unused slots may hold NaN and 0 * NaN = NaN: zero them before the dot.
+        v = jnp.where(kv_start + v_slot < kv_len, v, jnp.zeros_like(v))
+        pv = lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        return alpha * acc + pv, m_next, l_next
+
+    first, end = page_range(q_len, q_pos, kv_len, block_size, sliding_window)
+    init = (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows, 1), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows, 1), jnp.float32),
+    )
+    acc, _, l = lax.fori_loop(first, end, body, init)
+    # Rows that saw no key (padding) have l == 0 and come out as zeros.
+    o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+
+
+def _check_pow2(name: str, value: int) -> None:
+    if value < 16 or value & (value - 1):
+        raise ValueError(f"the GPU kernel needs {name} to be a power of two >= 16, got {value}")
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "q_block_size", "sliding_window", "interpret", "num_warps"),
+)
+def ragged_paged_attention_gpu(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    layer: jax.Array | int,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    query_start_loc: jax.Array,
+    *,
+    sm_scale: float,
+    q_block_size: int = 16,
+    sliding_window: int | None = None,
+    interpret: bool = False,
+    num_warps: int = 4,
+) -> jax.Array:
+    """Same arguments and result as `ragged_paged_attention_reference`.
+
+    `q_block_size` is rounded up to a power of two; `interpret=True` runs the kernel in the
+    Pallas interpreter (any backend, used by the CPU tests).
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, _, num_kv_heads, _, block_size, _ = kv_cache.shape
+    _check_pow2("block_size", block_size)
+    _check_pow2("head_dim", head_dim)
+    layout = row_layout(num_q_heads, num_kv_heads, q_block_size)
+
+    kv_lens = kv_lens.astype(jnp.int32)
+    query_start_loc = query_start_loc.astype(jnp.int32)
+    blocks = query_blocks(query_start_loc, kv_lens, num_tokens, layout.q_block_size)
+    token_index = block_token_index(blocks, layout.q_block_size, num_tokens)
+    rows = gather_query_rows(q, token_index, num_kv_heads, layout)  # [B, K, M, H]
+    num_blocks = rows.shape[0]
+
+    kernel = functools.partial(
+        _kernel,
+        sm_scale=sm_scale,
+        group_shift=layout.group_padded.bit_length() - 1,
+        sliding_window=sliding_window,
+    )
+    whole = pl.BlockSpec()  # whole array in global memory, indexed dynamically in the kernel
+    row_spec = pl.BlockSpec(
+        (pl.squeezed, pl.squeezed, layout.rows, head_dim), lambda b, h: (b, h, 0, 0)
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_blocks, num_kv_heads),
+        in_specs=[whole] * 6 + [row_spec, whole],
+        out_specs=row_spec,
+        out_shape=jax.ShapeDtypeStruct(rows.shape, q.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
+        interpret=interpret,
+        name="ragged_paged_attention_gpu",
+    )(
+        blocks.request,
+        blocks.q_len,
+        blocks.q_pos,
+        kv_lens,
+        block_tables.astype(jnp.int32),
+        jnp.asarray(layer, jnp.int32).reshape(1),
+        rows,
+        kv_cache,
+    )
+    return scatter_query_rows(out, token_index, num_tokens, layout)

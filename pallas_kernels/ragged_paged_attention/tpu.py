@@ -1,0 +1,252 @@
+"""Ragged paged attention as a Pallas kernel for TPUs (Mosaic lowering).
+
+Where it sits: `ragged_paged_attention(..., impl="tpu")` calls it on TPU. It keeps every
+promise of `reference.ragged_paged_attention_reference` (same arguments, same output) and
+matches it to float32 rounding.
+
+How: the wrapper cuts the batch into query blocks of at most Bq tokens of one request
+(`metadata.query_blocks`) and lays each block out as M matrix rows per kv head
+(`metadata.RowLayout`). The grid is (query block, kv head, page): block tables, per-block
+metadata and the layer index are scalar-prefetch operands (SMEM), so the K and V BlockSpecs
+pick page `block_tables[request, p]` of the right layer and kv head and Pallas pipelines
+the page DMAs. The page axis is "arbitrary": an online softmax in VMEM scratch (float32)
+carries across it, and the output block is written once, after the last page. Pages a block
+cannot see (past its last token, before its sliding window) map to the nearest visible page,
+so the pipeline does not fetch them again, and their step is skipped.
+
+Tiling: the kv block is the trailing (S, H) pair of the cache, so S should be a multiple of
+8 (16 for bf16) and H 64 or 128 or a multiple of 128. Scalar prefetch lives in SMEM: the
+flattened block table (R x P int32) must fit there.
+
+Axis letters: T tokens, R requests, N q heads, K kv heads, G q heads per kv head (Gp padded),
+H head dim, P pages per request, S slots per page, B query blocks, M rows per block.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.ragged_paged_attention.metadata import (
+    block_token_index,
+    gather_query_rows,
+    page_range,
+    query_blocks,
+    row_layout,
+    scatter_query_rows,
+)
+
+# Finite stand-in for -inf: exp(MASK - MASK) must not be NaN for rows that have seen no key.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# m and l live lane-broadcast in (M, 128) scratch: Mosaic handles full-lane tiles best.
+LANES = 128
+
+
+def _visible_page(
+    block,
+    page_index,
+    request_ref,
+    q_len_ref,
+    q_pos_ref,
+    kv_lens_ref,
+    block_tables_ref,
+    *,
+    pages_per_request: int,
+    num_pages: int,
+    block_size: int,
+    sliding_window: int | None,
+):
+    """Cache page for grid step `page_index` of `block`, clamped to the pages it can see."""
+    request = request_ref[block]
+    first, end = page_range(
+        q_len_ref[block], q_pos_ref[block], kv_lens_ref[request], block_size, sliding_window
+    )
+    # Repeating the previous page index makes the pipeline skip the copy.
+    page_index = jnp.clip(page_index, first, jnp.maximum(end - 1, first))
+    page_index = jnp.minimum(page_index, pages_per_request - 1)
+    page = block_tables_ref[request * pages_per_request + page_index]
+    return jnp.clip(page, 0, num_pages - 1)  # never DMA outside the cache
+
+
+def _kernel(
+    # scalar prefetch (SMEM)
+    request_ref,  # [B]
+    q_len_ref,  # [B]
+    q_pos_ref,  # [B]
+    kv_lens_ref,  # [R]
+    block_tables_ref,  # [R * P]
+    layer_ref,  # [1]
+    # blocks (VMEM)
+    q_ref,  # [M, H]
+    k_ref,  # [S, H]
+    v_ref,  # [S, H]
+    o_ref,  # [M, H]
+    # scratch (VMEM)
+    m_ref,  # [M, LANES]
+    l_ref,  # [M, LANES]
+    acc_ref,  # [M, H]
+    *,
+    sm_scale: float,
+    group_shift: int,
+    sliding_window: int | None,
+):
+    del layer_ref  # used by the index maps only
+    block, page_index = pl.program_id(0), pl.program_id(2)
+    request = request_ref[block]
+    q_len = q_len_ref[block]
+    q_pos = q_pos_ref[block]
+    kv_len = kv_lens_ref[request]
+    block_size = k_ref.shape[0]
+    rows = q_ref.shape[0]
+    first, end = page_range(q_len, q_pos, kv_len, block_size, sliding_window)
+
+    @pl.when(page_index == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when((page_index >= first) & (page_index < end))
+    def _step():
+        kv_start = page_index * block_size
+        # Row r is token r >> log2(Gp) of the block; rows past q_len (and padding rows) see
+        # nothing.
+        row_iota = lax.broadcasted_iota(jnp.int32, (rows, block_size), 0)
+        row_token = lax.shift_right_logical(row_iota, group_shift)
+        row_pos = q_pos + row_token
+        kv_pos = kv_start + lax.broadcasted_iota(jnp.int32, (rows, block_size), 1)
+        mask = (row_token < q_len) & (kv_pos <= row_pos) & (kv_pos < kv_len)
+        if sliding_window is not None:
+            mask &= kv_pos > row_pos - sliding_window
+
+        s = lax.dot_general(
+            q_ref[...], k_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )  # [M, S]
+        # `where`, not an additive bias: NaN keys in unused slots must not reach the max.
+        s = jnp.where(mask, s * sm_scale, MASK_VALUE)
+        # All lanes of m and l hold the same value; a lane max turns them back into columns.
+        m_prev = jnp.max(m_ref[...], axis=1, keepdims=True)  # [M, 1]
+        l_prev = jnp.max(l_ref[...], axis=1, keepdims=True)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        alpha = jnp.exp(m_prev - m_next)
+        # Masked probabilities are exactly 0 even while a row's max is still MASK_VALUE.
+        p = jnp.where(mask, jnp.exp(s - m_next), 0.0)
+        l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+        # Unused slots may hold NaN and 0 * NaN = NaN: zero them before the dot.
+        v = v_ref[...]
+        v_pos = kv_start + lax.broadcasted_iota(jnp.int32, v.shape, 0)
+        v = jnp.where(v_pos < kv_len, v, jnp.zeros_like(v))
+        pv = lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        acc_ref[...] = alpha * acc_ref[...] + pv
+        m_ref[...] = jnp.broadcast_to(m_next, m_ref.shape)
+        l_ref[...] = jnp.broadcast_to(l_next, l_ref.shape)
+
+    @pl.when(page_index == pl.num_programs(2) - 1)
+    def _finish():
+        # Rows that saw no key (padding) have l == 0 and come out as zeros.
+        l = jnp.max(l_ref[...], axis=1, keepdims=True)
+        o_ref[...] = (acc_ref[...] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "q_block_size", "sliding_window", "interpret")
+)
+def ragged_paged_attention_tpu(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    layer: jax.Array | int,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    query_start_loc: jax.Array,
+    *,
+    sm_scale: float,
+    q_block_size: int = 16,
+    sliding_window: int | None = None,
+    interpret: bool | pltpu.InterpretParams = False,
+) -> jax.Array:
+    """Same arguments and result as `ragged_paged_attention_reference`.
+
+    `q_block_size` is rounded up to a power of two; `interpret=True` runs the kernel in the
+    Pallas interpreter (any backend, used by the CPU tests), `interpret=pltpu.InterpretParams()`
+    in the TPU interpreter, which also simulates the page DMAs.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, _, num_kv_heads, num_pages, block_size, _ = kv_cache.shape
+    num_requests, pages_per_request = block_tables.shape
+    layout = row_layout(num_q_heads, num_kv_heads, q_block_size)
+
+    kv_lens = kv_lens.astype(jnp.int32)
+    query_start_loc = query_start_loc.astype(jnp.int32)
+    blocks = query_blocks(query_start_loc, kv_lens, num_tokens, layout.q_block_size)
+    token_index = block_token_index(blocks, layout.q_block_size, num_tokens)
+    rows = gather_query_rows(q, token_index, num_kv_heads, layout)  # [B, K, M, H]
+    num_blocks = rows.shape[0]
+
+    visible_page = functools.partial(
+        _visible_page,
+        pages_per_request=pages_per_request,
+        num_pages=num_pages,
+        block_size=block_size,
+        sliding_window=sliding_window,
+    )
+
+    def row_map(b, h, p, *_):
+        return b, h, 0, 0
+
+    def kv_map(which):
+        def index_map(b, h, p, request, q_len, q_pos, kv_lens, tables, layer):
+            page = visible_page(b, p, request, q_len, q_pos, kv_lens, tables)
+            return layer[0], which, h, page, 0, 0
+
+        return index_map
+
+    squeezed = pl.squeezed
+    row_spec = pl.BlockSpec((squeezed, squeezed, layout.rows, head_dim), row_map)
+    kv_block = (squeezed,) * 4 + (block_size, head_dim)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=6,
+        grid=(num_blocks, num_kv_heads, pages_per_request),
+        in_specs=[
+            row_spec,
+            pl.BlockSpec(kv_block, kv_map(0)),
+            pl.BlockSpec(kv_block, kv_map(1)),
+        ],
+        out_specs=row_spec,
+        scratch_shapes=[
+            pltpu.VMEM((layout.rows, LANES), jnp.float32),
+            pltpu.VMEM((layout.rows, LANES), jnp.float32),
+            pltpu.VMEM((layout.rows, head_dim), jnp.float32),
+        ],
+    )
+    kernel = functools.partial(
+        _kernel,
+        sm_scale=sm_scale,
+        group_shift=layout.group_padded.bit_length() - 1,
+        sliding_window=sliding_window,
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(rows.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")
+        ),
+        interpret=interpret,
+        name="ragged_paged_attention_tpu",
+    )(
+        blocks.request,
+        blocks.q_len,
+        blocks.q_pos,
+        kv_lens,
+        block_tables.astype(jnp.int32).reshape(num_requests * pages_per_request),
+        jnp.asarray(layer, jnp.int32).reshape(1),
+        rows,
+        kv_cache,
+        kv_cache,
+    )
+    return scatter_query_rows(out, token_index, num_tokens, layout)
