@@ -120,3 +120,49 @@ class SchedulerConfig:
             "must be >= 0",
             self.long_prefill_token_threshold,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Which weights, in which precision, and how long a sequence may get.
+
+    model: an HF checkpoint folder, or None when the caller hands over a Flax module.
+    tokenizer: folder with the tokenizer files (defaults to `model`); None with no model
+        means token-id prompts only.
+    dtype: "auto" (bf16 on accelerators, f32 on CPU), "float32", "bfloat16", "float16".
+    max_model_len: None -> the model's max_position_embeddings.
+    seed: seeds the engine's sampling of requests that bring no seed.
+    attention_impl: force "reference" / "gpu" / "tpu" attention (None: by backend).
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    attention_impl: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            self.dtype in ("auto", "float32", "bfloat16", "float16", "float", "half"),
+            "dtype",
+            "must be auto, float32, bfloat16 or float16",
+            self.dtype,
+        )
+        if self.max_model_len is not None:
+            _require(self.max_model_len >= 1, "max_model_len", "must be >= 1", self.max_model_len)
+        _require(
+            self.attention_impl in (None, "reference", "gpu", "tpu"),
+            "attention_impl",
+            "must be reference, gpu or tpu",
+            self.attention_impl,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """All parts together; what `EngineCore` is built from."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig

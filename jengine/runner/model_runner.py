@@ -5,9 +5,10 @@ Where it sits: `EngineCore` owns one ModelRunner; each step it calls
 arrays; the scheduler sees numbers and lists only.
 
 Promises:
-- the step is one pure jitted function `(params, kv_cache, sampling_state, inputs) ->
-  (kv_cache, sampling_state, outputs)` with the KV cache and sampling state donated, so
-  they are updated in place;
+- the step is pure jitted functions over pytrees: the model `(params, kv_cache, inputs)
+  -> (kv_cache, logits, hidden)` with the KV cache donated (updated in place), then
+  sampling `(sampling_state, logits, ...) -> (sampling_state, ids, logprobs)` with the
+  sampling state donated;
 - `warmup()` compiles every shape in `BucketSpec.all_shapes()` (and the slot-history
   writer); afterwards serving compiles nothing, and `compiles_after_warmup` counts any
   compile that happens anyway (tests assert it stays 0);
@@ -18,6 +19,7 @@ Promises:
 
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 
@@ -49,46 +51,28 @@ _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
-class StepInputs:
+class ForwardInputs:
     input_ids: jax.Array  # [T]
     positions: jax.Array  # [T]
     attention: AttentionMetadata
     logits_indices: jax.Array  # [R]
-    sampling: SamplingMetadata
-    want_logprobs: jax.Array  # bool scalar
-    want_prompt_logprobs: jax.Array  # bool scalar
-    prompt_targets: jax.Array  # [T]
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
-class StepOutputs:
+class SampleOutputs:
     sampled: jax.Array  # [R]
     logprob_ids: jax.Array  # [R, k+1]
     logprobs: jax.Array  # [R, k+1]
     ranks: jax.Array  # [R]
-    prompt_logprob_ids: jax.Array  # [T, k+1]
-    prompt_logprobs: jax.Array  # [T, k+1]
-    prompt_ranks: jax.Array  # [T]
 
 
-def _logprobs_or_zeros(want, logits_fn, token_ids, rows):
-    """Top logprobs when some request asked for them; the branch not taken costs nothing."""
-
-    def compute(_):
-        return top_logprobs(logits_fn(), token_ids, MAX_LOGPROBS)
-
-    def skip(_):
-        return (
-            jnp.zeros((rows, MAX_LOGPROBS + 1), jnp.int32),
-            jnp.zeros((rows, MAX_LOGPROBS + 1), jnp.float32),
-            jnp.zeros((rows,), jnp.int32),
-        )
-
-    return jax.lax.cond(want, compute, skip, None)
+# The step is three jitted pure functions rather than one so that each compiles per the
+# bucket axes it depends on: the model per (T, R, P, Bq), sampling per R, prompt logprobs
+# per T. Warmup then compiles far fewer programs; a step pays two extra dispatches.
 
 
-def _step(graphdef, attention_impl, params, kv_cache, sampling_state, inputs: StepInputs):
+def _forward(graphdef, attention_impl, params, kv_cache, inputs: ForwardInputs):
     model = nnx.merge(graphdef, params)
     hidden, kv_cache = model(
         inputs.input_ids,
@@ -97,16 +81,31 @@ def _step(graphdef, attention_impl, params, kv_cache, sampling_state, inputs: St
         inputs.attention,
         attention_impl=attention_impl,
     )
-    logits = model.compute_logits(hidden[inputs.logits_indices])
-    sampled, sampling_state = sample(logits, inputs.sampling, sampling_state)
-    lp = _logprobs_or_zeros(inputs.want_logprobs, lambda: logits, sampled, logits.shape[0])
-    plp = _logprobs_or_zeros(
-        inputs.want_prompt_logprobs,
-        lambda: model.compute_logits(hidden),
-        inputs.prompt_targets,
-        hidden.shape[0],
-    )
-    return kv_cache, sampling_state, StepOutputs(sampled, *lp, *plp)
+    return kv_cache, model.compute_logits(hidden[inputs.logits_indices]), hidden
+
+
+def _sample(sampling_state, logits, meta: SamplingMetadata, want_logprobs):
+    sampled, sampling_state = sample(logits, meta, sampling_state)
+
+    def compute(_):
+        return top_logprobs(logits, sampled, MAX_LOGPROBS)
+
+    def skip(_):  # the branch not taken costs nothing
+        rows = logits.shape[0]
+        return (
+            jnp.zeros((rows, MAX_LOGPROBS + 1), jnp.int32),
+            jnp.zeros((rows, MAX_LOGPROBS + 1), jnp.float32),
+            jnp.zeros((rows,), jnp.int32),
+        )
+
+    logprobs = jax.lax.cond(want_logprobs, compute, skip, None)
+    return sampling_state, SampleOutputs(sampled, *logprobs)
+
+
+def _prompt_logprobs(graphdef, params, hidden, targets):
+    """Logprobs of each position's next prompt token: logits for all T rows, [T, k+1]."""
+    model = nnx.merge(graphdef, params)
+    return top_logprobs(model.compute_logits(hidden), targets, MAX_LOGPROBS)
 
 
 class ModelRunner:
@@ -139,9 +138,11 @@ class ModelRunner:
         )
         self.kv_cache = jnp.zeros(self._kv_cache_shape(self.num_blocks, block_size), self.dtype)
         self.sampling_state = SamplingState.zeros(max_num_seqs, self.config.vocab_size)
-        self._step_fn = jax.jit(
-            partial(_step, self.graphdef, attention_impl), donate_argnums=(1, 2)
+        self._forward_fn = jax.jit(
+            partial(_forward, self.graphdef, attention_impl), donate_argnums=1
         )
+        self._sample_fn = jax.jit(_sample, donate_argnums=0)
+        self._prompt_logprobs_fn = jax.jit(partial(_prompt_logprobs, self.graphdef))
         self._write_history = jax.jit(write_slot_history, donate_argnums=0)
         self.warmed_up = False
         self.compiles_after_warmup = 0
@@ -197,10 +198,32 @@ class ModelRunner:
             logger.warning("XLA compile after warmup (%.2fs)", duration)
 
     def warmup(self) -> int:
-        """Compile every step shape; returns how many there were."""
+        """Compile every step shape; returns how many model shapes there were.
+
+        The programs are first compiled ahead of time on a thread pool (XLA compiles
+        outside the GIL, one program per core) into the persistent compilation cache;
+        the sequential dummy steps that follow then only load them.
+        """
         shapes = self.buckets.all_shapes()
+        token_counts = sorted({s.num_tokens for s in shapes})
+        hidden = {t: jnp.zeros((t, self.config.hidden_size), self.dtype) for t in token_counts}
+        targets = {t: np.zeros(t, np.int32) for t in token_counts}
+        programs = [
+            (
+                self._forward_fn,
+                self.params,
+                self.kv_cache,
+                self._forward_inputs(self._dummy_step(s)),
+            )
+            for s in shapes
+        ] + [(self._prompt_logprobs_fn, self.params, hidden[t], targets[t]) for t in token_counts]
+        if jax.config.jax_compilation_cache_dir:
+            with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+                list(pool.map(lambda p: p[0].lower(*p[1:]).compile(), programs))
         for shape in shapes:
             self._run(self._dummy_step(shape))
+        for t in token_counts:
+            self._prompt_logprobs_fn(self.params, hidden[t], targets[t])
         self.sampling_state = self._write_history(self.sampling_state, *self._history_args(None))
         jax.block_until_ready(self.kv_cache)
         self.warmed_up = True
@@ -237,15 +260,13 @@ class ModelRunner:
             logits_indices=np.zeros(R, np.int32),
             sampling=sampling,
             num_logprobs=[],
-            prompt_targets=zeros_t,
         )
 
     # -- one step -------------------------------------------------------------------------
 
-    def _run(self, prepared: PreparedStep) -> StepOutputs:
-        shape = prepared.shape
-        targets = prepared.prompt_targets
-        inputs = StepInputs(
+    @staticmethod
+    def _forward_inputs(prepared: PreparedStep) -> ForwardInputs:
+        return ForwardInputs(
             input_ids=prepared.input_ids,
             positions=prepared.positions,
             attention=AttentionMetadata(
@@ -253,18 +274,23 @@ class ModelRunner:
                 kv_lens=prepared.kv_lens,
                 block_tables=prepared.block_tables,
                 query_start_loc=prepared.query_start_loc,
-                q_block_size=shape.q_block_size,
+                q_block_size=prepared.shape.q_block_size,
             ),
             logits_indices=prepared.logits_indices,
-            sampling=SamplingMetadata(**prepared.sampling),
-            want_logprobs=np.bool_(any(n is not None for n in prepared.num_logprobs)),
-            want_prompt_logprobs=np.bool_(bool(prepared.prompt_logprob_rows)),
-            prompt_targets=targets if targets is not None else np.zeros(shape.num_tokens, np.int32),
         )
-        self.kv_cache, self.sampling_state, outputs = self._step_fn(
-            self.params, self.kv_cache, self.sampling_state, inputs
+
+    def _run(self, prepared: PreparedStep):
+        """Dispatch one step; returns (SampleOutputs, prompt logprobs or None) on device."""
+        inputs = self._forward_inputs(prepared)
+        self.kv_cache, logits, hidden = self._forward_fn(self.params, self.kv_cache, inputs)
+        want_logprobs = np.bool_(any(n is not None for n in prepared.num_logprobs))
+        self.sampling_state, sampled = self._sample_fn(
+            self.sampling_state, logits, SamplingMetadata(**prepared.sampling), want_logprobs
         )
-        return outputs
+        prompt_logprobs = None
+        if prepared.prompt_logprob_rows:
+            prompt_logprobs = self._prompt_logprobs_fn(self.params, hidden, prepared.prompt_targets)
+        return sampled, prompt_logprobs
 
     def _history_args(self, state: CachedRequestState | None):
         """Fixed-length (-1 padded) arguments of `write_slot_history` for one request."""
@@ -293,10 +319,9 @@ class ModelRunner:
         if sched.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
         prepared = self.input_batch.prepare(sched)
-        outputs = self._run(prepared)
-        return self._to_runner_output(prepared, outputs)
+        return self._to_runner_output(prepared, *self._run(prepared))
 
-    def _to_runner_output(self, prepared: PreparedStep, outputs: StepOutputs):
+    def _to_runner_output(self, prepared: PreparedStep, outputs: SampleOutputs, prompt_lp):
         num = len(prepared.req_ids)
         sampled = np.asarray(outputs.sampled)[:num]
         mask = prepared.sample_mask[:num]
@@ -312,10 +337,8 @@ class ModelRunner:
                 np.asarray(outputs.ranks)[rows],
             )
         prompt_logprobs = {}
-        if prepared.prompt_logprob_rows:
-            ids = np.asarray(outputs.prompt_logprob_ids)
-            values = np.asarray(outputs.prompt_logprobs)
-            ranks = np.asarray(outputs.prompt_ranks)
+        if prompt_lp is not None:
+            ids, values, ranks = (np.asarray(x) for x in prompt_lp)
             for req_id, (begin, end) in prepared.prompt_logprob_rows.items():
                 prompt_logprobs[req_id] = LogprobsArrays(
                     ids[begin:end], values[begin:end], ranks[begin:end]

@@ -1,0 +1,82 @@
+"""Incremental detokenization and stop strings for one sequence.
+
+Where it sits: the output processor keeps one `IncrementalDetokenizer` per running
+sequence and feeds it the new token ids of every step (front-end process, no jax).
+
+Promises:
+- the text grows by decoding a short window of recent tokens (the "prefix/read offset"
+  method HF streamers and vLLM use), so a step costs O(window), not O(length), and a
+  token that ends mid-way through a UTF-8 character adds nothing until it completes;
+- stop strings are searched only in the newly added text (plus the tail that could start
+  a match), after `min_tokens`; on a match the text is cut before the stop string (or
+  after it with `include_stop_str_in_output`);
+- `text_delta(finished)` holds back the last len(longest stop) - 1 characters of a
+  stream, so a client never sees a stop string it must then take back.
+"""
+
+from jengine.sampling_params import SamplingParams
+
+# Prompt tokens decoded as context so the first output token gets its leading space right.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+        self.tokenizer = tokenizer
+        self.params = params
+        self.skip_special_tokens = params.skip_special_tokens
+        self.stops = list(params.stop or []) if tokenizer is not None else []
+        self.hold_back = max((len(s) for s in self.stops), default=1) - 1
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.token_ids = context  # context + outputs, the decoding window source
+        self.prefix_offset = 0
+        self.read_offset = len(context)
+        self.num_output_tokens = 0
+        self.text = ""
+        self.sent = 0  # characters already handed out by text_delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def update(self, new_token_ids: list[int]) -> str | None:
+        """Add tokens; returns the stop string that matched, if any (text is cut there)."""
+        if self.tokenizer is None:
+            self.num_output_tokens += len(new_token_ids)
+            return None
+        for token_id in new_token_ids:
+            self.token_ids.append(token_id)
+            self.num_output_tokens += 1
+            prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+            full = self._decode(self.token_ids[self.prefix_offset :])
+            if len(full) > len(prefix) and not full.endswith("\ufffd"):
+                added = full[len(prefix) :]
+                self.text += added
+                self.prefix_offset = self.read_offset
+                self.read_offset = len(self.token_ids)
+                stop = self._check_stop(len(added))
+                if stop is not None:
+                    return stop
+        return None
+
+    def _check_stop(self, num_added: int) -> str | None:
+        if not self.stops or self.num_output_tokens < self.params.min_tokens:
+            return None
+        for stop in self.stops:
+            # A match must end inside the new text; it may start up to len(stop)-1 before.
+            start = max(0, len(self.text) - num_added - len(stop) + 1)
+            index = self.text.find(stop, start)
+            if index != -1:
+                end = index + len(stop) if self.params.include_stop_str_in_output else index
+                self.text = self.text[:end]
+                return stop
+        return None
+
+    def text_delta(self, finished: bool) -> str:
+        """Text not handed out yet, keeping back a possible stop-string prefix mid-stream."""
+        end = len(self.text) if finished else max(self.sent, len(self.text) - self.hold_back)
+        delta = self.text[self.sent : end]
+        self.sent = end
+        return delta
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""

@@ -1,0 +1,95 @@
+"""Prompts in: text, token ids or chat messages -> a validated `EngineCoreRequest`.
+
+Where it sits: first thing `LLMEngine.add_request` and `AsyncLLM.generate` do, in the
+front-end process (it never imports jax). Promises a clear ValueError, before anything
+reaches the engine core, for: an empty prompt, a prompt longer than `max_model_len`,
+token ids outside the vocabulary, a text prompt with no tokenizer, and logprob counts
+above the engine's limit.
+"""
+
+import time
+
+from jengine.engine.protocol import EngineCoreRequest
+from jengine.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20  # what the runner computes per token (vLLM's default max_logprobs)
+
+PromptType = str | list[int] | dict
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_id=None):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        if eos_token_id is None and tokenizer is not None:
+            eos_token_id = tokenizer.eos_token_id
+        self.eos_token_id = eos_token_id
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) for a string, token-id list or vLLM-style dict."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; pass token ids instead")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list | tuple):
+            return None, list(prompt)
+        raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt=True, **kwargs):
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("this model's tokenizer has no chat template")
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+        )
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"the prompt (length {len(token_ids)}) is longer than the maximum model "
+                f"length of {self.max_model_len}"
+            )
+        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(
+                f"token ids {bad[:5]} are out of vocabulary (the vocabulary has "
+                f"{self.vocab_size} tokens)"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > MAX_LOGPROBS:
+                raise ValueError(f"{name}={value} exceeds the maximum of {MAX_LOGPROBS}")
+        bias = params.logit_bias or {}
+        bad_bias = [t for t in bias if not 0 <= int(t) < self.vocab_size]
+        if bad_bias:
+            raise ValueError(f"logit_bias token ids {bad_bias[:5]} are out of vocabulary")
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> tuple[str | None, EngineCoreRequest]:
+        text, token_ids = self.tokenize(prompt)
+        self.validate(token_ids, params)
+        return text, EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=arrival_time or time.time(),
+            priority=priority,
+        )

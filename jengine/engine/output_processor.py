@@ -1,0 +1,232 @@
+"""Engine-core outputs -> RequestOutputs: detokenize, apply stop strings, gather n > 1.
+
+Where it sits: in the front-end process, after the engine core's step outputs arrive
+(`LLMEngine.step`, AsyncLLM's output handler). It keeps one `RequestState` per sequence
+the engine core runs, and one `ParentRequest` per user request with n > 1.
+
+Promises:
+- a sequence that hits a stop string is finished here (finish_reason "stop",
+  stop_reason = the string) and reported in `reqs_to_abort` so the engine core frees it;
+- output kinds as in vLLM: CUMULATIVE (whole text so far), DELTA (only what is new; for
+  streaming) and FINAL_ONLY (one output when everything is done);
+- logprobs in vLLM's shape: one {token_id: Logprob} dict per token, the chosen token
+  included, with decoded text; prompt logprobs start with None for the first token.
+"""
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from jengine.core.outputs import EngineCoreOutput, FinishReason, LogprobsLists
+from jengine.engine.detokenizer import IncrementalDetokenizer
+from jengine.engine.protocol import EngineCoreRequest
+from jengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+
+
+class RequestOutputKind(enum.IntEnum):
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+@dataclass
+class ParentRequest:
+    """A user request fanned out into n sequences; its output lists all of them."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    output_kind: RequestOutputKind
+    children: dict[int, "RequestState"] = field(default_factory=dict)
+    metrics: RequestMetrics | None = None
+
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children.values())
+
+
+@dataclass
+class RequestState:
+    request_id: str  # the engine core's id (the child's, for n > 1)
+    index: int  # which of the parent's n sequences
+    parent: ParentRequest
+    detokenizer: IncrementalDetokenizer
+    num_logprobs: int | None
+    num_prompt_logprobs: int | None
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+
+    def completion(self, delta: bool) -> CompletionOutput:
+        finished = self.finish_reason is not None
+        if delta:
+            tokens = self.output_token_ids[self.sent_tokens :]
+            logprobs = self.logprobs[self.sent_logprobs :] if self.logprobs is not None else None
+            self.sent_tokens = len(self.output_token_ids)
+            self.sent_logprobs = len(self.logprobs or [])
+            text = self.detokenizer.text_delta(finished)
+        else:
+            tokens, logprobs, text = (
+                list(self.output_token_ids),
+                self.logprobs,
+                self.detokenizer.text,
+            )
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=tokens,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.request_states: dict[str, RequestState] = {}
+        self.parents: dict[str, ParentRequest] = {}
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.request_states)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    def add_request(
+        self,
+        request: EngineCoreRequest,
+        prompt: str | None,
+        *,
+        parent_id: str | None = None,
+        index: int = 0,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+    ) -> None:
+        parent_id = parent_id or request.request_id
+        parent = self.parents.get(parent_id)
+        if parent is None:
+            parent = ParentRequest(
+                parent_id,
+                prompt,
+                request.prompt_token_ids,
+                output_kind,
+                metrics=RequestMetrics(arrival_time=request.arrival_time or time.time()),
+            )
+            self.parents[parent_id] = parent
+        params = request.sampling_params
+        state = RequestState(
+            request_id=request.request_id,
+            index=index,
+            parent=parent,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer if params.detokenize else None, request.prompt_token_ids, params
+            ),
+            num_logprobs=params.logprobs,
+            num_prompt_logprobs=params.prompt_logprobs,
+            logprobs=[] if params.logprobs is not None else None,
+            cumulative_logprob=0.0 if params.logprobs is not None else None,
+        )
+        parent.children[index] = state
+        self.request_states[request.request_id] = state
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Forget parents (or sequences) by id; returns the engine-core ids to abort."""
+        aborted = []
+        for request_id in request_ids:
+            parent = self.parents.pop(request_id, None)
+            states = list(parent.children.values()) if parent else []
+            if not states and request_id in self.request_states:
+                states = [self.request_states[request_id]]
+            for state in states:
+                if self.request_states.pop(state.request_id, None) is not None:
+                    aborted.append(state.request_id)
+        return aborted
+
+    def process_outputs(
+        self, outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns (RequestOutputs to hand out, engine-core ids stopped here by a stop string)."""
+        now = time.time()
+        request_outputs: list[RequestOutput] = []
+        reqs_to_abort: list[str] = []
+        touched: dict[str, ParentRequest] = {}
+        for output in outputs:
+            state = self.request_states.get(output.request_id)
+            if state is None:  # aborted meanwhile
+                continue
+            self._update(state, output)
+            if state.finish_reason is None:
+                stop = state.detokenizer.update(output.new_token_ids)
+                if stop is not None:
+                    state.finish_reason, state.stop_reason = "stop", stop
+                    reqs_to_abort.append(state.request_id)
+            else:
+                state.detokenizer.update(output.new_token_ids)
+            metrics = state.parent.metrics
+            if metrics is not None and output.new_token_ids:
+                metrics.first_token_time = metrics.first_token_time or now
+                metrics.last_token_time = now
+            if state.finish_reason is not None:
+                del self.request_states[state.request_id]
+            touched[state.parent.request_id] = state.parent
+            if state.parent.output_kind == RequestOutputKind.DELTA:
+                request_outputs.append(self._make_output(state.parent, [state]))
+        for parent in touched.values():
+            finished = parent.finished()
+            if finished:
+                self.parents.pop(parent.request_id, None)
+                if parent.metrics is not None:
+                    parent.metrics.finished_time = now
+            if parent.output_kind == RequestOutputKind.CUMULATIVE or (
+                parent.output_kind == RequestOutputKind.FINAL_ONLY and finished
+            ):
+                children = [parent.children[i] for i in sorted(parent.children)]
+                request_outputs.append(self._make_output(parent, children))
+        return request_outputs, reqs_to_abort
+
+    def _update(self, state: RequestState, output: EngineCoreOutput) -> None:
+        state.output_token_ids.extend(output.new_token_ids)
+        state.num_cached_tokens = output.num_cached_tokens
+        if output.new_logprobs is not None and state.logprobs is not None:
+            for row in self._logprob_dicts(output.new_logprobs, state.num_logprobs or 0):
+                state.logprobs.append(row)
+            chosen = output.new_logprobs.logprobs
+            state.cumulative_logprob += sum(r[0] for r in chosen)
+        if output.new_prompt_logprobs is not None:
+            rows = self._logprob_dicts(output.new_prompt_logprobs, state.num_prompt_logprobs or 0)
+            if state.prompt_logprobs is None:
+                state.prompt_logprobs = [None]
+            state.prompt_logprobs.extend(rows)
+        if output.finish_reason is not None and state.finish_reason is None:
+            state.finish_reason = str(FinishReason(output.finish_reason))
+            state.stop_reason = output.stop_reason
+
+    def _logprob_dicts(self, lists: LogprobsLists, num: int) -> list[dict[int, Logprob]]:
+        decode = self.tokenizer.decode if self.tokenizer is not None else (lambda ids: None)
+        rows = []
+        for ids, values, rank in zip(lists.token_ids, lists.logprobs, lists.ranks, strict=True):
+            row = {ids[0]: Logprob(values[0], rank, decode([ids[0]]))}
+            for k in range(1, min(num, len(ids) - 1) + 1):
+                row.setdefault(ids[k], Logprob(values[k], k, decode([ids[k]])))
+            rows.append(row)
+        return rows
+
+    def _make_output(self, parent: ParentRequest, children: list[RequestState]) -> RequestOutput:
+        delta = parent.output_kind == RequestOutputKind.DELTA
+        first = children[0]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            prompt_logprobs=first.prompt_logprobs,
+            outputs=[c.completion(delta) for c in children],
+            finished=parent.finished(),
+            num_cached_tokens=first.num_cached_tokens,
+            metrics=parent.metrics,
+        )

@@ -1,0 +1,195 @@
+"""LLM: the offline batch API, with vLLM's names — `LLM(model=...).generate(prompts, params)`.
+
+Where it sits: the top of the offline path: LLM -> LLMEngine -> InprocClient -> EngineCore,
+all in this process, so JAX research code can hand over a params pytree (`params=`) or a
+Flax module (`model=`), generate, `update_weights(...)` and generate again without
+recompiling.
+
+Promises: outputs in input order; every request either completes or raises a ValueError
+before anything runs (bad prompts and sampling values are checked up front), so a bad
+entry in a batch never leaves work half-done in the engine.
+"""
+
+from collections.abc import Sequence
+
+from flax import nnx
+from tqdm.auto import tqdm
+
+from jengine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from jengine.engine.core import EngineCore
+from jengine.engine.llm_engine import LLMEngine, load_tokenizer
+from jengine.engine.output_processor import RequestOutputKind
+from jengine.outputs import RequestOutput
+from jengine.sampling_params import SamplingParams
+from models import model_from_params, read_hf_config, resolve_architecture, resolve_dtype
+
+PROGRESS_BAR_MIN_PROMPTS = 8
+
+
+def default_model_path() -> str:
+    from models.default import DEFAULT_MODEL_PATH
+
+    return DEFAULT_MODEL_PATH
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | nnx.Module | None = None,
+        *,
+        tokenizer: str | None = None,
+        params=None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        num_gpu_blocks: int | None = None,
+        scheduling_policy: str = "fcfs",
+        seed: int = 0,
+        attention_impl: str | None = None,
+    ):
+        module = model if isinstance(model, nnx.Module) else None
+        path = None if module is not None else (model or default_model_path())
+        if module is None and params is not None:
+            module = _module_from_params(path, params, dtype)
+        elif module is not None and params is not None:
+            nnx.update(module, params)
+        if max_model_len is None:
+            max_model_len = (
+                module.config.max_position_embeddings
+                if module is not None
+                else read_hf_config(path).get("max_position_embeddings", 2048)
+            )
+        config = EngineConfig(
+            model=ModelConfig(
+                model=path,
+                tokenizer=tokenizer,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                seed=seed,
+                attention_impl=attention_impl,
+            ),
+            cache=CacheConfig(
+                block_size=block_size,
+                enable_prefix_caching=enable_prefix_caching,
+                num_gpu_blocks=num_gpu_blocks,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                gpu_memory_utilization=gpu_memory_utilization,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens or max(512, max_num_seqs),
+                max_model_len=max_model_len,
+                policy=scheduling_policy,
+            ),
+        )
+        self.engine_core = EngineCore(config, model=module)
+        self.llm_engine = LLMEngine.from_engine_core(
+            config, self.engine_core, load_tokenizer(config)
+        )
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    # -- generation ---------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for one prompt or a list; returns one RequestOutput per prompt, in order.
+
+        A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]}.
+        """
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"got {len(sampling_params)} sampling params for {len(prompts)} prompts"
+            )
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        # Validate everything first so a bad prompt leaves nothing half-queued.
+        for prompt, params in zip(prompts, sampling_params, strict=True):
+            _, token_ids = self.llm_engine.input_processor.tokenize(prompt)
+            self.llm_engine.input_processor.validate(token_ids, params)
+        ids = []
+        for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
+            request_id = self.llm_engine.next_request_id()
+            self.llm_engine.add_request(
+                request_id,
+                prompt,
+                params,
+                priority=priority[i] if priority else 0,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+            ids.append(request_id)
+        return self._run_engine(ids, use_tqdm and len(prompts) >= PROGRESS_BAR_MIN_PROMPTS)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list, through the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        processor = self.llm_engine.input_processor
+        prompts = [
+            {
+                "prompt_token_ids": self.get_tokenizer().encode(
+                    text := processor.apply_chat_template(conv, add_generation_prompt),
+                    add_special_tokens=False,
+                ),
+                "prompt": text,
+            }
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run_engine(self, request_ids: list[str], show_progress: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Generating", disable=not show_progress)
+        try:
+            while self.llm_engine.has_unfinished_requests():
+                for output in self.llm_engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            self.llm_engine.abort_request(request_ids)
+            raise
+        finally:
+            bar.close()
+        return [finished[r] for r in request_ids]
+
+    # -- research integration --------------------------------------------------------------
+
+    def update_weights(self, params) -> None:
+        """Swap in new weights of the same shapes (a params pytree, State or module)."""
+        self.engine_core.update_weights(params)
+
+
+def _module_from_params(path: str, params, dtype) -> nnx.Module:
+    hf_config = read_hf_config(path)
+    model_cls, config_cls = resolve_architecture(hf_config)
+    if isinstance(params, nnx.State):
+        params = nnx.to_pure_dict(params)
+    return model_from_params(model_cls, config_cls.from_hf(hf_config), params, resolve_dtype(dtype))
