@@ -144,7 +144,7 @@ class ModelRunner:
         self._sample_fn = jax.jit(_sample, donate_argnums=0)
         self._prompt_logprobs_fn = jax.jit(partial(_prompt_logprobs, self.graphdef))
         self._write_history = jax.jit(write_slot_history, donate_argnums=0)
-        self.warmed_up = False
+        self._executing = False
         self.compiles_after_warmup = 0
         jax.monitoring.register_event_duration_secs_listener(self._on_compile_event)
 
@@ -193,7 +193,8 @@ class ModelRunner:
     # -- compilation ----------------------------------------------------------------------
 
     def _on_compile_event(self, event: str, duration: float, **kwargs) -> None:
-        if self.warmed_up and event == _COMPILE_EVENT:
+        # The listener is process-wide: count only compiles inside this runner's steps.
+        if self._executing and event == _COMPILE_EVENT:
             self.compiles_after_warmup += 1
             logger.warning("XLA compile after warmup (%.2fs)", duration)
 
@@ -226,7 +227,6 @@ class ModelRunner:
             self._prompt_logprobs_fn(self.params, hidden[t], targets[t])
         self.sampling_state = self._write_history(self.sampling_state, *self._history_args(None))
         jax.block_until_ready(self.kv_cache)
-        self.warmed_up = True
         return len(shapes)
 
     def _dummy_step(self, shape: StepShape) -> PreparedStep:
@@ -311,6 +311,13 @@ class ModelRunner:
         return slot, prompt, output, bias_ids, bias_values
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._executing = True
+        try:
+            return self._execute(sched)
+        finally:
+            self._executing = False
+
+    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for state in self.input_batch.update(sched):
             if state.uses_history:
                 self.sampling_state = self._write_history(

@@ -1,0 +1,141 @@
+"""LLM.generate against transformers: greedy tokens identical, logprobs within 1e-4, under
+batching, chunked prefill, prefix caching (on and off) and preemption; and no compile
+after warmup."""
+
+import numpy as np
+import pytest
+import torch
+
+from jengine import LLM, SamplingParams
+from tests.engine.conftest import ENGINE_KWARGS, hf_greedy, random_prompts
+
+MAX_TOKENS = 10
+
+
+def _assert_matches_hf(llm, hf_model, prompts):
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+    )
+    assert [o.prompt_token_ids for o in outputs] == prompts
+    for prompt, output in zip(prompts, outputs, strict=True):
+        completion = output.outputs[0]
+        expected = hf_greedy(hf_model, prompt, MAX_TOKENS)
+        assert completion.token_ids == expected
+        assert completion.finish_reason == ("length" if len(expected) == MAX_TOKENS else "stop")
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    return LLM(checkpoint[0], **ENGINE_KWARGS)
+
+
+def test_greedy_batch_with_chunked_prefill_matches_transformers(llm, checkpoint):
+    prompts = random_prompts(20, seed=1)
+    assert max(map(len, prompts)) > ENGINE_KWARGS["max_num_batched_tokens"]  # chunked
+    _assert_matches_hf(llm, checkpoint[1], prompts)
+    assert llm.engine_core.compiles_after_warmup() == 0
+
+
+def test_prefix_caching_hits_and_matches(llm, checkpoint):
+    shared = random_prompts(1, seed=2, low=30, high=31)[0]
+    prompts = [shared + p for p in random_prompts(16, seed=3, low=1, high=20)]
+    outputs = _assert_matches_hf(llm, checkpoint[1], prompts)
+    # Requests after the first wave find the shared prefix in the cache.
+    assert max(o.num_cached_tokens for o in outputs) >= 28
+
+
+def test_prefix_caching_off_matches(checkpoint):
+    llm = LLM(checkpoint[0], enable_prefix_caching=False, **ENGINE_KWARGS)
+    shared = random_prompts(1, seed=2, low=30, high=31)[0]
+    prompts = [shared + p for p in random_prompts(16, seed=3, low=1, high=20)]
+    outputs = _assert_matches_hf(llm, checkpoint[1], prompts)
+    assert all(o.num_cached_tokens == 0 for o in outputs)
+
+
+def test_preemption_keeps_outputs_identical(checkpoint):
+    # 26 usable blocks of 4 tokens: 8 running requests of up to ~70 tokens cannot all fit.
+    llm = LLM(checkpoint[0], num_gpu_blocks=27, **ENGINE_KWARGS)
+    prompts = random_prompts(16, seed=4, low=20, high=60)
+    _assert_matches_hf(llm, checkpoint[1], prompts)
+    assert llm.engine_core.num_preemptions > 0
+    assert llm.engine_core.num_free_blocks() == 26  # nothing leaked
+    assert llm.engine_core.compiles_after_warmup() == 0
+
+
+def test_logprobs_match_transformers_log_softmax(llm, checkpoint):
+    hf_model = checkpoint[1]
+    prompts = random_prompts(4, seed=5, low=5, high=50)
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=5, prompt_logprobs=3)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        completion = output.outputs[0]
+        full = prompt + completion.token_ids
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([full])).logits[0]
+        expected = torch.log_softmax(logits.double(), -1).numpy()
+        # Sampled-token logprobs: position len(prompt) - 1 + i predicts output token i.
+        assert len(completion.logprobs) == len(completion.token_ids)
+        for i, (token, row) in enumerate(
+            zip(completion.token_ids, completion.logprobs, strict=True)
+        ):
+            ref = expected[len(prompt) - 1 + i]
+            assert row[token].rank == 1  # greedy picks the top token
+            assert abs(row[token].logprob - ref[token]) < 1e-4
+            top5 = np.argsort(-ref)[:5]
+            assert set(row) == set(top5.tolist())
+            for tid, lp in row.items():
+                assert abs(lp.logprob - ref[tid]) < 1e-4
+        # Prompt logprobs: None for the first token, then the logprob of each next token.
+        assert output.prompt_logprobs[0] is None
+        assert len(output.prompt_logprobs) == len(prompt)
+        for p in range(1, len(prompt)):
+            row = output.prompt_logprobs[p]
+            assert abs(row[prompt[p]].logprob - expected[p - 1][prompt[p]]) < 1e-4
+            assert len(row) <= 4
+        cumulative = sum(
+            row[t].logprob for t, row in zip(completion.token_ids, completion.logprobs)
+        )
+        assert abs(completion.cumulative_logprob - cumulative) < 1e-3
+
+
+def test_seeded_sampling_is_batch_independent(llm):
+    prompt = {"prompt_token_ids": random_prompts(1, seed=6)[0]}
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12)
+    alone = llm.generate([prompt], seeded)[0].outputs[0].token_ids
+    others = [{"prompt_token_ids": p} for p in random_prompts(7, seed=7)]
+    batch = llm.generate(
+        others[:3] + [prompt] + others[3:],
+        [SamplingParams(temperature=0.7, max_tokens=12)] * 3
+        + [seeded]
+        + [SamplingParams(temperature=1.0, seed=9, max_tokens=12)] * 4,
+    )
+    assert batch[3].outputs[0].token_ids == alone
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=4321, max_tokens=12)
+    assert llm.generate([prompt], other_seed)[0].outputs[0].token_ids != alone
+    # n > 1 with a seed: distinct, reproducible samples.
+    n3 = SamplingParams(temperature=1.0, seed=77, n=3, max_tokens=12)
+    first = [c.token_ids for c in llm.generate([prompt], n3)[0].outputs]
+    again = [c.token_ids for c in llm.generate([prompt], n3)[0].outputs]
+    assert first == again and len({tuple(t) for t in first}) == 3
+
+
+def test_varied_workload_compiles_nothing_after_warmup(llm):
+    prompts = random_prompts(12, seed=8, low=1, high=90)
+    params = [
+        SamplingParams(temperature=0, max_tokens=5),
+        SamplingParams(temperature=0.8, top_k=20, max_tokens=7, logprobs=2),
+        SamplingParams(temperature=1.0, top_p=0.5, min_p=0.05, max_tokens=3),
+        SamplingParams(temperature=0.5, presence_penalty=0.5, frequency_penalty=0.3, max_tokens=6),
+        SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=4, prompt_logprobs=1),
+        SamplingParams(temperature=0, logit_bias={5: 100.0}, max_tokens=3),
+        SamplingParams(temperature=0, min_tokens=4, max_tokens=6, stop_token_ids=[7]),
+        SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=5),
+    ]
+    params = (params * 2)[: len(prompts)]
+    outputs = llm.generate([{"prompt_token_ids": p[:90]} for p in prompts], params)
+    assert len(outputs) == len(prompts)
+    assert outputs[5].outputs[0].token_ids == [5, 5, 5]  # a +100 logit bias wins
+    assert llm.engine_core.compiles_after_warmup() == 0
+    assert llm.engine_core.num_free_blocks() == llm.engine_core.runner.num_blocks - 1
