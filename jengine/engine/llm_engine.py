@@ -3,7 +3,9 @@
 Where it sits: `LLM` (jengine/entrypoints/llm.py) -> LLMEngine -> client -> EngineCore.
 `add_request` tokenizes and validates (InputProcessor), fans out n > 1 into n sequences
 and registers them with the OutputProcessor; `step()` runs one engine-core step and
-returns the RequestOutputs it produced.
+returns the RequestOutputs it produced. The engine core runs in this process
+(`from_engine_core`) or in its own (`from_engine_args`, over ZeroMQ). The helpers here
+(`load_tokenizer`, `eos_token_id_of`, `fan_out`) are shared with AsyncLLM.
 """
 
 import itertools
@@ -13,9 +15,11 @@ import os
 from transformers import AutoTokenizer
 
 from jengine.config import EngineConfig
-from jengine.engine.client import InprocClient
+from jengine.engine.arg_utils import EngineArgs
+from jengine.engine.client import InprocClient, SyncMPClient
 from jengine.engine.input_processor import InputProcessor, PromptType
 from jengine.engine.output_processor import OutputProcessor, RequestOutputKind
+from jengine.engine.protocol import EngineCoreRequest
 from jengine.outputs import RequestOutput
 from jengine.sampling_params import SamplingParams
 
@@ -56,6 +60,21 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
     return child
 
 
+def fan_out(request: EngineCoreRequest) -> list[EngineCoreRequest]:
+    """The engine-core sequences of one user request: itself for n == 1, else n children
+    with ids `{index}_{request_id}` (sequence `index` is element `index`)."""
+    params = request.sampling_params
+    if params.n == 1:
+        return [request]
+    children = []
+    for index in range(params.n):
+        child = request.__copy__()
+        child.request_id = f"{index}_{request.request_id}"
+        child.sampling_params = child_params(params, index)
+        children.append(child)
+    return children
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, client, tokenizer, vocab_size: int):
         self.config = config
@@ -76,6 +95,20 @@ class LLMEngine:
             config, InprocClient(engine_core), tokenizer, engine_core.runner.config.vocab_size
         )
 
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
+        """The engine core in its own process, behind a SyncMPClient (call `shutdown()`)."""
+        config = engine_args.create_engine_config()
+        client = SyncMPClient(config)
+        try:
+            return cls(config, client, load_tokenizer(config), client.ready.vocab_size)
+        except BaseException:
+            client.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        self.client.shutdown()
+
     def add_request(
         self,
         request_id: str,
@@ -87,14 +120,7 @@ class LLMEngine:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, request = self.input_processor.process(request_id, prompt, params, priority)
-        if params.n == 1:
-            self.output_processor.add_request(request, text, output_kind=output_kind)
-            self.client.add_request(request)
-            return
-        for index in range(params.n):
-            child = request.__copy__()
-            child.request_id = f"{index}_{request_id}"
-            child.sampling_params = child_params(params, index)
+        for index, child in enumerate(fan_out(request)):
             self.output_processor.add_request(
                 child, text, parent_id=request_id, index=index, output_kind=output_kind
             )

@@ -10,6 +10,7 @@ are a small IntEnum so the wire carries one byte for them.
 """
 
 import enum
+from typing import Any
 
 import msgspec
 
@@ -38,12 +39,48 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     priority: int = 0
 
 
+class EngineCoreOutputType(enum.IntEnum):
+    """First frame of every message on the output socket: what the second frame holds."""
+
+    OUTPUTS = 0  # EngineCoreOutputs
+    UTILITY = 1  # UtilityOutput
+
+
+class UtilityRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Call `method(*args)` on the engine core; answered by a `UtilityOutput`."""
+
+    call_id: int
+    method: str
+    args: list[Any] = msgspec.field(default_factory=list)
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    call_id: int
+    result: Any = None
+    failure_message: str | None = None
+
+
+class EngineCoreReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The engine process's first message: warmup is done and these are its numbers."""
+
+    pid: int
+    vocab_size: int
+    num_blocks: int
+    max_model_len: int
+    capacity_report: str = ""
+    startup_seconds: float = 0.0
+
+
 __all__ = [
     "EngineCoreOutput",
+    "EngineCoreOutputType",
     "EngineCoreOutputs",
     "EngineCoreRequest",
+    "EngineCoreReady",
     "EngineCoreRequestType",
     "FinishReason",
     "LogprobsLists",
     "SchedulerStats",
+    "UtilityOutput",
+    "UtilityRequest",
 ]

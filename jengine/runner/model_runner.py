@@ -131,13 +131,21 @@ class ModelRunner:
             max_num_seqs, max_num_batched_tokens, max_model_len, block_size
         )
         self.input_batch = InputBatch(self.buckets, block_size, seed)
-        self.graphdef, self.params = nnx.split(model)
+        self.graphdef, params = nnx.split(model)
+        # Committed to the device from the start, like the weights update_weights puts
+        # there later: committed and uncommitted inputs would be different jit cache keys.
+        self.device = jax.devices()[0]
+        self.params = jax.device_put(params, self.device)
         self._kv_cache_shape = model.kv_cache_shape
         self.num_blocks = num_blocks or self._blocks_from_budget(
             kv_cache_memory_bytes, gpu_memory_utilization
         )
-        self.kv_cache = jnp.zeros(self._kv_cache_shape(self.num_blocks, block_size), self.dtype)
-        self.sampling_state = SamplingState.zeros(max_num_seqs, self.config.vocab_size)
+        self.kv_cache = jax.device_put(
+            jnp.zeros(self._kv_cache_shape(self.num_blocks, block_size), self.dtype), self.device
+        )
+        self.sampling_state = jax.device_put(
+            SamplingState.zeros(max_num_seqs, self.config.vocab_size), self.device
+        )
         self._forward_fn = jax.jit(
             partial(_forward, self.graphdef, attention_impl), donate_argnums=1
         )
@@ -384,7 +392,7 @@ class ModelRunner:
                 raise ValueError(f"update_weights: a weight of shape {old.shape} got {new.shape}")
             if new.dtype != old.dtype:
                 new = np.asarray(new).astype(old.dtype)
-            leaves.append(jax.device_put(new, old.sharding))
+            leaves.append(jax.device_put(new, self.device))
         self.params = jax.tree.unflatten(old_tree, leaves)
 
 

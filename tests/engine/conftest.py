@@ -34,3 +34,10 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
             do_sample=False,
         )
     return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="session")
+def llm(checkpoint):
+    from jengine import LLM
+
+    return LLM(checkpoint[0], **ENGINE_KWARGS)

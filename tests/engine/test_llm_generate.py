@@ -26,11 +26,6 @@ def _assert_matches_hf(llm, hf_model, prompts):
     return outputs
 
 
-@pytest.fixture(scope="module")
-def llm(checkpoint):
-    return LLM(checkpoint[0], **ENGINE_KWARGS)
-
-
 def test_greedy_batch_with_chunked_prefill_matches_transformers(llm, checkpoint):
     prompts = random_prompts(20, seed=1)
     assert max(map(len, prompts)) > ENGINE_KWARGS["max_num_batched_tokens"]  # chunked

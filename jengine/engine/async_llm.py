@@ -1,0 +1,232 @@
+"""AsyncLLM: the asyncio engine the API server drives; `generate()` streams RequestOutputs.
+
+Where it sits: OpenAI serving layer -> AsyncLLM -> AsyncMPClient -> (ZMQ) -> EngineCoreProc.
+Prompts are tokenized and validated here (InputProcessor) and outputs detokenized here
+(OutputProcessor), in the API process, which never imports jax.
+
+Promises:
+- one output-handler task pulls every `EngineCoreOutputs`, runs the OutputProcessor, puts
+  each RequestOutput on its request's queue, aborts in the engine core the sequences a
+  stop string ended, and feeds the stat loggers;
+- a `generate()` that is cancelled or closed early (client disconnect) aborts its request,
+  so its KV blocks go back to the pool;
+- if the engine process dies, every running and later `generate()` raises
+  `EngineDeadError` (and `errored` is True) instead of hanging.
+"""
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, Iterable
+
+from jengine.config import EngineConfig
+from jengine.engine.arg_utils import EngineArgs
+from jengine.engine.client import AsyncMPClient, EngineDeadError
+from jengine.engine.input_processor import InputProcessor, PromptType
+from jengine.engine.llm_engine import eos_token_id_of, fan_out, load_tokenizer
+from jengine.engine.output_processor import OutputProcessor, RequestOutputKind
+from jengine.engine.stats import LoggingStatLogger, StatLoggerBase, StatsTracker
+from jengine.outputs import RequestOutput
+from jengine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LOG_STATS_INTERVAL = 10.0
+
+
+class AsyncLLM:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        log_stats: bool = True,
+        stat_loggers: Iterable[StatLoggerBase] = (),
+        log_stats_interval: float = DEFAULT_LOG_STATS_INTERVAL,
+        startup_timeout: float | None = None,
+    ):
+        self.config = config
+        self.tokenizer = load_tokenizer(config)
+        self.engine_core = AsyncMPClient(config, startup_timeout)
+        ready = self.engine_core.ready
+        self.vocab_size = ready.vocab_size
+        self.num_blocks = ready.num_blocks
+        self.max_model_len = config.scheduler.max_model_len
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            self.max_model_len,
+            ready.vocab_size,
+            eos_token_id=eos_token_id_of(config.model.model, self.tokenizer),
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats = StatsTracker()
+        self.stat_loggers: list[StatLoggerBase] = list(stat_loggers)
+        if log_stats:
+            self.stat_loggers.append(LoggingStatLogger())
+        self.log_stats_interval = log_stats_interval
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._dead_error: BaseException | None = None
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, **kwargs) -> "AsyncLLM":
+        return cls(engine_args.create_engine_config(), **kwargs)
+
+    # -- state ----------------------------------------------------------------------------
+
+    @property
+    def errored(self) -> bool:
+        return self._dead_error is not None or self.engine_core.engine_dead
+
+    @property
+    def engine_pid(self) -> int:
+        return self.engine_core.engine_pid
+
+    def dead_error(self) -> BaseException:
+        return self._dead_error or self.engine_core.dead_error()
+
+    async def check_health(self) -> None:
+        if self.errored:
+            raise self.dead_error()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    async def get_engine_stats(self, timeout: float | None = 5.0) -> dict:
+        """Gauges straight from the engine core (free KV blocks, queue sizes, compiles)."""
+        return await self.engine_core.call_utility_async("get_stats", timeout=timeout)
+
+    # -- requests -------------------------------------------------------------------------
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+    ) -> asyncio.Queue:
+        """Validate, register and send one request; returns the queue its outputs land on.
+        Raises ValueError for bad input and EngineDeadError if the engine is gone."""
+        if self.errored:
+            raise self.dead_error()
+        self._ensure_background_tasks()
+        if request_id in self._queues or request_id in self.output_processor.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, request = self.input_processor.process(request_id, prompt, params, priority)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        try:
+            for index, child in enumerate(fan_out(request)):
+                self.output_processor.add_request(
+                    child, text, parent_id=request_id, index=index, output_kind=output_kind
+                )
+                await self.engine_core.add_request_async(child)
+        except BaseException:
+            await self.abort(request_id)
+            raise
+        return queue
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream the RequestOutputs of one request until it finishes.
+
+        Closing or cancelling the generator early aborts the request in the engine core.
+        """
+        queue = None
+        try:
+            queue = await self.add_request(
+                request_id, prompt, sampling_params, priority=priority, output_kind=output_kind
+            )
+            finished = False
+            while not finished:
+                output = await queue.get()
+                if isinstance(output, BaseException):
+                    raise output
+                finished = output.finished
+                yield output
+        except (asyncio.CancelledError, GeneratorExit):
+            if queue is not None:
+                await self.abort(request_id)
+            raise
+        except BaseException:
+            if queue is not None and not self.errored:
+                await self.abort(request_id)
+            raise
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Forget requests (by the id given to generate) and stop them in the engine core."""
+        request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        aborted = self.stats.aborted(request_ids, self.output_processor)
+        core_ids = self.output_processor.abort_requests(request_ids)
+        if aborted.finished_requests:
+            for stat_logger in self.stat_loggers:
+                stat_logger.record(None, aborted)
+        for rid in request_ids:
+            self._queues.pop(rid, None)
+        self.stats.forget(core_ids)
+        if core_ids and not self.errored:
+            with contextlib.suppress(EngineDeadError):
+                await self.engine_core.abort_requests_async(core_ids)
+            logger.debug("aborted %s", ", ".join(request_ids))
+
+    # -- background tasks -----------------------------------------------------------------
+
+    def _ensure_background_tasks(self) -> None:
+        if self._tasks:
+            return
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._run_output_handler(), name="output_handler"))
+        if self.stat_loggers and self.log_stats_interval > 0:
+            self._tasks.append(loop.create_task(self._run_stats_logging(), name="log_stats"))
+
+    async def _run_output_handler(self) -> None:
+        try:
+            while True:
+                outputs = await self.engine_core.get_output_async()
+                observation = self.stats.observe(outputs.outputs, self.output_processor)
+                request_outputs, reqs_to_abort = self.output_processor.process_outputs(
+                    outputs.outputs
+                )
+                iteration_stats = observation.finish()
+                for output in request_outputs:
+                    queue = self._queues.get(output.request_id)
+                    if queue is not None:
+                        queue.put_nowait(output)
+                    if output.finished:
+                        self._queues.pop(output.request_id, None)
+                if reqs_to_abort:
+                    await self.engine_core.abort_requests_async(reqs_to_abort)
+                for stat_logger in self.stat_loggers:
+                    stat_logger.record(outputs.scheduler_stats, iteration_stats)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            if not isinstance(e, EngineDeadError):
+                logger.exception("the output handler failed")
+                e = EngineDeadError(f"the output handler failed: {e!r}")
+            self._dead_error = e
+            for queue in self._queues.values():
+                queue.put_nowait(e)
+            self._queues.clear()
+
+    async def _run_stats_logging(self) -> None:
+        while True:
+            await asyncio.sleep(self.log_stats_interval)
+            for stat_logger in self.stat_loggers:
+                try:
+                    stat_logger.log()
+                except Exception:
+                    logger.exception("stat logger %r failed", stat_logger)
+
+    def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self.engine_core.shutdown()

@@ -1,0 +1,177 @@
+"""Front-end statistics: what one batch of engine-core outputs meant for latency and
+throughput, and the periodic log line built from it.
+
+Where it sits: AsyncLLM's output handler calls `StatsTracker.observe` around
+`OutputProcessor.process_outputs` and hands the resulting `IterationStats` (plus the
+engine's `SchedulerStats`) to every stat logger: `LoggingStatLogger` here, and the
+Prometheus logger of the API server (jengine/entrypoints/openai/metrics.py).
+Jax-free, like the rest of the front end.
+"""
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from jengine.core.outputs import EngineCoreOutput, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class FinishedRequestStats:
+    finish_reason: str
+    e2e_latency: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass(slots=True)
+class IterationStats:
+    """One engine-core step, seen from the front end. Latencies in seconds."""
+
+    num_prompt_tokens: int = 0  # prompts whose first token arrived now
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+
+
+class StatsTracker:
+    """Turns engine-core outputs into IterationStats (per engine-core sequence)."""
+
+    def __init__(self):
+        self._last_token_time: dict[str, float] = {}
+
+    def observe(self, outputs: list[EngineCoreOutput], output_processor) -> "_Observation":
+        """Call before `process_outputs`; finish with `.finish()` after it."""
+        now = time.time()
+        stats = IterationStats()
+        states = []
+        for output in outputs:
+            state = output_processor.request_states.get(output.request_id)
+            if state is None:
+                continue
+            states.append(state)
+            num_new = len(output.new_token_ids)
+            if not num_new:
+                continue
+            stats.num_generation_tokens += num_new
+            last = self._last_token_time.get(state.request_id)
+            if last is None:
+                arrival = state.parent.metrics.arrival_time if state.parent.metrics else now
+                stats.time_to_first_tokens.append(now - arrival)
+                stats.num_prompt_tokens += len(state.parent.prompt_token_ids)
+            else:
+                stats.inter_token_latencies.append((now - last) / num_new)
+            self._last_token_time[state.request_id] = now
+        return _Observation(self, stats, states, now)
+
+    def aborted(self, request_ids: list[str], output_processor) -> IterationStats:
+        """Stats of user requests about to be aborted (call before aborting them)."""
+        now = time.time()
+        stats = IterationStats()
+        for request_id in request_ids:
+            parent = output_processor.parents.get(request_id)
+            for state in parent.children.values() if parent else ():
+                if state.request_id not in output_processor.request_states:
+                    continue  # this sequence already finished
+                arrival = parent.metrics.arrival_time if parent.metrics else now
+                stats.finished_requests.append(
+                    FinishedRequestStats(
+                        "abort",
+                        now - arrival,
+                        len(parent.prompt_token_ids),
+                        len(state.output_token_ids),
+                    )
+                )
+        return stats
+
+    def forget(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._last_token_time.pop(request_id, None)
+
+
+@dataclass(slots=True)
+class _Observation:
+    tracker: StatsTracker
+    stats: IterationStats
+    states: list
+    now: float
+
+    def finish(self) -> IterationStats:
+        for state in self.states:
+            if state.finish_reason is None:
+                continue
+            self.tracker.forget([state.request_id])
+            arrival = state.parent.metrics.arrival_time if state.parent.metrics else self.now
+            self.stats.finished_requests.append(
+                FinishedRequestStats(
+                    finish_reason=state.finish_reason,
+                    e2e_latency=self.now - arrival,
+                    num_prompt_tokens=len(state.parent.prompt_token_ids),
+                    num_generation_tokens=len(state.output_token_ids),
+                )
+            )
+        return self.stats
+
+
+class StatLoggerBase:
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats):
+        raise NotImplementedError
+
+    def log(self) -> None:  # called periodically
+        pass
+
+
+class LoggingStatLogger(StatLoggerBase):
+    """Logs throughput, queue sizes, KV usage and prefix-cache hit rate every interval
+    (only while there is something to report)."""
+
+    def __init__(self):
+        self._reset(time.monotonic())
+        self.scheduler_stats = SchedulerStats()
+        self._last_logged_idle = False
+
+    def _reset(self, now: float) -> None:
+        self.last_log_time = now
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    def record(self, scheduler_stats, iteration_stats) -> None:
+        if scheduler_stats is not None:
+            self.scheduler_stats = scheduler_stats
+            self.prefix_queries += scheduler_stats.prefix_cache_queries
+            self.prefix_hits += scheduler_stats.prefix_cache_hits
+        if iteration_stats is not None:
+            self.num_prompt_tokens += iteration_stats.num_prompt_tokens
+            self.num_generation_tokens += iteration_stats.num_generation_tokens
+
+    def log(self) -> None:
+        now = time.monotonic()
+        elapsed = max(now - self.last_log_time, 1e-9)
+        s = self.scheduler_stats
+        idle = not (
+            self.num_prompt_tokens
+            or self.num_generation_tokens
+            or s.num_running_reqs
+            or s.num_waiting_reqs
+        )
+        if idle and self._last_logged_idle:
+            self._reset(now)
+            return  # one idle line after activity, then silence
+        self._last_logged_idle = idle
+        hit_rate = self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+        logger.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
+            "Prefix cache hit rate: %.1f%%",
+            self.num_prompt_tokens / elapsed,
+            self.num_generation_tokens / elapsed,
+            s.num_running_reqs,
+            s.num_waiting_reqs,
+            100.0 * s.kv_cache_usage,
+            100.0 * hit_rate,
+        )
+        self._reset(now)

@@ -1,0 +1,146 @@
+"""The `jengine` command: `jengine serve [MODEL] ...` (OpenAI-compatible server) and
+`jengine generate "PROMPT" ...` (one offline completion through `LLM`).
+
+Where it sits: the outermost entry point. Flags keep vLLM's names (`--max-model-len`,
+`--max-num-seqs`, `--served-model-name`, `--api-key`, ...). With no model, both use the
+bundled default model. `serve` never imports jax in this process (the engine process
+does); `generate` runs the engine in-process.
+"""
+
+import argparse
+import contextlib
+import importlib.util
+import logging
+import os
+import sys
+
+from jengine.engine.arg_utils import EngineArgs
+
+logger = logging.getLogger("jengine")
+
+LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"
+
+
+def default_model_path() -> str:
+    """`models.default.DEFAULT_MODEL_PATH`, read without importing the `models` package
+    (its __init__ loads the Flax models and so jax, which the API process must not)."""
+    spec = importlib.util.find_spec("models")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("no model given and the bundled `models` package is not installed")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "default.py")
+    if not os.path.isfile(path):
+        raise SystemExit("no model given and no bundled default model (models/default.py)")
+    module_spec = importlib.util.spec_from_file_location("_jengine_default_model", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.DEFAULT_MODEL_PATH
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jengine", description="JAX-native LLM inference and serving engine"
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="start the OpenAI-compatible HTTP server")
+    serve.add_argument("model_tag", nargs="?", default=None, help="HF checkpoint folder")
+    serve.add_argument("--host", default=None, help="address to bind (default: all)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model name(s) clients use (default: the model path); the first is reported",
+    )
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("JENGINE_API_KEY"),
+        help="require `Authorization: Bearer KEY` on /v1 routes (env JENGINE_API_KEY)",
+    )
+    serve.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error", "critical", "trace"],
+    )
+    serve.add_argument("--disable-uvicorn-access-log", action="store_true")
+    serve.add_argument("--disable-log-stats", action="store_true")
+    serve.add_argument(
+        "--log-stats-interval", type=float, default=10.0, help="seconds between stats lines"
+    )
+    EngineArgs.add_cli_args(serve)
+
+    generate = commands.add_parser("generate", help="complete one prompt offline")
+    generate.add_argument("prompt")
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=1.0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--stream", action="store_true", help="print tokens as they come")
+    EngineArgs.add_cli_args(generate)
+    return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from jengine.entrypoints.openai.api_server import run_server
+
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise SystemExit("give the model once: positionally or with --model")
+    args.model = args.model_tag or args.model or default_model_path()
+    with contextlib.suppress(KeyboardInterrupt):
+        run_server(args)
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from jengine import LLM, SamplingParams
+    from jengine.engine.output_processor import RequestOutputKind
+
+    e = EngineArgs.from_cli_args(args)
+    llm = LLM(
+        e.model or default_model_path(),
+        tokenizer=e.tokenizer,
+        dtype=e.dtype,
+        max_model_len=e.max_model_len,
+        max_num_seqs=e.max_num_seqs,
+        max_num_batched_tokens=e.max_num_batched_tokens,
+        block_size=e.block_size,
+        enable_prefix_caching=e.enable_prefix_caching,
+        kv_cache_memory_bytes=e.kv_cache_memory_bytes,
+        gpu_memory_utilization=e.gpu_memory_utilization,
+        num_gpu_blocks=e.num_gpu_blocks_override,
+        scheduling_policy=e.scheduling_policy,
+        seed=e.seed,
+        attention_impl=e.attention_impl,
+    )
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    if not args.stream:
+        print(llm.generate(args.prompt, params, use_tqdm=False)[0].outputs[0].text)
+        return
+    engine = llm.llm_engine
+    engine.add_request("0", args.prompt, params, output_kind=RequestOutputKind.DELTA)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            sys.stdout.write(output.outputs[0].text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = make_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    try:
+        if args.command == "serve":
+            cmd_serve(args)
+        else:
+            cmd_generate(args)
+    except ValueError as e:  # bad flags / config: one line, not a traceback
+        raise SystemExit(f"error: {e}") from None
+
+
+if __name__ == "__main__":
+    main()

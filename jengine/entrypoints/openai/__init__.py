@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (FastAPI). Never imports jax: see api_server.py."""

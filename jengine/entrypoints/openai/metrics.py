@@ -1,0 +1,141 @@
+"""Prometheus metrics of the API server (`GET /metrics`), with vLLM's metric names under
+the `jengine:` prefix.
+
+Where it sits: `PrometheusStatLogger` is one of AsyncLLM's stat loggers: the output handler
+hands it each step's SchedulerStats (running/waiting requests, KV usage, prefix-cache
+queries and hits, preemptions) and IterationStats (token counts, TTFT, inter-token
+latency, finished requests). At scrape time the route also asks the engine core for the
+gauges only it knows exactly (free KV blocks, compiles after warmup).
+
+Each app gets its own CollectorRegistry, so several apps in one process do not clash.
+"""
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from jengine.core.outputs import SchedulerStats
+from jengine.engine.stats import IterationStats, StatLoggerBase
+
+TTFT_BUCKETS = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+]  # fmt: skip
+ITL_BUCKETS = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+]  # fmt: skip
+E2E_BUCKETS = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+]  # fmt: skip
+FINISH_REASONS = ("stop", "length", "abort")
+
+__all__ = ["CONTENT_TYPE_LATEST", "PrometheusStatLogger"]
+
+
+class PrometheusStatLogger(StatLoggerBase):
+    def __init__(self, model_name: str, num_blocks: int):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name, doc):
+            return Gauge(name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.num_running = gauge("jengine:num_requests_running", "Requests running on the engine")
+        self.num_waiting = gauge("jengine:num_requests_waiting", "Requests waiting to run")
+        self.kv_usage = gauge("jengine:kv_cache_usage_perc", "KV-cache usage, 1 = full")
+        self.free_blocks = gauge(
+            "jengine:kv_cache_free_blocks", "Free KV-cache blocks (cached-but-unused included)"
+        )
+        self.total_blocks = gauge(
+            "jengine:kv_cache_total_blocks", "Usable KV-cache blocks (the null block excluded)"
+        )
+        self.compiles = gauge(
+            "jengine:compiles_after_warmup", "XLA compilations after warmup (should stay 0)"
+        )
+        self.prefix_queries = counter(
+            "jengine:prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
+        )
+        self.prefix_hits = counter(
+            "jengine:prefix_cache_hits", "Prompt tokens found in the prefix cache"
+        )
+        self.prefix_hit_rate = gauge(
+            "jengine:prefix_cache_hit_rate", "Prefix-cache hits / queries since start"
+        )
+        self.preemptions = counter("jengine:num_preemptions", "Requests preempted")
+        self.prompt_tokens = counter("jengine:prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = counter("jengine:generation_tokens", "Tokens generated")
+        success = Counter(
+            "jengine:request_success",
+            "Finished requests by finish reason",
+            labels + ["finished_reason"],
+            registry=r,
+        )
+        self.request_success = {
+            reason: success.labels(model_name, reason) for reason in FINISH_REASONS
+        }
+        self.ttft = histogram(
+            "jengine:time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "jengine:inter_token_latency_seconds", "Time between output tokens", ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "jengine:e2e_request_latency_seconds", "Arrival to finish", E2E_BUCKETS
+        )
+        self.total_blocks.set(num_blocks - 1)
+        self.free_blocks.set(num_blocks - 1)
+        self._queries = 0
+        self._hits = 0
+
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats):
+        if scheduler_stats is not None:
+            s = scheduler_stats
+            self.num_running.set(s.num_running_reqs)
+            self.num_waiting.set(s.num_waiting_reqs)
+            self.kv_usage.set(s.kv_cache_usage)
+            self.prefix_queries.inc(s.prefix_cache_queries)
+            self.prefix_hits.inc(s.prefix_cache_hits)
+            self.preemptions.inc(s.num_preemptions)
+            self._queries += s.prefix_cache_queries
+            self._hits += s.prefix_cache_hits
+            if self._queries:
+                self.prefix_hit_rate.set(self._hits / self._queries)
+        if iteration_stats is not None:
+            it = iteration_stats
+            self.prompt_tokens.inc(it.num_prompt_tokens)
+            self.generation_tokens.inc(it.num_generation_tokens)
+            for value in it.time_to_first_tokens:
+                self.ttft.observe(value)
+            for value in it.inter_token_latencies:
+                self.itl.observe(value)
+            for finished in it.finished_requests:
+                counter = self.request_success.get(finished.finish_reason)
+                if counter is not None:
+                    counter.inc()
+                self.e2e.observe(finished.e2e_latency)
+
+    def record_engine_stats(self, stats: dict) -> None:
+        """Gauges read from the engine core at scrape time (EngineCore.get_stats)."""
+        self.free_blocks.set(stats["num_free_blocks"])
+        self.total_blocks.set(stats["num_blocks"] - 1)
+        self.compiles.set(stats["compiles_after_warmup"])
+        self.num_running.set(stats["num_running_reqs"])
+        self.num_waiting.set(stats["num_waiting_reqs"])
+        self.kv_usage.set(stats["kv_cache_usage"])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,299 @@
+"""Pydantic models of the OpenAI-compatible HTTP API: requests, responses, stream chunks,
+errors.
+
+Where it sits: FastAPI validates request bodies against these models (a bad or missing
+field becomes a 400 in OpenAI's error shape, see api_server.py); the serving layers
+(serving_completion.py, serving_chat.py) turn them into SamplingParams and build the
+responses. Pydantic lives only in this HTTP layer; the engine speaks msgspec.
+
+Field names and defaults follow OpenAI's API, plus vLLM's extra sampling fields (top_k,
+min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...), which the
+official client sends through `extra_body`. Unknown fields are accepted and ignored, as
+vLLM does.
+"""
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+# Bounds that keep every integer inside msgpack's 64-bit range and the fan-out sane.
+_INT64 = dict(ge=-(2**63), le=2**63 - 1)
+MAX_N = 128
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo
+
+
+class OpenAIError(Exception):
+    """Raised anywhere in request handling; api_server turns it into an ErrorResponse."""
+
+    TYPES = {
+        400: "BadRequestError",
+        401: "AuthenticationError",
+        404: "NotFoundError",
+        405: "MethodNotAllowedError",
+        500: "InternalServerError",
+        503: "ServiceUnavailableError",
+    }
+
+    def __init__(self, message: str, status_code: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.param = param
+
+    def to_response(self) -> ErrorResponse:
+        return ErrorResponse(
+            error=ErrorInfo(
+                message=self.message,
+                type=self.TYPES.get(self.status_code, "Error"),
+                param=self.param,
+                code=self.status_code,
+            )
+        )
+
+
+# -- shared request fields ------------------------------------------------------------------
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+
+class SamplingRequest(OpenAIBaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    seed: Annotated[int, Field(**_INT64)] | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    echo: bool = False
+    # vLLM's extra sampling fields
+    top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
+    priority: Annotated[int, Field(**_INT64)] = 0
+    request_id: str | None = None
+
+
+# -- completions ----------------------------------------------------------------------------
+
+TokenId = Annotated[int, Field(**_INT64)]
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: list[TokenId] | list[list[TokenId]] | str | list[str]
+    max_tokens: Annotated[int, Field(**_INT64)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+
+class CompletionLogProbs(OpenAIBaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None
+
+
+# -- chat completions -----------------------------------------------------------------------
+
+
+class ChatMessageParam(OpenAIBaseModel):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessageParam], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(**_INT64)] | None = None  # deprecated by OpenAI
+    max_completion_tokens: Annotated[int, Field(**_INT64)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = 0
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | None = None
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = "stop"
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        # OpenAI sends only what a delta carries: {"role": ...} or {"content": ...}.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# -- models, tokenize, detokenize -----------------------------------------------------------
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "jengine"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """Either `prompt` (a completion prompt) or `messages` (run through the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageParam] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str

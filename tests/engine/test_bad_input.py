@@ -1,0 +1,66 @@
+"""Bad input gets a clear ValueError before anything runs; the engine carries on, no leaks."""
+
+import pytest
+
+from jengine import SamplingParams
+from tests.engine.conftest import ENGINE_KWARGS, VOCAB, hf_greedy, random_prompts
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(n=0), "n"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(presence_penalty=3.0), "presence_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    ],
+)
+def test_invalid_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_raise_and_engine_carries_on(llm, checkpoint):
+    good = random_prompts(1, seed=11)[0]
+    max_len = ENGINE_KWARGS["max_model_len"]
+    cases = [
+        ({"prompt_token_ids": list(range(3, 3 + max_len + 1))}, "longer than the maximum"),
+        ({"prompt_token_ids": []}, "empty"),
+        ({"prompt_token_ids": [5, VOCAB + 3]}, "out of vocabulary"),
+        ({"prompt_token_ids": [5, -1]}, "out of vocabulary"),
+        ("some text", "tokenizer"),  # this checkpoint ships no tokenizer
+    ]
+    for prompt, message in cases:
+        with pytest.raises(ValueError, match=message):
+            # The bad prompt sits between good ones: nothing of the batch may run.
+            llm.generate([{"prompt_token_ids": good}, prompt, {"prompt_token_ids": good}])
+        assert not llm.llm_engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="logprobs"):
+        llm.generate({"prompt_token_ids": good}, SamplingParams(logprobs=50))
+    with pytest.raises(ValueError, match="sampling params"):
+        llm.generate([{"prompt_token_ids": good}] * 2, [SamplingParams()] * 3)
+    out = llm.generate({"prompt_token_ids": good}, SamplingParams(temperature=0, max_tokens=5))
+    assert out[0].outputs[0].token_ids == hf_greedy(checkpoint[1], good, 5)
+    assert llm.engine_core.num_free_blocks() == llm.engine_core.runner.num_blocks - 1
+
+
+def test_abort_frees_blocks(llm):
+    engine = llm.llm_engine
+    for i, prompt in enumerate(random_prompts(4, seed=12, low=30, high=60)):
+        engine.add_request(
+            f"abort-{i}", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=50)
+        )
+    engine.step()
+    engine.step()
+    assert llm.engine_core.num_free_blocks() < llm.engine_core.runner.num_blocks - 1
+    engine.abort_request([f"abort-{i}" for i in range(4)])
+    assert not engine.has_unfinished_requests()
+    engine.step()
+    assert llm.engine_core.num_free_blocks() == llm.engine_core.runner.num_blocks - 1

@@ -1,0 +1,544 @@
+"""A real `jengine serve` process on 127.0.0.1, driven by the official `openai` client (and
+httpx for raw SSE, disconnects and error bodies): completions and chat, streamed and not,
+n > 1, batches, stop strings, lengths, logprobs, echo, usage, fidelity to LLM.generate,
+64 concurrent streams, disconnects returning their KV blocks, and every error status."""
+
+import asyncio
+import json
+import os
+import time
+
+import httpx2
+import openai
+import pytest
+
+from tests.entrypoints.conftest import (
+    API_KEY,
+    ENGINE_ARGS,
+    MODEL_NAME,
+    SERVER_ARGS,
+    RemoteServer,
+    metric,
+    sse_data,
+)
+
+PROMPT = "The quick brown fox"
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    with RemoteServer(tiny_model, [*SERVER_ARGS, "--api-key", API_KEY]) as remote:
+        yield remote
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url_for("v1"), api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx2.Client(base_url=server.url_for(), headers=HEADERS, timeout=120) as c:
+        yield c
+
+
+def complete(client, **kwargs):
+    return client.completions.create(model=MODEL_NAME, **{"temperature": 0.0, **kwargs})
+
+
+def chat(client, **kwargs):
+    return client.chat.completions.create(model=MODEL_NAME, **{"temperature": 0.0, **kwargs})
+
+
+def raw_stream(http, path: str, body: dict) -> list[str]:
+    with http.stream("POST", path, json={"model": MODEL_NAME, **body}) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        return sse_data(response)
+
+
+def num_tokens(http, text: str) -> int:
+    return http.post("/tokenize", json={"prompt": text}).json()["count"]
+
+
+def engine_gauges(http) -> dict[str, float]:
+    text = http.get("/metrics").text
+    return {
+        name: metric(text, f"jengine:{name}")
+        for name in ("kv_cache_free_blocks", "kv_cache_total_blocks", "num_requests_running")
+    }
+
+
+def wait_until_idle(http, free_blocks: float, timeout: float = 30.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        gauges = engine_gauges(http)
+        if gauges["kv_cache_free_blocks"] == free_blocks and not gauges["num_requests_running"]:
+            return gauges
+        assert time.monotonic() < deadline, f"engine not idle: {gauges}"
+        time.sleep(0.2)
+
+
+# -- completions -------------------------------------------------------------------------
+
+
+def test_completion_streamed_equals_full_with_exact_usage(client, http):
+    full = complete(client, prompt=PROMPT, max_tokens=20)
+    choice = full.choices[0]
+    assert choice.finish_reason == "length"
+    assert full.usage.prompt_tokens == num_tokens(http, PROMPT)
+    assert full.usage.completion_tokens == 20
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 20
+    assert full.model == MODEL_NAME and full.object == "text_completion"
+
+    chunks = list(
+        complete(
+            client,
+            prompt=PROMPT,
+            max_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in text_chunks) == choice.text
+    assert text_chunks[-1].choices[0].finish_reason == "length"
+    assert [c.choices[0].finish_reason for c in text_chunks[:-1]] == [None] * (len(text_chunks) - 1)
+    with_usage = [c for c in chunks if c.usage is not None]
+    assert with_usage == [chunks[-1]] and not chunks[-1].choices
+    assert chunks[-1].usage == full.usage
+
+    # On the wire: [DONE] comes last, after the usage chunk.
+    data = raw_stream(
+        http,
+        "/v1/completions",
+        dict(prompt=PROMPT, max_tokens=20, temperature=0, stream=True,
+             stream_options={"include_usage": True}),
+    )  # fmt: skip
+    assert data[-1] == "[DONE]"
+    assert json.loads(data[-2])["usage"]["completion_tokens"] == 20
+    # Without stream_options no chunk carries usage.
+    data = raw_stream(
+        http, "/v1/completions", dict(prompt=PROMPT, max_tokens=5, temperature=0, stream=True)
+    )
+    assert data[-1] == "[DONE]"
+    assert all(json.loads(d).get("usage") is None for d in data[:-1])
+
+
+def test_n3_and_batched_prompts(client):
+    prompts = [PROMPT, "Hello, world!", "To be, or not to be"]
+    singles = [complete(client, prompt=p, max_tokens=8).choices[0].text for p in prompts]
+    batch = complete(client, prompt=prompts, max_tokens=8)
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    assert [c.text for c in batch.choices] == singles
+    assert batch.usage.completion_tokens == 24
+
+    # Token-id prompts, batched, with n=2: choice index = prompt_index * n + i.
+    ids = [[40, 41, 42, 43], [50, 51]]
+    out = complete(client, prompt=ids, max_tokens=4, n=2)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert out.usage.prompt_tokens == 6 and out.usage.completion_tokens == 16
+    assert out.choices[0].text == out.choices[1].text  # greedy: both sequences agree
+
+    sampled = complete(client, prompt=PROMPT, max_tokens=12, n=3, temperature=1.0, seed=7)
+    assert sorted(c.index for c in sampled.choices) == [0, 1, 2]
+    assert sampled.usage.completion_tokens == 36
+    assert len({c.text for c in sampled.choices}) > 1  # distinct seeds per sequence
+    again = complete(client, prompt=PROMPT, max_tokens=12, n=3, temperature=1.0, seed=7)
+    assert [c.text for c in again.choices] == [c.text for c in sampled.choices]
+
+    streamed = {}
+    for chunk in complete(
+        client, prompt=PROMPT, max_tokens=12, n=3, temperature=1.0, seed=7, stream=True
+    ):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(3)] == [c.text for c in sampled.choices]
+
+
+def test_stop_strings(client):
+    text = complete(client, prompt=PROMPT, max_tokens=40).choices[0].text
+    stop = text[12:15]
+    expected = text[: text.find(stop)]
+    out = complete(client, prompt=PROMPT, max_tokens=40, stop=[stop])
+    choice = out.choices[0]
+    assert choice.text == expected
+    assert choice.finish_reason == "stop"
+    assert choice.model_extra["stop_reason"] == stop
+    assert out.usage.completion_tokens < 40
+    streamed = "".join(
+        c.choices[0].text
+        for c in complete(client, prompt=PROMPT, max_tokens=40, stop=stop, stream=True)
+        if c.choices
+    )
+    assert streamed == expected
+    kept = complete(
+        client,
+        prompt=PROMPT,
+        max_tokens=40,
+        stop=[stop],
+        extra_body={"include_stop_str_in_output": True},
+    )
+    assert kept.choices[0].text == expected + stop
+
+
+def test_completion_logprobs_and_echo(client, http):
+    out = complete(client, prompt=PROMPT, max_tokens=6, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert value <= 0.0
+        assert 3 <= len(top) <= 4 and top[token] == value
+        assert max(top.values()) == value  # greedy picks the most likely token
+
+    num_prompt = num_tokens(http, PROMPT)
+    echo = complete(client, prompt=PROMPT, max_tokens=6, logprobs=2, echo=True)
+    choice = echo.choices[0]
+    assert choice.text == PROMPT + out.choices[0].text
+    elp = choice.logprobs
+    assert len(elp.tokens) == num_prompt + 6
+    assert elp.token_logprobs[0] is None and elp.top_logprobs[0] is None
+    assert all(v is not None for v in elp.token_logprobs[1:])
+    assert elp.token_logprobs[num_prompt:] == pytest.approx(lp.token_logprobs, abs=1e-5)
+    assert echo.usage.completion_tokens == 6
+
+    streamed = "".join(
+        c.choices[0].text
+        for c in complete(client, prompt=PROMPT, max_tokens=6, echo=True, stream=True)
+        if c.choices
+    )
+    assert streamed == choice.text
+
+
+# -- chat --------------------------------------------------------------------------------
+
+MESSAGES = [
+    {"role": "system", "content": "You are a small engine."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
+
+
+def test_chat_streamed_equals_full(client, http):
+    full = chat(client, messages=MESSAGES, max_completion_tokens=16)
+    choice = full.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason == "length"
+    assert full.usage.completion_tokens == 16
+    rendered = http.post("/tokenize", json={"messages": MESSAGES}).json()
+    assert full.usage.prompt_tokens == rendered["count"]
+    # The deprecated max_tokens means the same.
+    assert chat(client, messages=MESSAGES, max_tokens=16).choices[0].message.content == (
+        choice.message.content
+    )
+
+    chunks = list(
+        chat(
+            client,
+            messages=MESSAGES,
+            max_completion_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == choice.message.content
+    assert [c for c in chunks if c.usage is not None] == [chunks[-1]]
+    assert chunks[-1].usage == full.usage
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+
+    data = raw_stream(
+        http,
+        "/v1/chat/completions",
+        dict(messages=MESSAGES, max_tokens=4, temperature=0, stream=True),
+    )
+    assert data[-1] == "[DONE]"
+    assert json.loads(data[0])["object"] == "chat.completion.chunk"
+
+
+def test_chat_n_stop_logprobs_echo(client):
+    text = chat(client, messages=MESSAGES, max_tokens=30).choices[0].message.content
+    stop = text[10:13]
+    out = chat(client, messages=MESSAGES, max_tokens=30, stop=stop)
+    assert out.choices[0].message.content == text[: text.find(stop)]
+    assert out.choices[0].finish_reason == "stop"
+
+    sampled = chat(client, messages=MESSAGES, max_tokens=8, n=3, temperature=1.0, seed=3)
+    assert sorted(c.index for c in sampled.choices) == [0, 1, 2]
+    assert sampled.usage.completion_tokens == 24
+
+    lp = chat(client, messages=MESSAGES, max_tokens=5, logprobs=True, top_logprobs=2)
+    content = lp.choices[0].logprobs.content
+    assert len(content) == 5
+    assert "".join(t.token for t in content) == lp.choices[0].message.content
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].token == entry.token  # greedy
+        assert entry.top_logprobs[0].logprob == entry.logprob >= entry.top_logprobs[1].logprob
+        assert entry.bytes == list(entry.token.encode())
+    plain = chat(client, messages=MESSAGES, max_tokens=5)
+    assert plain.choices[0].logprobs is None
+
+    # echo + continue_final_message: the reply continues (and repeats) the last message.
+    partial = [*MESSAGES, {"role": "assistant", "content": "Paris is"}]
+    extra = {"echo": True, "add_generation_prompt": False, "continue_final_message": True}
+    echoed = chat(client, messages=partial, max_tokens=6, extra_body=extra)
+    reply = echoed.choices[0].message.content
+    assert reply.startswith("Paris is") and len(reply) > len("Paris is")
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in chat(client, messages=partial, max_tokens=6, extra_body=extra, stream=True)
+        if c.choices
+    )
+    assert streamed == reply
+
+
+def test_served_text_equals_llm_generate(client, tiny_model):
+    from jengine import LLM, SamplingParams
+
+    prompts = [PROMPT, "Hello, world!", "Blocks of sixteen tokens"]
+    served = [complete(client, prompt=p, max_tokens=24).choices[0].text for p in prompts]
+    served_chat = chat(client, messages=MESSAGES, max_tokens=24).choices[0].message.content
+    llm = LLM(tiny_model, **ENGINE_ARGS)
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    offline = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert served == offline
+    offline_chat = llm.chat(MESSAGES, params, use_tqdm=False)[0].outputs[0].text
+    assert served_chat == offline_chat
+
+
+# -- load, disconnects -------------------------------------------------------------------
+
+
+def test_64_concurrent_streams(server, client):
+    prompts = [f"Request number {i} says hello" for i in range(64)]
+    expected = [c.text for c in complete(client, prompt=prompts, max_tokens=12).choices]
+
+    async def one(aclient, prompt):
+        text, usage = "", None
+        stream = await aclient.completions.create(
+            model=MODEL_NAME,
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        async for chunk in stream:
+            text += "".join(c.text for c in chunk.choices)
+            usage = chunk.usage or usage
+        return text, usage
+
+    async def run():
+        aclient = openai.AsyncOpenAI(
+            base_url=server.url_for("v1"), api_key=API_KEY, max_retries=0, timeout=300
+        )
+        async with aclient:
+            return await asyncio.gather(*(one(aclient, p) for p in prompts))
+
+    results = asyncio.run(run())
+    assert [text for text, _ in results] == expected
+    assert all(usage.completion_tokens == 12 for _, usage in results)
+
+
+def test_disconnects_return_kv_blocks(server, http):
+    total = engine_gauges(http)["kv_cache_total_blocks"]
+    assert total == 255
+    start = wait_until_idle(http, total)["kv_cache_free_blocks"]
+    body = {
+        "model": MODEL_NAME,
+        "prompt": PROMPT,
+        "max_tokens": 100,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    streams = []
+    with httpx2.Client(base_url=server.url_for(), headers=HEADERS, timeout=60) as other:
+        for i in range(12):
+            request = other.build_request("POST", "/v1/completions", json={**body, "seed": i})
+            response = other.send(request, stream=True)
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            while not next(lines).startswith("data: "):  # wait for the first token
+                pass
+            streams.append(response)
+        # A non-streamed request whose client gives up while it runs.
+        with pytest.raises(httpx2.TimeoutException):
+            other.post(
+                "/v1/completions",
+                json={**body, "stream": False, "n": 2, "max_tokens": 120},
+                timeout=0.5,
+            )
+        busy = engine_gauges(http)
+        assert busy["kv_cache_free_blocks"] < start and busy["num_requests_running"] > 0
+        for response in streams:
+            response.close()
+    wait_until_idle(http, start)
+    metrics = http.get("/metrics").text
+    assert 'jengine:request_success_total{finished_reason="abort",model_name="tiny"}' in metrics
+    assert metric(metrics, "jengine:compiles_after_warmup") == 0
+    # And the server is as good as new.
+    assert (
+        http.post(
+            "/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 3}
+        ).json()["usage"]["completion_tokens"]
+        == 3
+    )
+
+
+# -- errors ------------------------------------------------------------------------------
+
+
+def _assert_error(response, status: int, param: str | None = "any"):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status and error["message"] and error["type"]
+    if param != "any":
+        assert error["param"] == param
+    return error
+
+
+BAD_COMPLETIONS = [
+    ({"prompt": PROMPT, "max_tokens": "many"}, "max_tokens"),  # wrong type
+    ({"max_tokens": 4}, "prompt"),  # missing field
+    ({"prompt": PROMPT, "max_tokens": 200}, "max_tokens"),  # over max_model_len
+    ({"prompt": "word " * 200}, "prompt"),  # prompt alone too long
+    ({"prompt": [1, 2, 99999]}, "prompt"),  # out of vocabulary
+    ({"prompt": []}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": PROMPT, "logprobs": 21}, "logprobs"),
+    ({"prompt": PROMPT, "temperature": -1}, "temperature"),
+    ({"prompt": PROMPT, "top_p": 0}, "top_p"),
+    ({"prompt": PROMPT, "n": 0}, "n"),
+    ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+    ({"prompt": PROMPT, "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    ({"prompt": PROMPT, "logit_bias": {"99999": 5}}, "logit_bias"),
+    ({"prompt": PROMPT, "logit_bias": {"abc": 5}}, "logit_bias"),
+    ({"prompt": PROMPT, "seed": 2**70}, "seed"),
+    ({"prompt": PROMPT, "stop": [""]}, "stop"),
+    ({"prompt": PROMPT, "suffix": "x"}, "suffix"),
+]
+
+BAD_CHATS = [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"content": "no role"}]}, "messages.0.role"),
+    ({"messages": MESSAGES, "max_completion_tokens": 500}, "max_tokens"),
+    ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        "messages.0.content",
+    ),
+    ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
+]
+
+
+def test_errors_have_openai_shape_and_status(server, http):
+    for body, param in BAD_COMPLETIONS:
+        _assert_error(http.post("/v1/completions", json={"model": MODEL_NAME, **body}), 400, param)
+        streamed = http.post("/v1/completions", json={"model": MODEL_NAME, "stream": True, **body})
+        _assert_error(streamed, 400, param)
+    for body, param in BAD_CHATS:
+        response = http.post("/v1/chat/completions", json={"model": MODEL_NAME, **body})
+        _assert_error(response, 400, param)
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        malformed = http.post(path, content=b'{"model": "tiny", "prompt": ', headers={
+            "content-type": "application/json"})  # fmt: skip
+        assert "JSON" in _assert_error(malformed, 400)["message"]
+    missing = http.post("/v1/completions", json={"model": "gpt-4", "prompt": PROMPT})
+    assert _assert_error(missing, 404, "model")["type"] == "NotFoundError"
+    alias = http.post(
+        "/v1/completions", json={"model": "tiny-alias", "prompt": PROMPT, "max_tokens": 2}
+    )
+    assert alias.status_code == 200 and alias.json()["model"] == MODEL_NAME
+    with httpx2.Client(base_url=server.url_for(), timeout=30) as anonymous:
+        body = {"model": MODEL_NAME, "prompt": PROMPT}
+        _assert_error(anonymous.post("/v1/completions", json=body), 401)
+        wrong = {"Authorization": "Bearer wrong"}
+        _assert_error(anonymous.post("/v1/completions", json=body, headers=wrong), 401)
+        _assert_error(anonymous.get("/v1/models"), 401)
+        assert anonymous.get("/health").status_code == 200  # not behind the key
+    _assert_error(http.get("/v1/nothing-here"), 404)
+
+
+def test_errors_through_the_openai_client(server, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(client, prompt=PROMPT, max_tokens=1000)
+    assert "maximum context length" in e.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt=PROMPT)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url_for("v1"), api_key="bad", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError):
+        chat(client, messages=MESSAGES, logprobs=True, top_logprobs=50)
+
+
+def test_bad_requests_do_not_disturb_a_running_stream(client, http):
+    expected = complete(client, prompt=PROMPT, max_tokens=40).choices[0].text
+    text = ""
+    stream = complete(client, prompt=PROMPT, max_tokens=40, stream=True)
+    for i, chunk in enumerate(stream):
+        text += "".join(c.text for c in chunk.choices)
+        if i < len(BAD_COMPLETIONS):
+            body, _ = BAD_COMPLETIONS[i]
+            response = http.post("/v1/completions", json={"model": MODEL_NAME, **body})
+            assert response.status_code == 400
+    assert text == expected
+
+
+# -- other routes ------------------------------------------------------------------------
+
+
+def test_models_tokenize_detokenize_version_health_metrics(server, client, http):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME, "tiny-alias"]
+    assert models.data[0].model_extra["max_model_len"] == 128
+
+    tokens = http.post("/tokenize", json={"model": MODEL_NAME, "prompt": PROMPT}).json()
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 128
+    text = http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+    assert text == PROMPT
+    _assert_error(http.post("/detokenize", json={"tokens": [10**6]}), 400, "tokens")
+    _assert_error(http.post("/tokenize", json={}), 400)
+    _assert_error(http.post("/tokenize", json={"model": "x", "prompt": "a"}), 404, "model")
+
+    assert http.get("/version").json()["version"]
+    assert http.get("/health").status_code == 200
+
+    complete(client, prompt=PROMPT, max_tokens=4)
+    metrics = http.get("/metrics")
+    assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+    text = metrics.text
+    for name in (
+        "jengine:num_requests_running",
+        "jengine:num_requests_waiting",
+        "jengine:kv_cache_usage_perc",
+        "jengine:kv_cache_free_blocks",
+        "jengine:prefix_cache_hit_rate",
+        "jengine:prefix_cache_queries_total",
+        "jengine:prefix_cache_hits_total",
+        "jengine:prompt_tokens_total",
+        "jengine:generation_tokens_total",
+        "jengine:time_to_first_token_seconds_count",
+        "jengine:inter_token_latency_seconds_count",
+        "jengine:e2e_request_latency_seconds_count",
+    ):
+        metric(text, name)
+    assert metric(text, "jengine:generation_tokens_total") >= 4
+    assert metric(text, "jengine:time_to_first_token_seconds_count") >= 1
+    assert 'jengine:request_success_total{finished_reason="length",model_name="tiny"}' in text
+
+
+def test_api_process_never_imports_jax(server):
+    with open(f"/proc/{server.proc.pid}/maps") as f:
+        maps = f.read()
+    assert "jaxlib" not in maps
+    assert "tokenizers" in maps  # the check sees the process's shared libraries
+    with open(f"/proc/{server.engine_pid}/maps") as f:
+        assert "jaxlib" in f.read()  # ... and jax lives in the engine process
+    assert os.getpgid(server.engine_pid)  # still running

@@ -1,0 +1,123 @@
+"""The on-device sampler against plain numpy statements of each rule."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jengine.runner import sampler
+from jengine.runner.sampler import MAX_SUPPRESSED_IDS, SamplingMetadata, SamplingState
+
+# Jitted as in the runner: op-by-op dispatch would be slow and test a different program.
+sample = jax.jit(sampler.sample)
+_truncate = jax.jit(sampler._truncate)
+_apply_history = jax.jit(sampler._apply_history)
+top_logprobs = jax.jit(sampler.top_logprobs, static_argnums=2)
+write_slot_history = jax.jit(sampler.write_slot_history)
+
+V = 32
+
+
+def _meta(R, **overrides):
+    base = dict(
+        slots=np.arange(R, dtype=np.int32),
+        temperature=np.zeros(R, np.float32),
+        top_k=np.zeros(R, np.int32),
+        top_p=np.ones(R, np.float32),
+        min_p=np.zeros(R, np.float32),
+        seeds=np.arange(R, dtype=np.uint32),
+        output_index=np.zeros(R, np.int32),
+        presence_penalty=np.zeros(R, np.float32),
+        frequency_penalty=np.zeros(R, np.float32),
+        repetition_penalty=np.ones(R, np.float32),
+        use_history=np.zeros(R, bool),
+        suppressed_ids=np.full((R, MAX_SUPPRESSED_IDS), -1, np.int32),
+        sample_mask=np.ones(R, bool),
+    )
+    base.update({k: np.asarray(v, base[k].dtype) for k, v in overrides.items()})
+    return SamplingMetadata(**base)
+
+
+def _logits(R, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=(R, V)).astype(np.float32) * 3)
+
+
+def test_greedy_is_argmax_and_suppression_applies():
+    logits = _logits(3)
+    ids, _ = sample(logits, _meta(3), SamplingState.zeros(3, V))
+    np.testing.assert_array_equal(ids, np.argmax(logits, -1))
+    top = np.argmax(logits, -1)
+    suppressed = np.full((3, MAX_SUPPRESSED_IDS), -1, np.int32)
+    suppressed[:, 0] = top
+    ids, _ = sample(logits, _meta(3, suppressed_ids=suppressed), SamplingState.zeros(3, V))
+    assert not np.any(np.asarray(ids) == top)
+
+
+def test_truncation_rules():
+    logits = _logits(4, seed=1)
+    meta = _meta(4, top_k=[3, 0, 0, 2], top_p=[1.0, 0.6, 1.0, 0.01], min_p=[0, 0, 0.2, 0])
+    kept = np.isfinite(np.asarray(_truncate(logits, meta)))
+    order = np.argsort(-np.asarray(logits), -1)
+    probs = np.asarray(jax.nn.softmax(logits, -1))
+    assert set(np.nonzero(kept[0])[0]) == set(order[0, :3])  # top-k 3
+    sorted_p = np.sort(probs[1])[::-1]
+    n_top_p = int(np.searchsorted(np.cumsum(sorted_p) - sorted_p, 0.6, side="left"))
+    assert set(np.nonzero(kept[1])[0]) == set(order[1, :n_top_p])  # smallest set reaching 0.6
+    assert set(np.nonzero(kept[2])[0]) == set(np.nonzero(probs[2] >= 0.2 * probs[2].max())[0])
+    assert set(np.nonzero(kept[3])[0]) == {order[3, 0]}  # top-p tiny keeps the best token
+
+
+def test_random_sampling_follows_seed_and_distribution():
+    logits = jnp.tile(jnp.log(jnp.asarray([0.7, 0.2, 0.1] + [1e-9] * (V - 3))), (2, 1))
+    counts = np.zeros(V)
+    state = SamplingState.zeros(2, V)
+    for index in range(200):
+        meta = _meta(2, temperature=[1.0, 1.0], seeds=[5, 5], output_index=[index, index])
+        ids, state = sample(logits, meta, state)
+        assert ids[0] == ids[1]  # same seed and position -> same token
+        counts[int(ids[0])] += 1
+    assert abs(counts[0] / 200 - 0.7) < 0.1 and counts[3:].sum() == 0
+
+
+def test_penalties_and_bias_follow_vllm_formulas():
+    logits = _logits(1, seed=2)
+    state = SamplingState.zeros(2, V)
+    prompt = np.full(8, -1, np.int32)
+    prompt[:2] = [1, 2]
+    output = np.full(8, -1, np.int32)
+    output[:3] = [2, 3, 3]
+    bias_ids = np.full(8, -1, np.int32)
+    bias_ids[0] = 9
+    bias_values = np.zeros(8, np.float32)
+    bias_values[0] = -50.0
+    state = write_slot_history(state, np.int32(1), prompt, output, bias_ids, bias_values)
+    meta = _meta(
+        1,
+        slots=[1],
+        presence_penalty=[0.5],
+        frequency_penalty=[0.25],
+        repetition_penalty=[2.0],
+        use_history=[True],
+    )
+    got = np.asarray(_apply_history(logits, meta, state))[0]
+    expected = np.asarray(logits)[0].copy()
+    expected[9] -= 50.0
+    for token in (1, 2, 3):  # seen in prompt or output: repetition penalty
+        expected[token] = expected[token] / 2 if expected[token] > 0 else expected[token] * 2
+    expected[2] -= 0.25 * 1 + 0.5
+    expected[3] -= 0.25 * 2 + 0.5
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    # Counting: sampling bumps the slot's output counts for rows that yield a token.
+    ids, new_state = sample(logits, meta, state)
+    assert (
+        int(new_state.output_counts[1, int(ids[0])]) == int(state.output_counts[1, int(ids[0])]) + 1
+    )
+
+
+def test_top_logprobs_ranks():
+    logits = _logits(2, seed=3)
+    chosen = jnp.asarray([int(np.argsort(-np.asarray(logits[0]))[4]), int(np.argmax(logits[1]))])
+    ids, values, ranks = top_logprobs(logits, chosen, 3)
+    ref = np.asarray(jax.nn.log_softmax(logits, -1))
+    assert list(np.asarray(ranks)) == [5, 1]
+    np.testing.assert_allclose(values[:, 0], ref[[0, 1], np.asarray(chosen)], rtol=1e-6)
+    np.testing.assert_array_equal(ids[:, 1:], np.argsort(-ref, -1)[:, :3])
