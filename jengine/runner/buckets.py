@@ -9,17 +9,19 @@ A step's shape is (tokens T, requests R, pages per request P, query block Bq):
   `max_num_seqs`, and Bq = 1 (one gathered copy of the pages per request);
 - steps with a prefill chunk: T a bucket of 16 * 2^k up to `max_num_batched_tokens`,
   R = min(T, max_num_seqs) rounded up to a power of two, Bq = PREFILL_Q_BLOCK;
-- P: the longest context in the step, rounded up to a power of two of pages (at least
-  MIN_PAGES), capped at the pages of `max_model_len`.
-Padding waste is below 2x on every axis; the number of shapes is
-(#request buckets + #token buckets) x #page buckets, e.g. (7 + 6) x 4 = 52 for
+- P: the longest context in the step, rounded up to MIN_PAGES * 4^k pages, capped at the
+  pages of `max_model_len`. The attention walks only the chunks of pages some request
+  needs and skips the rest at run time, so a wide block table costs a few skipped loop
+  iterations, not compute: P grows by 4x per bucket to keep the shape count low.
+Padding waste of T and R is below 2x; the number of shapes is
+(#request buckets + #token buckets) x #page buckets, e.g. (7 + 6) x 2 = 26 for
 max_num_seqs 64, max_num_batched_tokens 512, max_model_len 512 and block_size 16.
 """
 
 from dataclasses import dataclass
 
 MIN_TOKENS = 16
-MIN_PAGES = 4
+MIN_PAGES = 8
 PREFILL_Q_BLOCK = 16
 
 
@@ -39,12 +41,12 @@ def next_power_of_two(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def capped_buckets(start: int, cap: int) -> list[int]:
-    """start, 2*start, 4*start, ... below cap, then cap itself."""
+def capped_buckets(start: int, cap: int, growth: int = 2) -> list[int]:
+    """start, growth*start, growth^2*start, ... below cap, then cap itself."""
     buckets, size = [], start
     while size < cap:
         buckets.append(size)
-        size *= 2
+        size *= growth
     return [*buckets, cap]
 
 
@@ -57,7 +59,7 @@ def request_buckets(max_num_seqs: int) -> list[int]:
 
 
 def page_buckets(max_pages: int) -> list[int]:
-    return capped_buckets(min(MIN_PAGES, max_pages), max_pages)
+    return capped_buckets(min(MIN_PAGES, max_pages), max_pages, growth=4)
 
 
 def smallest_fitting(buckets: list[int], n: int) -> int:

@@ -215,7 +215,10 @@ class ModelRunner:
         """
         shapes = self.buckets.all_shapes()
         token_counts = sorted({s.num_tokens for s in shapes})
-        hidden = {t: jnp.zeros((t, self.config.hidden_size), self.dtype) for t in token_counts}
+        hidden = {
+            t: jax.device_put(jnp.zeros((t, self.config.hidden_size), self.dtype), self.device)
+            for t in token_counts
+        }  # committed, like the forward's output it stands in for
         targets = {t: np.zeros(t, np.int32) for t in token_counts}
         programs = [
             (

@@ -3,7 +3,6 @@ batching, chunked prefill, prefix caching (on and off) and preemption; and no co
 after warmup."""
 
 import numpy as np
-import pytest
 import torch
 
 from jengine import LLM, SamplingParams

@@ -1,0 +1,48 @@
+"""Standard benchmark workloads and the CPU benchmark model (DESIGN.md §9).
+
+Token ids with seed 0, so every engine sees exactly the same requests.
+"""
+
+import os
+
+import numpy as np
+
+# DESIGN.md §9: a random-weight Llama of about 56M parameters, float32.
+BENCH_MODEL = dict(
+    vocab_size=32000,
+    hidden_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    intermediate_size=1408,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+
+
+def workload_a(seed: int = 0, num_requests: int = 128):
+    """A: 128 requests, prompt length uniform in [64, 256], exactly 128 output tokens."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(64, 257, size=num_requests)
+    prompts = [rng.integers(100, 31000, size=int(n)).tolist() for n in lengths]
+    return prompts, 128
+
+
+def workload_c(seed: int = 0):
+    """C: one request, 128-token prompt, 256 output tokens."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, 31000, size=128).tolist()], 256
+
+
+def make_bench_model(path: str, seed: int = 0) -> str:
+    """Write the random-weight benchmark Llama (HF format) to `path` once."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(**BENCH_MODEL)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
