@@ -89,11 +89,9 @@ class EngineDeadError(RuntimeError):
 def run_engine_core(*args) -> None:
     """Spawn target of the engine process. Lives here, in a jax-free module, because the
     child imports the target's module first; jax loads only inside this call."""
-    import logging as _logging
-
-    if not _logging.getLogger().handlers:
-        _logging.basicConfig(
-            level=_logging.INFO,
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.INFO,
             format=f"%(levelname)s %(asctime)s [engine-core {os.getpid()}] %(name)s: %(message)s",
         )
     from jengine.engine.core import EngineCoreProc

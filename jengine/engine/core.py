@@ -144,7 +144,7 @@ class EngineCoreProc(EngineCore):
     Messages in (DEALER, from the front end's ROUTER): [request type byte, msgpack payload].
     Messages out (PUSH, to the front end's PULL): [EngineCoreOutputType byte, payload].
     The first message in either direction is the `EngineCoreReady` handshake, sent once
-    warmup is done. The process exits when its parent dies or on SIGTERM/SIGINT.
+    warmup is done. The process exits on SIGTERM or when its parent is gone.
     """
 
     def __init__(self, config: EngineConfig, input_address: str, output_address: str, identity):
@@ -287,7 +287,9 @@ class EngineCoreProc(EngineCore):
             raise SystemExit(0)
 
         signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
+        # Ctrl-C reaches the whole process group; the front end owns shutdown (it sends
+        # SIGTERM), so the engine does not die under its in-flight requests first.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             engine = EngineCoreProc(config, input_address, output_address, identity)
             # Everything built so far lives for the whole process: keep it out of GC scans.

@@ -28,7 +28,8 @@ HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    with RemoteServer(tiny_model, [*SERVER_ARGS, "--api-key", API_KEY]) as remote:
+    args = [*SERVER_ARGS, "--api-key", API_KEY, "--log-stats-interval", "1"]
+    with RemoteServer(tiny_model, args) as remote:
         yield remote
 
 
@@ -213,6 +214,34 @@ def test_completion_logprobs_and_echo(client, http):
     assert streamed == choice.text
 
 
+def test_sampling_fields_take_effect(client, http):
+    [e_id] = http.post("/tokenize", json={"prompt": "e"}).json()["tokens"]
+    biased = complete(client, prompt=PROMPT, max_tokens=5, logit_bias={str(e_id): 100})
+    assert biased.choices[0].text == "eeeee"
+    # A stop token that is always chosen ends generation at once, but not before min_tokens.
+    extra = {"stop_token_ids": [e_id], "min_tokens": 4}
+    out = complete(client, prompt=PROMPT, max_tokens=10, logit_bias={str(e_id): 100},
+                   extra_body=extra)  # fmt: skip
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].model_extra["stop_reason"] == e_id
+    # vLLM's meaning: the stop token is masked for the first 4 tokens, so it is the 5th.
+    assert out.usage.completion_tokens == 5
+    # top_k=1 sampling is greedy; the other vLLM fields are accepted.
+    greedy = complete(client, prompt=PROMPT, max_tokens=8).choices[0].text
+    top1 = complete(
+        client,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=1.0,
+        extra_body={"top_k": 1, "min_p": 0.0, "repetition_penalty": 1.0},
+    )
+    assert top1.choices[0].text == greedy
+    penalized = complete(
+        client, prompt=PROMPT, max_tokens=8, presence_penalty=2.0, frequency_penalty=2.0
+    )
+    assert penalized.usage.completion_tokens == 8
+
+
 # -- chat --------------------------------------------------------------------------------
 
 MESSAGES = [
@@ -346,48 +375,57 @@ def test_64_concurrent_streams(server, client):
 
 
 def test_disconnects_return_kv_blocks(server, http):
+    """Clients that hang up mid-generation (60 concurrent streams, each as soon as its
+    first token arrives; one full-response client with n=2 while it runs) get their
+    sequences aborted, and every KV block comes back to the pool."""
     total = engine_gauges(http)["kv_cache_total_blocks"]
-    assert total == 255
+    assert total == 255  # the 256 blocks of --num-gpu-blocks-override, minus the null block
     start = wait_until_idle(http, total)["kv_cache_free_blocks"]
-    body = {
-        "model": MODEL_NAME,
-        "prompt": PROMPT,
-        "max_tokens": 100,
-        "stream": True,
-        "ignore_eos": True,
-    }
-    streams = []
-    with httpx2.Client(base_url=server.url_for(), headers=HEADERS, timeout=60) as other:
-        for i in range(12):
-            request = other.build_request("POST", "/v1/completions", json={**body, "seed": i})
-            response = other.send(request, stream=True)
-            assert response.status_code == 200
-            lines = response.iter_lines()
-            while not next(lines).startswith("data: "):  # wait for the first token
-                pass
-            streams.append(response)
-        # A non-streamed request whose client gives up while it runs.
-        with pytest.raises(httpx2.TimeoutException):
-            other.post(
-                "/v1/completions",
-                json={**body, "stream": False, "n": 2, "max_tokens": 120},
-                timeout=0.5,
-            )
-        busy = engine_gauges(http)
-        assert busy["kv_cache_free_blocks"] < start and busy["num_requests_running"] > 0
-        for response in streams:
-            response.close()
+    aborts = 'jengine:request_success_total{finished_reason="abort",model_name="tiny"}'
+    aborted_before = metric(http.get("/metrics").text, aborts)
+    # 120 tokens take >= 120 engine steps: far longer than a hang-up takes to arrive.
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 120, "ignore_eos": True}
+
+    async def run():
+        async def stream(aclient, seed):
+            json_body = {**body, "stream": True, "seed": seed, "temperature": 1.0}
+            async with aclient.stream("POST", "/v1/completions", json=json_body) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        return  # first token: hang up
+
+        async def full(aclient):
+            await aclient.post("/v1/completions", json={**body, "n": 2})
+            raise AssertionError("the full response should not have finished")
+
+        limits = httpx2.Limits(max_connections=100)
+        async with httpx2.AsyncClient(
+            base_url=server.url_for(), headers=HEADERS, timeout=120, limits=limits
+        ) as aclient:
+            await asyncio.gather(*(stream(aclient, seed) for seed in range(60)))
+            wait_until_idle(http, start)
+            task = asyncio.create_task(full(aclient))
+            deadline = time.monotonic() + 60
+            while True:  # until both sequences run
+                busy = (await aclient.get("/metrics")).text
+                if metric(busy, "jengine:num_requests_running") == 2:
+                    break
+                assert time.monotonic() < deadline and not task.done()
+                await asyncio.sleep(0.01)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        return busy
+
+    busy = asyncio.run(run())
+    assert metric(busy, "jengine:kv_cache_free_blocks") < start
     wait_until_idle(http, start)
     metrics = http.get("/metrics").text
-    assert 'jengine:request_success_total{finished_reason="abort",model_name="tiny"}' in metrics
+    assert metric(metrics, aborts) - aborted_before == 62  # nobody finished: all aborted
     assert metric(metrics, "jengine:compiles_after_warmup") == 0
     # And the server is as good as new.
-    assert (
-        http.post(
-            "/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 3}
-        ).json()["usage"]["completion_tokens"]
-        == 3
-    )
+    again = http.post("/v1/completions", json={**body, "max_tokens": 3, "ignore_eos": False})
+    assert again.json()["usage"]["completion_tokens"] == 3
 
 
 # -- errors ------------------------------------------------------------------------------
@@ -422,6 +460,7 @@ BAD_COMPLETIONS = [
     ({"prompt": PROMPT, "seed": 2**70}, "seed"),
     ({"prompt": PROMPT, "stop": [""]}, "stop"),
     ({"prompt": PROMPT, "suffix": "x"}, "suffix"),
+    ({"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options"),
 ]
 
 BAD_CHATS = [
@@ -441,8 +480,11 @@ BAD_CHATS = [
 def test_errors_have_openai_shape_and_status(server, http):
     for body, param in BAD_COMPLETIONS:
         _assert_error(http.post("/v1/completions", json={"model": MODEL_NAME, **body}), 400, param)
-        streamed = http.post("/v1/completions", json={"model": MODEL_NAME, "stream": True, **body})
-        _assert_error(streamed, 400, param)
+        if "stream_options" not in body:
+            streamed = http.post(
+                "/v1/completions", json={"model": MODEL_NAME, "stream": True, **body}
+            )
+            _assert_error(streamed, 400, param)
     for body, param in BAD_CHATS:
         response = http.post("/v1/chat/completions", json={"model": MODEL_NAME, **body})
         _assert_error(response, 400, param)
@@ -532,6 +574,12 @@ def test_models_tokenize_detokenize_version_health_metrics(server, client, http)
     assert metric(text, "jengine:generation_tokens_total") >= 4
     assert metric(text, "jengine:time_to_first_token_seconds_count") >= 1
     assert 'jengine:request_success_total{finished_reason="length",model_name="tiny"}' in text
+    # The periodic stats line (every second here).
+    deadline = time.monotonic() + 10
+    while "Avg generation throughput" not in server.log_text():
+        assert time.monotonic() < deadline, "no stats line in the server log"
+        time.sleep(0.2)
+    assert "KV cache usage" in server.log_text()
 
 
 def test_api_process_never_imports_jax(server):

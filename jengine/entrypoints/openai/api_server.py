@@ -19,6 +19,7 @@ import gc
 import importlib.metadata
 import logging
 import secrets
+import signal
 import socket
 import sys
 
@@ -264,7 +265,12 @@ def bind_socket(host: str | None, port: int) -> socket.socket:
 async def serve_http(args) -> None:
     from jengine.engine.arg_utils import EngineArgs
 
-    sock = bind_socket(args.host, args.port)
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        raise SystemExit(
+            f"error: cannot listen on {args.host or '0.0.0.0'}:{args.port}: {e}"
+        ) from None
     engine_args = EngineArgs.from_cli_args(args)
     engine = AsyncLLM.from_engine_args(
         engine_args,
@@ -282,6 +288,9 @@ async def serve_http(args) -> None:
             timeout_graceful_shutdown=5,
         )
         server = uvicorn.Server(config)
+        # uvicorn shuts down gracefully on SIGTERM, then re-raises it; make that reach the
+        # `finally` below (engine shutdown) instead of killing the process on the spot.
+        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
         # Start-up objects live as long as the server: keep them out of GC scans.
         gc.collect()
         gc.freeze()
@@ -295,6 +304,10 @@ async def serve_http(args) -> None:
     finally:
         engine.shutdown()
         sock.close()
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt("terminated")
 
 
 def run_server(args) -> None:

@@ -47,6 +47,7 @@ class OpenAIServingChat(OpenAIServing):
         """Validate; returns (request id, prompt text, token ids, SamplingParams, messages)."""
         self.check_model(request.model)
         self.check_engine()
+        self.check_stream_options(request)
         self.require_tokenizer()
         fmt = request.response_format
         if fmt is not None and fmt.get("type", "text") != "text":
@@ -145,14 +146,17 @@ class OpenAIServingChat(OpenAIServing):
 
     async def complete(self, request: ChatCompletionRequest, request_id, text, ids, params, msgs):
         final = None
-        async for output in self.engine.generate(
-            {"prompt_token_ids": ids, "prompt": text},
-            params,
-            request_id,
-            priority=request.priority,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        ):
-            final = output
+        try:
+            async for output in self.engine.generate(
+                {"prompt_token_ids": ids, "prompt": text},
+                params,
+                request_id,
+                priority=request.priority,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            ):
+                final = output
+        except ValueError as e:  # e.g. a client-chosen request_id already in use
+            raise OpenAIError(str(e)) from None
         role = self._role(request, msgs)
         echo = self._echo_text(request, msgs, role)
         choices = [

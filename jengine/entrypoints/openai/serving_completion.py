@@ -37,6 +37,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """Validate; returns (request id, [(prompt text, token ids)], [SamplingParams])."""
         self.check_model(request.model)
         self.check_engine()
+        self.check_stream_options(request)
         if request.suffix:
             raise OpenAIError("suffix is not supported", param="suffix")
         if request.best_of is not None and request.best_of != request.n:
@@ -100,8 +101,11 @@ class OpenAIServingCompletion(OpenAIServing):
         generators = self._generators(
             request, request_id, prompts, all_params, RequestOutputKind.FINAL_ONLY
         )
-        async for i, output in merge_async_iterators(*generators):
-            finals[i] = output
+        try:
+            async for i, output in merge_async_iterators(*generators):
+                finals[i] = output
+        except ValueError as e:  # e.g. a client-chosen request_id already in use
+            raise OpenAIError(str(e)) from None
         choices = []
         num_prompt_tokens = num_generated = 0
         for i, output in enumerate(finals):

@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 
 from jengine.engine.client import EngineDeadError
 from jengine.entrypoints.openai.protocol import (
-    ErrorResponse,
     OpenAIError,
     SamplingRequest,
     UsageInfo,
@@ -43,6 +42,10 @@ class OpenAIServing:
     def check_engine(self) -> None:
         if self.engine.errored:
             raise engine_dead_error(self.engine.dead_error())
+
+    def check_stream_options(self, request: SamplingRequest) -> None:
+        if request.stream_options is not None and not request.stream:
+            raise OpenAIError("stream_options needs stream=true", param="stream_options")
 
     def require_tokenizer(self) -> None:
         if self.tokenizer is None:
@@ -217,10 +220,6 @@ async def merge_async_iterators(*iterators: AsyncIterator) -> AsyncIterator[tupl
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def error_body(error: OpenAIError) -> ErrorResponse:
-    return error.to_response()
 
 
 def _default(value, default):

@@ -1,0 +1,82 @@
+"""The bundled default model: the engine measures the same validation perplexity as
+transformers (prompt_logprobs), far below the untrained initialization's; it writes
+Shakespeare-like text; `LLM()` with no model uses it."""
+
+import math
+import os
+
+import pytest
+from flax import nnx
+
+from jengine import LLM, SamplingParams
+from models import LlamaForCausalLM
+from models.default import DEFAULT_MODEL_PATH
+from models.train_shakespeare import evaluate_with_transformers
+
+WINDOW = 256
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_num_seqs=16, max_num_batched_tokens=512)  # no model: the bundled one
+
+
+@pytest.fixture(scope="module")
+def validation_text():
+    with open(os.path.join(DEFAULT_MODEL_PATH, "validation.txt"), encoding="utf-8") as f:
+        return f.read()
+
+
+def engine_perplexity(llm, text: str) -> float:
+    """Mean NLL over non-overlapping windows, through prompt_logprobs (transformers' protocol)."""
+    ids = llm.get_tokenizer()(text, add_special_tokens=False)["input_ids"]
+    windows = [ids[i : i + WINDOW] for i in range(0, len(ids) - 1, WINDOW)]
+    windows = [w for w in windows if len(w) >= 2]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
+    outputs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
+    nll, count = 0.0, 0
+    for window, output in zip(windows, outputs, strict=True):
+        for token, row in zip(window[1:], output.prompt_logprobs[1:], strict=True):
+            nll -= row[token].logprob
+            count += 1
+    return math.exp(nll / count)
+
+
+def test_validation_perplexity_matches_transformers_and_beats_init(llm, validation_text):
+    ours = engine_perplexity(llm, validation_text)
+    theirs = evaluate_with_transformers(DEFAULT_MODEL_PATH, validation_text, window=WINDOW)
+    print(f"validation perplexity: jengine {ours:.3f}, transformers {theirs['perplexity']:.3f}")
+    assert abs(ours - theirs["perplexity"]) / theirs["perplexity"] < 0.005
+    # The untrained initialization (same architecture, fresh random weights), swapped in.
+    trained = llm.engine_core.runner.params
+    untrained = nnx.state(
+        LlamaForCausalLM(llm.engine_core.runner.config, rngs=nnx.Rngs(0)), nnx.Param
+    )
+    llm.update_weights(untrained)
+    try:
+        init_ppl = engine_perplexity(llm, validation_text)
+    finally:
+        llm.update_weights(trained)
+    print(f"untrained initialization perplexity: {init_ppl:.1f}")
+    assert ours < init_ppl / 10
+
+
+def test_romeo_sample_reads_like_shakespeare(llm):
+    out = llm.generate("ROMEO:", SamplingParams(temperature=0.8, max_tokens=200, seed=0))[0]
+    text = out.outputs[0].text
+    words = text.split()
+    assert len(words) > 60
+    common = {"the", "and", "i", "to", "of", "my", "a", "you", "that", "in", "thou", "me", "is"}
+    assert sum(w.lower().strip(",.;:!?'") in common for w in words) / len(words) > 0.15
+    assert out.outputs[0].finish_reason in ("length", "stop")
+    assert llm.engine_core.compiles_after_warmup() == 0
+
+
+def test_chat_goes_through_the_chat_template(llm):
+    messages = [{"role": "user", "content": "What say you of love?"}]
+    out = llm.chat(messages, SamplingParams(max_tokens=30, temperature=0))[0]
+    expected = llm.get_tokenizer().apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    assert out.prompt == expected and "What say you of love?" in expected
+    assert out.outputs[0].token_ids
