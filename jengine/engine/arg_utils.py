@@ -43,10 +43,13 @@ class EngineArgs:
     attention_impl: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
-        if self.model is None:
-            raise ValueError("EngineArgs.model must name a checkpoint folder")
+        """Validate and build; `model` may be None only for an in-memory model (then
+        `max_model_len` must be given)."""
         max_model_len = self.max_model_len
-        if max_model_len is None:
+        if self.model is None:
+            if max_model_len is None:
+                raise ValueError("EngineArgs.model must name a checkpoint folder")
+        elif max_model_len is None:
             hf_config = read_model_config(self.model)
             max_model_len = hf_config.get("max_position_embeddings", 2048)
         else:

@@ -161,13 +161,19 @@ class OutputProcessor:
             if state is None:  # aborted meanwhile
                 continue
             self._update(state, output)
+            new_token_ids = output.new_token_ids
+            if output.finish_reason == FinishReason.STOP and new_token_ids:
+                # EOS or a stop token ended it: as vLLM, its text is not part of the output
+                # (the id stays in token_ids) unless include_stop_str_in_output.
+                if not state.detokenizer.params.include_stop_str_in_output:
+                    new_token_ids = new_token_ids[:-1]
             if state.finish_reason is None:
-                stop = state.detokenizer.update(output.new_token_ids)
+                stop = state.detokenizer.update(new_token_ids)
                 if stop is not None:
                     state.finish_reason, state.stop_reason = "stop", stop
                     reqs_to_abort.append(state.request_id)
             else:
-                state.detokenizer.update(output.new_token_ids)
+                state.detokenizer.update(new_token_ids)
             metrics = state.parent.metrics
             if metrics is not None and output.new_token_ids:
                 metrics.first_token_time = metrics.first_token_time or now

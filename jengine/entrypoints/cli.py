@@ -13,6 +13,7 @@ import importlib.util
 import logging
 import os
 import sys
+from dataclasses import fields
 
 from jengine.engine.arg_utils import EngineArgs
 
@@ -95,22 +96,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from jengine.engine.output_processor import RequestOutputKind
 
     e = EngineArgs.from_cli_args(args)
-    llm = LLM(
-        e.model or default_model_path(),
-        tokenizer=e.tokenizer,
-        dtype=e.dtype,
-        max_model_len=e.max_model_len,
-        max_num_seqs=e.max_num_seqs,
-        max_num_batched_tokens=e.max_num_batched_tokens,
-        block_size=e.block_size,
-        enable_prefix_caching=e.enable_prefix_caching,
-        kv_cache_memory_bytes=e.kv_cache_memory_bytes,
-        gpu_memory_utilization=e.gpu_memory_utilization,
-        num_gpu_blocks=e.num_gpu_blocks_override,
-        scheduling_policy=e.scheduling_policy,
-        seed=e.seed,
-        attention_impl=e.attention_impl,
-    )
+    engine_kwargs = {f.name: getattr(e, f.name) for f in fields(e) if f.name != "model"}
+    llm = LLM(e.model or default_model_path(), **engine_kwargs)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,

@@ -11,11 +11,12 @@ entry in a batch never leaves work half-done in the engine.
 """
 
 from collections.abc import Sequence
+from dataclasses import fields
 
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jengine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from jengine.engine.arg_utils import EngineArgs
 from jengine.engine.core import EngineCore
 from jengine.engine.llm_engine import LLMEngine, load_tokenizer
 from jengine.engine.output_processor import RequestOutputKind
@@ -37,60 +38,31 @@ class LLM:
         self,
         model: str | nnx.Module | None = None,
         *,
-        tokenizer: str | None = None,
         params=None,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        kv_cache_memory_bytes: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        num_gpu_blocks: int | None = None,
-        scheduling_policy: str = "fcfs",
-        seed: int = 0,
-        attention_impl: str | None = None,
+        **engine_kwargs,
     ):
+        """`model`: an HF folder (default: the bundled model) or a Flax module; `params`:
+        weights (a params State or nested dict) to use instead of the folder's. Other
+        keyword arguments are EngineArgs fields, with vLLM's names (`dtype`,
+        `max_model_len`, `max_num_seqs`, `max_num_batched_tokens`, `block_size`,
+        `enable_prefix_caching`, `kv_cache_memory_bytes`, `num_gpu_blocks_override`,
+        `gpu_memory_utilization`, `scheduling_policy`, `seed`, `tokenizer`, ...)."""
+        unknown = set(engine_kwargs) - {f.name for f in fields(EngineArgs)} - {"model"}
+        if unknown:
+            raise ValueError(f"unknown LLM arguments: {sorted(unknown)}")
         module = model if isinstance(model, nnx.Module) else None
         path = None if module is not None else (model or default_model_path())
+        dtype = engine_kwargs.get("dtype", "auto")
         if module is None and params is not None:
             module = _module_from_params(path, params, dtype)
         elif module is not None and params is not None:
             nnx.update(module, params)
-        if max_model_len is None:
-            max_model_len = (
-                module.config.max_position_embeddings
-                if module is not None
-                else read_hf_config(path).get("max_position_embeddings", 2048)
-            )
-        config = EngineConfig(
-            model=ModelConfig(
-                model=path,
-                tokenizer=tokenizer,
-                dtype=dtype,
-                max_model_len=max_model_len,
-                seed=seed,
-                attention_impl=attention_impl,
-            ),
-            cache=CacheConfig(
-                block_size=block_size,
-                enable_prefix_caching=enable_prefix_caching,
-                num_gpu_blocks=num_gpu_blocks,
-                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                gpu_memory_utilization=gpu_memory_utilization,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens or max(512, max_num_seqs),
-                max_model_len=max_model_len,
-                policy=scheduling_policy,
-            ),
-        )
+        if module is not None and engine_kwargs.get("max_model_len") is None:
+            engine_kwargs["max_model_len"] = module.config.max_position_embeddings
+        config = EngineArgs(model=path, **engine_kwargs).create_engine_config()
         self.engine_core = EngineCore(config, model=module)
-        self.llm_engine = LLMEngine.from_engine_core(
-            config, self.engine_core, load_tokenizer(config)
-        )
+        tokenizer = load_tokenizer(config)
+        self.llm_engine = LLMEngine.from_engine_core(config, self.engine_core, tokenizer)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -50,7 +50,7 @@ def test_prefix_caching_off_matches(checkpoint):
 
 def test_preemption_keeps_outputs_identical(checkpoint):
     # 26 usable blocks of 4 tokens: 8 running requests of up to ~70 tokens cannot all fit.
-    llm = LLM(checkpoint[0], num_gpu_blocks=27, **ENGINE_KWARGS)
+    llm = LLM(checkpoint[0], num_gpu_blocks_override=27, **ENGINE_KWARGS)
     prompts = random_prompts(16, seed=4, low=20, high=60)
     _assert_matches_hf(llm, checkpoint[1], prompts)
     assert llm.engine_core.num_preemptions > 0

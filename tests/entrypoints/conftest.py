@@ -28,7 +28,7 @@ ENGINE_ARGS = dict(
     max_num_seqs=16,
     max_num_batched_tokens=64,
     block_size=16,
-    num_gpu_blocks=256,
+    num_gpu_blocks_override=256,
     dtype="float32",
 )
 SERVER_ARGS = [

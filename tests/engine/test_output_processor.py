@@ -1,0 +1,126 @@
+"""Output processor and detokenizer, driven by hand-built engine-core outputs (no model)."""
+
+import pytest
+
+from jengine.core.outputs import EngineCoreOutput, FinishReason
+from jengine.engine.output_processor import OutputProcessor, RequestOutputKind
+from jengine.engine.protocol import EngineCoreRequest
+from jengine.sampling_params import SamplingParams
+from tests.entrypoints.tiny_model import make_tokenizer
+
+TEXT = "Now is the winter of our discontent made glorious summer by this sun of York"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return make_tokenizer(str(tmp_path_factory.mktemp("tok")))
+
+
+def _run(tokenizer, params, kind, token_ids, *, finish=None, stop_reason=None, step=1):
+    processor = OutputProcessor(tokenizer)
+    prompt = tokenizer.encode("Hark:")
+    processor.add_request(EngineCoreRequest("r", prompt, params), "Hark:", output_kind=kind)
+    outputs, aborted = [], []
+    for i in range(0, len(token_ids), step):
+        last = i + step >= len(token_ids)
+        core = EngineCoreOutput(
+            "r",
+            token_ids[i : i + step],
+            finish_reason=finish if last else None,
+            stop_reason=stop_reason if last else None,
+        )
+        out, abort = processor.process_outputs([core])
+        outputs += out
+        aborted += abort
+        if abort:
+            break
+    return outputs, aborted, processor
+
+
+def test_incremental_text_equals_full_decode(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    outputs, _, _ = _run(
+        tokenizer, SamplingParams(), RequestOutputKind.DELTA, ids, finish=FinishReason.LENGTH
+    )
+    assert "".join(o.outputs[0].text for o in outputs) == tokenizer.decode(ids)
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length"
+    final, _, _ = _run(
+        tokenizer,
+        SamplingParams(),
+        RequestOutputKind.FINAL_ONLY,
+        ids,
+        finish=FinishReason.LENGTH,
+        step=3,
+    )
+    assert len(final) == 1 and final[0].outputs[0].text == tokenizer.decode(ids)
+    assert final[0].outputs[0].token_ids == ids
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_cuts_text_and_aborts(tokenizer, include):
+    ids = tokenizer.encode(TEXT)
+    params = SamplingParams(stop=["summer"], include_stop_str_in_output=include)
+    outputs, aborted, processor = _run(tokenizer, params, RequestOutputKind.DELTA, ids)
+    text = "".join(o.outputs[0].text for o in outputs)
+    full = tokenizer.decode(ids)
+    cut = full.index("summer") + (len("summer") if include else 0)
+    assert text == full[:cut]
+    assert aborted == ["r"] and not processor.has_unfinished_requests()
+    assert outputs[-1].outputs[0].finish_reason == "stop"
+    assert outputs[-1].outputs[0].stop_reason == "summer"
+
+
+def test_stream_never_shows_a_stop_string_it_takes_back(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    params = SamplingParams(stop=["glorious summer"])
+    outputs, _, _ = _run(tokenizer, params, RequestOutputKind.DELTA, ids)
+    seen = ""
+    for o in outputs:
+        seen += o.outputs[0].text
+        assert "glorious" not in seen
+
+
+def test_stop_token_text_excluded_but_id_kept(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    params = SamplingParams(stop_token_ids=[ids[-1]])
+    final, _, _ = _run(
+        tokenizer,
+        params,
+        RequestOutputKind.FINAL_ONLY,
+        ids,
+        finish=FinishReason.STOP,
+        stop_reason=ids[-1],
+    )
+    completion = final[0].outputs[0]
+    assert completion.token_ids == ids
+    assert completion.text == tokenizer.decode(ids[:-1])
+    assert completion.stop_reason == ids[-1]
+
+
+def test_min_tokens_delays_stop_strings(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    params = SamplingParams(stop=["is"], min_tokens=len(ids) - 1, max_tokens=len(ids))
+    final, aborted, _ = _run(
+        tokenizer, params, RequestOutputKind.FINAL_ONLY, ids, finish=FinishReason.LENGTH
+    )
+    assert not aborted and final[0].outputs[0].finish_reason == "length"
+
+
+def test_n_children_gathered_in_order(tokenizer):
+    processor = OutputProcessor(tokenizer)
+    prompt = tokenizer.encode("Hark:")
+    for index in (0, 1):
+        request = EngineCoreRequest(f"{index}_p", prompt, SamplingParams())
+        processor.add_request(
+            request, "Hark:", parent_id="p", index=index, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+    a, b = tokenizer.encode("winter"), tokenizer.encode("summer")
+    out, _ = processor.process_outputs(
+        [EngineCoreOutput("1_p", b, finish_reason=FinishReason.LENGTH)]
+    )
+    assert out == []  # FINAL_ONLY waits for every child
+    out, _ = processor.process_outputs(
+        [EngineCoreOutput("0_p", a, finish_reason=FinishReason.LENGTH)]
+    )
+    assert [c.text for c in out[0].outputs] == [tokenizer.decode(a), tokenizer.decode(b)]
+    assert [c.index for c in out[0].outputs] == [0, 1] and out[0].request_id == "p"
