@@ -162,11 +162,14 @@ class OutputProcessor:
                 continue
             self._update(state, output)
             new_token_ids = output.new_token_ids
-            if output.finish_reason == FinishReason.STOP and new_token_ids:
-                # EOS or a stop token ended it: as vLLM, its text is not part of the output
-                # (the id stays in token_ids) unless include_stop_str_in_output.
-                if not state.detokenizer.params.include_stop_str_in_output:
-                    new_token_ids = new_token_ids[:-1]
+            # EOS or a stop token ended it: as vLLM, its text is not part of the output
+            # (the id stays in token_ids) unless include_stop_str_in_output.
+            if (
+                output.finish_reason == FinishReason.STOP
+                and new_token_ids
+                and not state.detokenizer.params.include_stop_str_in_output
+            ):
+                new_token_ids = new_token_ids[:-1]
             if state.finish_reason is None:
                 stop = state.detokenizer.update(new_token_ids)
                 if stop is not None:
