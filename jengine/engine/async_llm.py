@@ -23,7 +23,7 @@ from jengine.config import EngineConfig
 from jengine.engine.arg_utils import EngineArgs
 from jengine.engine.client import AsyncMPClient, EngineDeadError
 from jengine.engine.input_processor import InputProcessor, PromptType
-from jengine.engine.llm_engine import eos_token_id_of, fan_out, load_tokenizer
+from jengine.engine.llm_engine import eos_token_ids_of, fan_out, load_tokenizer
 from jengine.engine.output_processor import OutputProcessor, RequestOutputKind
 from jengine.engine.stats import LoggingStatLogger, StatLoggerBase, StatsTracker
 from jengine.outputs import RequestOutput
@@ -55,7 +55,7 @@ class AsyncLLM:
             self.tokenizer,
             self.max_model_len,
             ready.vocab_size,
-            eos_token_id=eos_token_id_of(config.model.model, self.tokenizer),
+            eos_token_ids=eos_token_ids_of(config.model.model, self.tokenizer),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = StatsTracker()

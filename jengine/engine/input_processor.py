@@ -18,13 +18,17 @@ PromptType = str | list[int] | dict
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_id=None):
+    def __init__(
+        self, tokenizer, max_model_len: int, vocab_size: int, eos_token_ids: list[int] = ()
+    ):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        if eos_token_id is None and tokenizer is not None:
-            eos_token_id = tokenizer.eos_token_id
-        self.eos_token_id = eos_token_id
+        if not eos_token_ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos_token_ids = [tokenizer.eos_token_id]
+        self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
+        # Further EOS ids end a request like stop tokens do (unless ignore_eos).
+        self.extra_eos_ids = list(eos_token_ids[1:])
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) for a string, token-id list or vLLM-style dict."""
@@ -85,6 +89,10 @@ class InputProcessor:
     ) -> tuple[str | None, EngineCoreRequest]:
         text, token_ids = self.tokenize(prompt)
         self.validate(token_ids, params)
+        missing = [t for t in self.extra_eos_ids if t not in params.stop_token_ids]
+        if missing and not params.ignore_eos:
+            params = params.clone()
+            params.stop_token_ids = [*params.stop_token_ids, *missing]
         return text, EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,

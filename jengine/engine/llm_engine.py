@@ -5,7 +5,7 @@ Where it sits: `LLM` (jengine/entrypoints/llm.py) -> LLMEngine -> client -> Engi
 and registers them with the OutputProcessor; `step()` runs one engine-core step and
 returns the RequestOutputs it produced. The engine core runs in this process
 (`from_engine_core`) or in its own (`from_engine_args`, over ZeroMQ). The helpers here
-(`load_tokenizer`, `eos_token_id_of`, `fan_out`) are shared with AsyncLLM.
+(`load_tokenizer`, `eos_token_ids_of`, `fan_out`) are shared with AsyncLLM.
 """
 
 import itertools
@@ -38,17 +38,19 @@ def load_tokenizer(config: EngineConfig):
     return AutoTokenizer.from_pretrained(path)
 
 
-def eos_token_id_of(path: str | None, tokenizer) -> int | None:
-    """EOS as HF generate sees it: generation_config.json, then config.json, then tokenizer."""
+def eos_token_ids_of(path: str | None, tokenizer) -> list[int]:
+    """EOS ids as HF generate sees them: generation_config.json, then config.json, then the
+    tokenizer. Several ids (Llama 3, the bundled model's `<|end|>`) all end generation."""
     for name in ("generation_config.json", "config.json"):
         file = os.path.join(path, name) if path else None
         if file and os.path.isfile(file):
             with open(file) as f:
                 eos = json.load(f).get("eos_token_id")
             if eos is not None:
-                # Several EOS ids (Llama 3): the first ends generation as EOS.
-                return eos[0] if isinstance(eos, list) else eos
-    return tokenizer.eos_token_id if tokenizer is not None else None
+                return eos if isinstance(eos, list) else [eos]
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return [tokenizer.eos_token_id]
+    return []
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -84,7 +86,7 @@ class LLMEngine:
             tokenizer,
             config.scheduler.max_model_len,
             vocab_size,
-            eos_token_id=eos_token_id_of(config.model.model, tokenizer),
+            eos_token_ids=eos_token_ids_of(config.model.model, tokenizer),
         )
         self.output_processor = OutputProcessor(tokenizer)
         self._counter = itertools.count()

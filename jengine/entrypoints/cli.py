@@ -86,7 +86,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise SystemExit("give the model once: positionally or with --model")
-    args.model = args.model_tag or args.model or default_model_path()
+    if not (args.model_tag or args.model):
+        args.model = default_model_path()
+        # Clients name the bundled model by its folder name, not a site-packages path.
+        args.served_model_name = args.served_model_name or [os.path.basename(args.model)]
+    args.model = args.model_tag or args.model
     with contextlib.suppress(KeyboardInterrupt):
         run_server(args)
 

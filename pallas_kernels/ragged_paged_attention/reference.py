@@ -101,12 +101,14 @@ def ragged_paged_attention_reference(
         blocks.q_len > 0, jnp.minimum(blocks.q_pos + blocks.q_len, block_kv_lens), 0
     )
     num_chunks_needed = (jnp.max(visible) + chunk_tokens - 1) // chunk_tokens
-    layer_cache = jnp.asarray(kv_cache)[layer]  # indexed lazily: XLA fuses it into the gather
+    kv_cache = jnp.asarray(kv_cache)
 
     def attend_chunk(carry, chunk):
         row_max, denom, acc = carry
         chunk_page_ids = jax.lax.dynamic_slice_in_dim(pages, chunk * chunk_pages, chunk_pages, 1)
-        kv = layer_cache[:, :, chunk_page_ids]  # [2, K, B, chunk_pages, S, H]
+        # Index the layer inside the gather: a `kv_cache[layer]` slice taken outside the loop
+        # would be materialized, copying a whole layer of the cache per call.
+        kv = kv_cache[layer, :, :, chunk_page_ids]  # [2, K, B, chunk_pages, S, H]
         kv = kv.reshape(2, num_kv_heads, num_blocks, chunk_tokens, head_dim).astype(jnp.float32)
         k, v = kv[0], kv[1]  # [K, B, C, H]
         kv_pos = chunk * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
