@@ -108,7 +108,8 @@ def ragged_paged_attention_reference(
         chunk_page_ids = jax.lax.dynamic_slice_in_dim(pages, chunk * chunk_pages, chunk_pages, 1)
         # Index the layer inside the gather: a `kv_cache[layer]` slice taken outside the loop
         # would be materialized, copying a whole layer of the cache per call.
-        kv = kv_cache[layer, :, :, chunk_page_ids]  # [2, K, B, chunk_pages, S, H]
+        # (The advanced indices come first: [B, chunk_pages, 2, K, S, H].)
+        kv = kv_cache[layer, :, :, chunk_page_ids].transpose(2, 3, 0, 1, 4, 5)
         kv = kv.reshape(2, num_kv_heads, num_blocks, chunk_tokens, head_dim).astype(jnp.float32)
         k, v = kv[0], kv[1]  # [K, B, C, H]
         kv_pos = chunk * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
