@@ -92,7 +92,7 @@ def main() -> None:
     )
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-gib", type=int, default=1)
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--skip-transformers", action="store_true")

@@ -4,6 +4,8 @@ Shakespeare-like text; `LLM()` with no model uses it."""
 
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 from flax import nnx
@@ -80,3 +82,15 @@ def test_chat_goes_through_the_chat_template(llm):
     )
     assert out.prompt == expected and "What say you of love?" in expected
     assert out.outputs[0].token_ids
+
+
+def test_jengine_generate_cli_uses_the_bundled_model(llm):
+    """`jengine generate` with no model, as a user runs it, prints the engine's completion."""
+    command = [sys.executable, "-m", "jengine.entrypoints.cli", "generate", "ROMEO:"]
+    command += ["--max-tokens", "40", "--temperature", "0"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "KV cache:" in result.stderr  # the capacity is printed at start-up
+    expected = llm.generate("ROMEO:", SamplingParams(max_tokens=40, temperature=0))[0]
+    assert result.stdout.rstrip("\n") == expected.outputs[0].text
+    assert len(expected.outputs[0].text.split()) >= 5
