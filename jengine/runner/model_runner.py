@@ -19,6 +19,7 @@ Promises:
 
 import logging
 import os
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -154,7 +155,12 @@ class ModelRunner:
         self._write_history = jax.jit(write_slot_history, donate_argnums=0)
         self._executing = False
         self.compiles_after_warmup = 0
-        jax.monitoring.register_event_duration_secs_listener(self._on_compile_event)
+        # jax keeps listeners forever: hold the runner weakly so a dropped engine (and its
+        # KV cache) can be freed.
+        on_event = weakref.WeakMethod(self._on_compile_event)
+        jax.monitoring.register_event_duration_secs_listener(
+            lambda *args, **kwargs: (method := on_event()) and method(*args, **kwargs)
+        )
 
     # -- memory ---------------------------------------------------------------------------
 
