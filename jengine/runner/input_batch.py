@@ -57,7 +57,6 @@ class PreparedStep:
 
     shape: StepShape
     req_ids: list[str]
-    sample_mask: np.ndarray  # [R] bool
     input_ids: np.ndarray  # [T]
     positions: np.ndarray  # [T]
     slot_mapping: np.ndarray  # [T]
@@ -69,6 +68,32 @@ class PreparedStep:
     num_logprobs: list[int | None]  # per request
     prompt_logprob_rows: dict[str, tuple[int, int]] = field(default_factory=dict)
     prompt_targets: np.ndarray | None = None  # [T] next prompt token per position
+
+    @property
+    def sample_mask(self) -> np.ndarray:
+        """[R] bool: which requests yield a token this step."""
+        return self.sampling["sample_mask"]
+
+
+def neutral_sampling_arrays(num_reqs: int) -> dict[str, np.ndarray]:
+    """SamplingMetadata fields for `num_reqs` rows that ask for nothing: greedy, no
+    truncation, penalties or history, no token yielded. Padding rows keep these values."""
+    R = num_reqs
+    return dict(
+        slots=np.zeros(R, np.int32),
+        temperature=np.zeros(R, np.float32),
+        top_k=np.zeros(R, np.int32),
+        top_p=np.ones(R, np.float32),
+        min_p=np.zeros(R, np.float32),
+        seeds=np.zeros(R, np.uint32),
+        output_index=np.zeros(R, np.int32),
+        presence_penalty=np.zeros(R, np.float32),
+        frequency_penalty=np.zeros(R, np.float32),
+        repetition_penalty=np.ones(R, np.float32),
+        use_history=np.zeros(R, bool),
+        suppressed_ids=np.full((R, MAX_SUPPRESSED_IDS), -1, np.int32),
+        sample_mask=np.zeros(R, bool),
+    )
 
 
 class InputBatch:
@@ -176,7 +201,6 @@ class InputBatch:
         return PreparedStep(
             shape=shape,
             req_ids=req_ids,
-            sample_mask=sample_mask,
             input_ids=input_ids,
             positions=positions,
             slot_mapping=slot_mapping,
@@ -191,28 +215,26 @@ class InputBatch:
         )
 
     def _sampling_arrays(self, states, R, sample_mask) -> dict[str, np.ndarray]:
-        def column(values, dtype, fill):
-            out = np.full(R, fill, dtype)
-            out[: len(values)] = values
-            return out
-
+        arrays = neutral_sampling_arrays(R)
+        n = len(states)
         params = [s.sampling_params for s in states]
-        suppressed = np.full((R, MAX_SUPPRESSED_IDS), -1, np.int32)
+        columns = dict(
+            slots=[s.slot for s in states],
+            temperature=[p.temperature for p in params],
+            top_k=[max(p.top_k, 0) for p in params],
+            top_p=[p.top_p for p in params],
+            min_p=[p.min_p for p in params],
+            seeds=[s.seed for s in states],
+            output_index=[s.num_output_tokens for s in states],
+            presence_penalty=[p.presence_penalty for p in params],
+            frequency_penalty=[p.frequency_penalty for p in params],
+            repetition_penalty=[p.repetition_penalty for p in params],
+            use_history=[s.uses_history for s in states],
+        )
+        for name, values in columns.items():
+            arrays[name][:n] = values
         for i, s in enumerate(states):
             if s.suppressed_ids and s.num_output_tokens < s.sampling_params.min_tokens:
-                suppressed[i, : len(s.suppressed_ids)] = s.suppressed_ids
-        return dict(
-            slots=column([s.slot for s in states], np.int32, 0),
-            temperature=column([p.temperature for p in params], np.float32, 0.0),
-            top_k=column([max(p.top_k, 0) for p in params], np.int32, 0),
-            top_p=column([p.top_p for p in params], np.float32, 1.0),
-            min_p=column([p.min_p for p in params], np.float32, 0.0),
-            seeds=column([s.seed for s in states], np.uint32, 0),
-            output_index=column([s.num_output_tokens for s in states], np.int32, 0),
-            presence_penalty=column([p.presence_penalty for p in params], np.float32, 0.0),
-            frequency_penalty=column([p.frequency_penalty for p in params], np.float32, 0.0),
-            repetition_penalty=column([p.repetition_penalty for p in params], np.float32, 1.0),
-            use_history=column([s.uses_history for s in states], bool, False),
-            suppressed_ids=suppressed,
-            sample_mask=sample_mask,
-        )
+                arrays["suppressed_ids"][i, : len(s.suppressed_ids)] = s.suppressed_ids
+        arrays["sample_mask"] = sample_mask
+        return arrays

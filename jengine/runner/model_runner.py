@@ -32,9 +32,13 @@ from flax import nnx
 from jengine.core.outputs import LogprobsArrays, ModelRunnerOutput
 from jengine.core.sched_output import SchedulerOutput
 from jengine.runner.buckets import BucketSpec, StepShape
-from jengine.runner.input_batch import CachedRequestState, InputBatch, PreparedStep
+from jengine.runner.input_batch import (
+    CachedRequestState,
+    InputBatch,
+    PreparedStep,
+    neutral_sampling_arrays,
+)
 from jengine.runner.sampler import (
-    MAX_SUPPRESSED_IDS,
     SamplingMetadata,
     SamplingState,
     sample,
@@ -249,25 +253,9 @@ class ModelRunner:
     def _dummy_step(self, shape: StepShape) -> PreparedStep:
         T, R, P = shape.num_tokens, shape.num_reqs, shape.num_pages
         zeros_t = np.zeros(T, np.int32)
-        sampling = dict(
-            slots=np.zeros(R, np.int32),
-            temperature=np.zeros(R, np.float32),
-            top_k=np.zeros(R, np.int32),
-            top_p=np.ones(R, np.float32),
-            min_p=np.zeros(R, np.float32),
-            seeds=np.zeros(R, np.uint32),
-            output_index=np.zeros(R, np.int32),
-            presence_penalty=np.zeros(R, np.float32),
-            frequency_penalty=np.zeros(R, np.float32),
-            repetition_penalty=np.ones(R, np.float32),
-            use_history=np.zeros(R, bool),
-            suppressed_ids=np.full((R, MAX_SUPPRESSED_IDS), -1, np.int32),
-            sample_mask=np.zeros(R, bool),
-        )
         return PreparedStep(
             shape=shape,
             req_ids=[],
-            sample_mask=sampling["sample_mask"],
             input_ids=zeros_t,
             positions=zeros_t,
             slot_mapping=zeros_t,
@@ -275,7 +263,7 @@ class ModelRunner:
             kv_lens=np.zeros(R, np.int32),
             block_tables=np.zeros((R, P), np.int32),
             logits_indices=np.zeros(R, np.int32),
-            sampling=sampling,
+            sampling=neutral_sampling_arrays(R),
             num_logprobs=[],
         )
 

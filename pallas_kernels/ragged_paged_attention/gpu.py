@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.ragged_paged_attention.metadata import (
+    MASK_VALUE,
     block_token_index,
     gather_query_rows,
     page_range,
@@ -38,9 +39,6 @@ from pallas_kernels.ragged_paged_attention.metadata import (
     row_layout,
     scatter_query_rows,
 )
-
-# Finite stand-in for -inf: exp(MASK - MASK) must not be NaN for rows that have seen no key.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def _kernel(

@@ -20,6 +20,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+# Finite stand-in for -inf in the Pallas kernels: exp(MASK - MASK) must not be NaN for
+# rows that have seen no key yet.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
 
 class QueryBlocks(NamedTuple):
     request: jax.Array  # [B] int32: which request the block belongs to

@@ -22,7 +22,7 @@ the cache over kv heads and gives TPU tiles of (block_size, H).
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention.metadata import query_blocks
+from pallas_kernels.ragged_paged_attention.metadata import block_token_index, query_blocks
 
 # Context tokens one loop iteration reads per query block. Small chunks keep the gathered
 # pages in cache between the gather and the two einsums; measured on the 2-core CPU
@@ -84,9 +84,7 @@ def ragged_paged_attention_reference(
 
     blocks = query_blocks(query_start_loc, kv_lens, num_tokens, q_block_size)
     token_offsets = jnp.arange(q_block_size, dtype=jnp.int32)
-    token_valid = token_offsets[None, :] < blocks.q_len[:, None]  # [B, Q]
-    token_index = blocks.q_start[:, None] + token_offsets[None, :]
-    token_index = jnp.where(token_valid, token_index, num_tokens)  # out of range: dropped
+    token_index = block_token_index(blocks, q_block_size, num_tokens)  # unused: out of range
     q_blocks = q.at[token_index].get(mode="fill", fill_value=0).astype(jnp.float32)
     q_blocks = q_blocks.reshape(*token_index.shape, num_kv_heads, group, head_dim)
     q_blocks = q_blocks * sm_scale  # [B, Q, K, G, H]

@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.ragged_paged_attention.metadata import (
+    MASK_VALUE,
     block_token_index,
     gather_query_rows,
     page_range,
@@ -39,8 +40,6 @@ from pallas_kernels.ragged_paged_attention.metadata import (
     scatter_query_rows,
 )
 
-# Finite stand-in for -inf: exp(MASK - MASK) must not be NaN for rows that have seen no key.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # m and l live lane-broadcast in (M, 128) scratch: Mosaic handles full-lane tiles best.
 LANES = 128
 
