@@ -4,30 +4,39 @@ Where it sits: the model calls it once per layer with the queries of one ragged 
 (prefill chunks and decodes mixed) and the whole stacked KV cache. It promises:
 - every token attends causally to its own request's context only (its pages in
   `block_tables`, up to its position), never to another request's or an unused page;
-- memory O((T / Bq + R) x chunk): queries are cut into blocks of up to Bq tokens of one
-  request, and each block walks its request's pages a chunk at a time with an online
-  softmax (flash-attention style), so nothing of size tokens x context is ever built;
-- chunks past the longest context in the batch are skipped at run time (`lax.cond`), so
-  a step costs what its contexts need whatever the block-table width, and the block
-  table does not have to be bucketed;
+- memory O((T / Bq + R) x page): queries are cut into blocks of up to Bq tokens of one
+  request, and each block walks its request's pages one at a time with an online softmax
+  (flash-attention style), so nothing of size tokens x context is ever built;
+- a step costs what its contexts need, whatever the block-table width: blocks are sorted
+  by how far they see and walk their pages in groups of `GROUP_BLOCKS`, each group only
+  as far as its longest block (`lax.cond` skips the rest), so short requests batched with
+  long ones, and the early blocks of a causal prefill, do not pay for the longest context;
 - rows of padding tokens (past `query_start_loc[-1]`) come back as zeros;
 - unused cache pages may hold anything, NaN included: masked values never reach the output;
-- it is differentiable (static trip count), so training code can reuse the same forward.
+- it is differentiable (static trip counts), so training code can reuse the same forward.
 
 KV cache layout: `[L, 2, K, num_blocks, block_size, H]` (layer, k/v, kv head, page, slot,
 head dim). Keeping the kv-head axis ahead of the pages lets a tensor-parallel mesh shard
 the cache over kv heads and gives TPU tiles of (block_size, H).
 """
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention.metadata import block_token_index, query_blocks
+from pallas_kernels.ragged_paged_attention.metadata import (
+    QueryBlocks,
+    block_token_index,
+    query_blocks,
+)
 
-# Context tokens one loop iteration reads per query block. Small chunks keep the gathered
-# pages in cache between the gather and the two einsums; measured on the 2-core CPU
-# (8 layers, 64 decodes, context 300): 16-32 tokens ~240 ms, 128 ~370 ms, one shot ~700 ms.
-KV_CHUNK_TOKENS = 32
+# Query blocks that walk their pages together. Each loop iteration gathers one page of
+# every block in the group, so the group sets the gather size (16 pages x 2 x K x S x H);
+# measured on the 2-core CPU (56M Llama, 64 decodes, contexts 65-384): groups of 8 ->
+# 129 ms per step, 16 -> 116 ms, 32 -> 120 ms, all blocks in lockstep (the previous walk)
+# -> 182 ms.
+GROUP_BLOCKS = 16
 
 
 def update_kv_cache(
@@ -78,69 +87,89 @@ def ragged_paged_attention_reference(
     num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[4]
     group = num_q_heads // num_kv_heads
     pages_per_request = block_tables.shape[1]
-    chunk_pages = max(1, min(pages_per_request, KV_CHUNK_TOKENS // block_size))
-    num_chunks = -(-pages_per_request // chunk_pages)
-    chunk_tokens = chunk_pages * block_size
+    rows = group * q_block_size  # matrix rows of one block and kv head: (q head, token)
 
+    # Sort the blocks by how far they see (longest first), then cut them into groups.
     blocks = query_blocks(query_start_loc, kv_lens, num_tokens, q_block_size)
-    token_offsets = jnp.arange(q_block_size, dtype=jnp.int32)
-    token_index = block_token_index(blocks, q_block_size, num_tokens)  # unused: out of range
-    q_blocks = q.at[token_index].get(mode="fill", fill_value=0).astype(jnp.float32)
-    q_blocks = q_blocks.reshape(*token_index.shape, num_kv_heads, group, head_dim)
-    q_blocks = q_blocks * sm_scale  # [B, Q, K, G, H]
-
-    num_blocks = token_index.shape[0]
-    pages = block_tables[blocks.request]  # [B, P]
-    pages = jnp.pad(pages, ((0, 0), (0, num_chunks * chunk_pages - pages_per_request)))
-    block_kv_lens = kv_lens[blocks.request]  # [B]
-    q_pos = blocks.q_pos[:, None] + token_offsets[None, :]  # [B, Q]
-    # The furthest any block can see; chunks past it are skipped.
     visible = jnp.where(
-        blocks.q_len > 0, jnp.minimum(blocks.q_pos + blocks.q_len, block_kv_lens), 0
+        blocks.q_len > 0, jnp.minimum(blocks.q_pos + blocks.q_len, kv_lens[blocks.request]), 0
     )
-    num_chunks_needed = (jnp.max(visible) + chunk_tokens - 1) // chunk_tokens
+    order = jnp.argsort(-visible)
+    num_blocks = blocks.request.shape[0]
+    group_size = min(GROUP_BLOCKS, num_blocks)
+    num_groups = -(-num_blocks // group_size)
+    padding = num_groups * group_size - num_blocks  # padded blocks have q_len 0
+    blocks = QueryBlocks(*(jnp.pad(field[order], (0, padding)) for field in blocks))
+    visible = jnp.pad(visible[order], (0, padding))
+
+    def grouped(x):  # [groups * group_size, ...] -> [groups, group_size, ...]
+        return x.reshape(num_groups, group_size, *x.shape[1:])
+
+    token_index = block_token_index(blocks, q_block_size, num_tokens)  # unused: out of range
+    q_blocks = q.at[token_index].get(mode="fill", fill_value=0).astype(jnp.float32) * sm_scale
+    q_blocks = q_blocks.reshape(-1, q_block_size, num_kv_heads, group, head_dim)
+    q_blocks = q_blocks.transpose(0, 2, 3, 1, 4).reshape(-1, num_kv_heads, rows, head_dim)
+    token_offsets = jnp.tile(jnp.arange(q_block_size, dtype=jnp.int32), group)
+    xs = dict(
+        q=grouped(q_blocks),  # [groups, GS, K, rows, H]
+        q_pos=grouped(blocks.q_pos[:, None] + token_offsets[None, :]),  # [groups, GS, rows]
+        pages=grouped(block_tables[blocks.request]),  # [groups, GS, P]
+        kv_lens=grouped(kv_lens[blocks.request]),  # [groups, GS]
+        # Sorted, so a group's first block sees furthest.
+        pages_needed=(grouped(visible)[:, 0] + block_size - 1) // block_size,  # [groups]
+    )
     kv_cache = jnp.asarray(kv_cache)
 
-    def attend_chunk(carry, chunk):
+    def attend_page(group_xs, carry, page):
         row_max, denom, acc = carry
-        chunk_page_ids = jax.lax.dynamic_slice_in_dim(pages, chunk * chunk_pages, chunk_pages, 1)
-        # Index the layer inside the gather: a `kv_cache[layer]` slice taken outside the loop
-        # would be materialized, copying a whole layer of the cache per call.
-        # (The advanced indices come first: [B, chunk_pages, 2, K, S, H].)
-        kv = kv_cache[layer, :, :, chunk_page_ids].transpose(2, 3, 0, 1, 4, 5)
-        kv = kv.reshape(2, num_kv_heads, num_blocks, chunk_tokens, head_dim).astype(jnp.float32)
-        k, v = kv[0], kv[1]  # [K, B, C, H]
-        kv_pos = chunk * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
-        kv_valid = kv_pos[None, :] < block_kv_lens[:, None]  # [B, C]
-        mask = kv_valid[:, None, :] & (kv_pos[None, None, :] <= q_pos[:, :, None])  # [B, Q, C]
+        page_ids = group_xs["pages"][:, page]
+        # Index the layer inside the gather: a `kv_cache[layer]` slice taken outside the
+        # loop would be materialized, copying a whole layer of the cache per call. k and v
+        # come out as [GS, K, S, H], the batched-matmul layout, so nothing is transposed.
+        k = kv_cache[layer, 0, :, page_ids].astype(jnp.float32)
+        v = kv_cache[layer, 1, :, page_ids].astype(jnp.float32)
+        kv_pos = page * block_size + jnp.arange(block_size, dtype=jnp.int32)
+        kv_valid = kv_pos[None, :] < group_xs["kv_lens"][:, None]  # [GS, S]
+        q_pos = group_xs["q_pos"]
+        mask = kv_valid[:, None, :] & (kv_pos[None, None, :] <= q_pos[:, :, None])  # [GS, rows, S]
         if sliding_window is not None:
             mask &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-        # Unused pages may hold NaN: zero them so 0-probability * NaN cannot poison the sum.
-        v = jnp.where(kv_valid[None, :, :, None], v, 0)
-        scores = jnp.einsum("bqkgh,kbch->bkgqc", q_blocks, k)
-        scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+        # Unused slots may hold NaN: zero them so 0-probability * NaN cannot poison the sum.
+        v = jnp.where(kv_valid[:, None, :, None], v, 0)
+        scores = jnp.einsum("bkmh,bksh->bkms", group_xs["q"], k)
+        scores = jnp.where(mask[:, None], scores, -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1))
         # Rows that have seen no visible key yet keep a finite reference point.
         safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0)
         probs = jnp.exp(scores - safe_max[..., None])
         correction = jnp.exp(jnp.where(jnp.isfinite(row_max), row_max, safe_max) - safe_max)
         denom = denom * correction + jnp.sum(probs, axis=-1)
-        acc = acc * correction[..., None] + jnp.einsum("bkgqc,kbch->bkgqh", probs, v)
+        acc = acc * correction[..., None] + jnp.einsum("bkms,bksh->bkmh", probs, v)
         return new_max, denom, acc
 
-    def step(carry, chunk):
-        carry = jax.lax.cond(chunk < num_chunks_needed, attend_chunk, lambda c, _: c, carry, chunk)
-        return carry, None
+    def attend_group(_, group_xs):
+        def step(carry, page):
+            carry = jax.lax.cond(
+                page < group_xs["pages_needed"],
+                partial(attend_page, group_xs),
+                lambda c, _: c,
+                carry,
+                page,
+            )
+            return carry, None
 
-    shape = (num_blocks, num_kv_heads, group, q_block_size)
-    init = (
-        jnp.full(shape, -jnp.inf, jnp.float32),
-        jnp.zeros(shape, jnp.float32),
-        jnp.zeros((*shape, head_dim), jnp.float32),
-    )
-    (_, denom, acc), _ = jax.lax.scan(step, init, jnp.arange(num_chunks, dtype=jnp.int32))
-    out = acc / jnp.where(denom > 0, denom, 1)[..., None]  # [B, K, G, Q, H]
-    out = out.transpose(0, 3, 1, 2, 4).reshape(*token_index.shape, num_q_heads, head_dim)
+        shape = (group_size, num_kv_heads, rows)
+        init = (
+            jnp.full(shape, -jnp.inf, jnp.float32),
+            jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, head_dim), jnp.float32),
+        )
+        pages = jnp.arange(pages_per_request, dtype=jnp.int32)
+        (_, denom, acc), _ = jax.lax.scan(step, init, pages)
+        return None, acc / jnp.where(denom > 0, denom, 1)[..., None]
 
+    _, out = jax.lax.scan(attend_group, None, xs)  # [groups, GS, K, rows, H]
+    out = out.reshape(-1, num_kv_heads, group, q_block_size, head_dim).transpose(0, 3, 1, 2, 4)
+    out = out.reshape(*token_index.shape, num_q_heads, head_dim)
     result = jnp.zeros_like(q)
     return result.at[token_index].set(out.astype(q.dtype), mode="drop")

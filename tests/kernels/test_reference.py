@@ -14,6 +14,7 @@ from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention_reference,
     update_kv_cache,
 )
+from pallas_kernels.ragged_paged_attention.reference import GROUP_BLOCKS
 
 # Jitted: op-by-op dispatch of the reference costs seconds per call on CPU.
 reference = jax.jit(
@@ -58,6 +59,29 @@ def test_reference_matches_oracle(
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
     # Padding tokens come back as zeros.
     assert not np.asarray(out)[sum(q_lens) :].any()
+
+
+@pytest.mark.parametrize("q_block_size", [1, 4])
+def test_reference_groups_blocks_of_different_lengths(make_batch, oracle, q_block_size):
+    """More query blocks than one group holds, in shuffled length order: the blocks are
+    sorted and each group walks only as far as its longest block, which must change no
+    output (a block must never lose pages it sees, nor gain another request's)."""
+    rng = np.random.default_rng(3)
+    num_requests = 3 * GROUP_BLOCKS + 5
+    kv_lens = rng.integers(1, 90, size=num_requests)
+    q_lens = np.where(rng.random(num_requests) < 0.25, np.minimum(kv_lens, 9), 1)
+    batch = make_batch(
+        2,
+        q_lens.tolist(),
+        kv_lens.tolist(),
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=8,
+        pad_tokens=3,
+    )
+    out = reference(*batch.args, sm_scale=0.25, q_block_size=q_block_size)
+    np.testing.assert_allclose(out, oracle(batch, 0.25), rtol=1e-5, atol=1e-5)
 
 
 def test_reference_is_jittable_and_bf16(make_batch, oracle):
