@@ -121,3 +121,15 @@ def test_top_logprobs_ranks():
     assert list(np.asarray(ranks)) == [5, 1]
     np.testing.assert_allclose(values[:, 0], ref[[0, 1], np.asarray(chosen)], rtol=1e-6)
     np.testing.assert_array_equal(ids[:, 1:], np.argsort(-ref, -1)[:, :3])
+
+
+def test_argmax_matches_numpy_first_occurrence():
+    rng = np.random.default_rng(1)
+    # A vocabulary that is not a multiple of the block, ties (small integers), -inf rows.
+    x = rng.integers(-3, 4, size=(37, 1000)).astype(np.float32)
+    x[5] = -np.inf
+    x[6, 999] = 10.0  # the maximum in the padded last block
+    x[7, :] = 1.0  # every entry ties
+    got = jax.jit(sampler.argmax)(jnp.asarray(x))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    assert got.dtype == jnp.int32
