@@ -38,12 +38,22 @@ def num_query_blocks(num_tokens: int, num_requests: int, q_block_size: int) -> i
 
 
 def query_blocks(
-    query_start_loc: jax.Array, kv_lens: jax.Array, num_tokens: int, q_block_size: int
+    query_start_loc: jax.Array,
+    kv_lens: jax.Array,
+    num_tokens: int,
+    q_block_size: int,
+    q_lens: jax.Array | None = None,
 ) -> QueryBlocks:
-    """Split each request's queries into blocks of at most `q_block_size` tokens."""
+    """Split each request's queries into blocks of at most `q_block_size` tokens.
+
+    `q_lens` ([R], each 0 or the request's whole query length) leaves out the requests
+    given 0; by default every request is split.
+    """
     num_requests = kv_lens.shape[0]
     num_blocks = num_query_blocks(num_tokens, num_requests, q_block_size)
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [R]
+    full_q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [R]
+    if q_lens is None:
+        q_lens = full_q_lens
     blocks_per_request = (q_lens + q_block_size - 1) // q_block_size
     first_block = jnp.cumsum(blocks_per_request) - blocks_per_request  # exclusive cumsum
     block_ids = jnp.arange(num_blocks, dtype=jnp.int32)
@@ -57,8 +67,16 @@ def query_blocks(
     q_len = jnp.where(in_use, q_len, 0).astype(jnp.int32)
     q_start = (query_start_loc[request] + offset).astype(jnp.int32)
     # The first new token of a request sits at context position kv_len - q_len.
-    q_pos = (kv_lens[request] - q_lens[request] + offset).astype(jnp.int32)
+    q_pos = (kv_lens[request] - full_q_lens[request] + offset).astype(jnp.int32)
     return QueryBlocks(request, q_start, q_len, q_pos)
+
+
+def decode_blocks(query_start_loc: jax.Array, kv_lens: jax.Array, selected: jax.Array):
+    """One single-token block per request ([R] blocks), empty where `selected` is False."""
+    request = jnp.arange(kv_lens.shape[0], dtype=jnp.int32)
+    q_len = selected.astype(jnp.int32)
+    q_pos = jnp.maximum(kv_lens - 1, 0).astype(jnp.int32)
+    return QueryBlocks(request, query_start_loc[:-1].astype(jnp.int32), q_len, q_pos)
 
 
 class RowLayout(NamedTuple):

@@ -28,15 +28,21 @@ import jax.numpy as jnp
 from pallas_kernels.ragged_paged_attention.metadata import (
     QueryBlocks,
     block_token_index,
+    decode_blocks,
     query_blocks,
 )
 
-# Query blocks that walk their pages together. Each loop iteration gathers one page of
-# every block in the group, so the group sets the gather size (16 pages x 2 x K x S x H);
-# measured on the 2-core CPU (56M Llama, 64 decodes, contexts 65-384): groups of 8 ->
-# 129 ms per step, 16 -> 116 ms, 32 -> 120 ms, all blocks in lockstep (the previous walk)
-# -> 182 ms.
+# Query blocks that walk their pages together, sorted by how far they see.
 GROUP_BLOCKS = 16
+# Pages one loop step reads per block: one for single-token (decode) blocks, four (64
+# tokens at block size 16) for prefill blocks, whose matmuls are then [Bq*G, H] x [H, 64].
+# Measured on the 2-core CPU, 56M Llama, 64 decodes with contexts 65-384 (decode step) and
+# a 2048-token step of 10 prefill chunks + 54 decodes (mixed step): lockstep walk of all
+# blocks in 32-token chunks (the previous version) 182 ms / 1824 ms; groups of 16, one
+# page per step 116 ms / 1044 ms; four pages per prefill step 116 ms / ~920 ms. Groups
+# of 8 or 32, or 2 pages per decode step, were within noise of 16 and 1.
+DECODE_PAGES_PER_STEP = 1
+PREFILL_PAGES_PER_STEP = 4
 
 
 def update_kv_cache(
@@ -77,20 +83,105 @@ def ragged_paged_attention_reference(
       block_tables: [R, P] page ids of each request; entries past its context are ignored.
       query_start_loc: [R + 1] cumulative query lengths (padding requests have q_len 0).
       sm_scale: softmax scale, usually head_dim ** -0.5.
-      q_block_size: Bq, the tokens one walk over a request's pages serves; 1 is best for
-        decode-only steps.
+      q_block_size: Bq, the tokens one walk over a request's pages serves. With Bq > 1,
+        requests with one new token still get blocks of one (their own walk) and longer
+        ones blocks of Bq; Bq = 1 (decode-only steps) gives every token its own block.
       sliding_window: if set, a token sees only the last `sliding_window` positions.
     Returns:
       [T, N, H] attention output in q's dtype.
     """
+    if q_block_size == 1:
+        decodes = query_blocks(query_start_loc, kv_lens, q.shape[0], 1)
+        block_sets = [(decodes, 1, DECODE_PAGES_PER_STEP)]
+    else:
+        # Decodes (one new token) get blocks of one token, longer requests blocks of
+        # q_block_size: a decode alone in a block of Bq rows would cost Bq times the
+        # matrix work for the same pages.
+        q_lens = query_start_loc[1:] - query_start_loc[:-1]
+        decodes = decode_blocks(query_start_loc, kv_lens, q_lens == 1)
+        longer = query_blocks(
+            query_start_loc, kv_lens, q.shape[0], q_block_size, jnp.where(q_lens > 1, q_lens, 0)
+        )
+        block_sets = [
+            (decodes, 1, DECODE_PAGES_PER_STEP),
+            (longer, q_block_size, PREFILL_PAGES_PER_STEP),
+        ]
+    result = jnp.zeros_like(q)
+    for blocks, block_q, pages_per_step in block_sets:
+        token_index, out = _attend_blocks(
+            q,
+            kv_cache,
+            layer,
+            kv_lens,
+            block_tables,
+            blocks,
+            block_q,
+            pages_per_step,
+            sm_scale,
+            sliding_window,
+        )
+        result = result.at[token_index].set(out.astype(q.dtype), mode="drop")
+    return result
+
+
+def _pad_to(x: jax.Array, width: int) -> jax.Array:
+    return jnp.pad(x, ((0, 0), (0, width - x.shape[1])))
+
+
+def _gather_pages(kv_cache: jax.Array, layer, kv: int, page_ids: jax.Array) -> jax.Array:
+    """Keys (kv=0) or values (kv=1) of one layer's pages: [GS, C] ids -> [GS, K, C * S, H].
+
+    The output is laid out for a matmul batched over (block, kv head), so nothing is
+    transposed after the gather. The layer is indexed inside the gather: a `kv_cache[layer]`
+    slice taken outside the loop would be materialized, a copy of a whole layer per call.
+    """
+    _, _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
+    num_blocks, num_pages = page_ids.shape
+    index = jnp.stack(
+        [
+            jnp.broadcast_to(jnp.asarray(layer, jnp.int32), page_ids.shape),
+            jnp.full(page_ids.shape, kv, jnp.int32),
+            page_ids,
+        ],
+        axis=-1,
+    )
+    dims = jax.lax.GatherDimensionNumbers(
+        offset_dims=(1, 3, 4),  # [GS, K, C, S, H]: K, S and H come from the slice
+        collapsed_slice_dims=(0, 1, 3),
+        start_index_map=(0, 1, 3),
+    )
+    pages = jax.lax.gather(
+        kv_cache,
+        index,
+        dims,
+        slice_sizes=(1, 1, num_kv_heads, 1, block_size, head_dim),
+        mode=jax.lax.GatherScatterMode.CLIP,
+    )
+    return pages.reshape(num_blocks, num_kv_heads, num_pages * block_size, head_dim)
+
+
+def _attend_blocks(
+    q,
+    kv_cache,
+    layer,
+    kv_lens,
+    block_tables,
+    blocks: QueryBlocks,
+    q_block_size: int,
+    pages_per_step: int,
+    sm_scale: float,
+    sliding_window: int | None,
+) -> tuple[jax.Array, jax.Array]:
+    """Attention of one set of query blocks: ([B, Q] token index, [B, Q, N, H] f32 output)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[4]
     group = num_q_heads // num_kv_heads
-    pages_per_request = block_tables.shape[1]
+    pages_per_step = min(pages_per_step, block_tables.shape[1])
+    num_steps = -(-block_tables.shape[1] // pages_per_step)
+    step_tokens = pages_per_step * block_size
     rows = group * q_block_size  # matrix rows of one block and kv head: (q head, token)
 
     # Sort the blocks by how far they see (longest first), then cut them into groups.
-    blocks = query_blocks(query_start_loc, kv_lens, num_tokens, q_block_size)
     visible = jnp.where(
         blocks.q_len > 0, jnp.minimum(blocks.q_pos + blocks.q_len, kv_lens[blocks.request]), 0
     )
@@ -113,25 +204,25 @@ def ragged_paged_attention_reference(
     xs = dict(
         q=grouped(q_blocks),  # [groups, GS, K, rows, H]
         q_pos=grouped(blocks.q_pos[:, None] + token_offsets[None, :]),  # [groups, GS, rows]
-        pages=grouped(block_tables[blocks.request]),  # [groups, GS, P]
+        # [groups, GS, steps, pages_per_step]
+        pages=grouped(_pad_to(block_tables[blocks.request], num_steps * pages_per_step)).reshape(
+            num_groups, group_size, num_steps, pages_per_step
+        ),
         kv_lens=grouped(kv_lens[blocks.request]),  # [groups, GS]
         # Sorted, so a group's first block sees furthest.
-        pages_needed=(grouped(visible)[:, 0] + block_size - 1) // block_size,  # [groups]
+        steps_needed=(grouped(visible)[:, 0] + step_tokens - 1) // step_tokens,  # [groups]
     )
     kv_cache = jnp.asarray(kv_cache)
 
-    def attend_page(group_xs, carry, page):
+    def attend_pages(group_xs, carry, step):
         row_max, denom, acc = carry
-        page_ids = group_xs["pages"][:, page]
-        # Index the layer inside the gather: a `kv_cache[layer]` slice taken outside the
-        # loop would be materialized, copying a whole layer of the cache per call. k and v
-        # come out as [GS, K, S, H], the batched-matmul layout, so nothing is transposed.
-        k = kv_cache[layer, 0, :, page_ids].astype(jnp.float32)
-        v = kv_cache[layer, 1, :, page_ids].astype(jnp.float32)
-        kv_pos = page * block_size + jnp.arange(block_size, dtype=jnp.int32)
-        kv_valid = kv_pos[None, :] < group_xs["kv_lens"][:, None]  # [GS, S]
+        page_ids = group_xs["pages"][:, step]  # [GS, pages_per_step]
+        k = _gather_pages(kv_cache, layer, 0, page_ids).astype(jnp.float32)
+        v = _gather_pages(kv_cache, layer, 1, page_ids).astype(jnp.float32)
+        kv_pos = step * step_tokens + jnp.arange(step_tokens, dtype=jnp.int32)
+        kv_valid = kv_pos[None, :] < group_xs["kv_lens"][:, None]  # [GS, C]
         q_pos = group_xs["q_pos"]
-        mask = kv_valid[:, None, :] & (kv_pos[None, None, :] <= q_pos[:, :, None])  # [GS, rows, S]
+        mask = kv_valid[:, None, :] & (kv_pos[None, None, :] <= q_pos[:, :, None])  # [GS, rows, C]
         if sliding_window is not None:
             mask &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
         # Unused slots may hold NaN: zero them so 0-probability * NaN cannot poison the sum.
@@ -148,13 +239,13 @@ def ragged_paged_attention_reference(
         return new_max, denom, acc
 
     def attend_group(_, group_xs):
-        def step(carry, page):
+        def step(carry, step):
             carry = jax.lax.cond(
-                page < group_xs["pages_needed"],
-                partial(attend_page, group_xs),
+                step < group_xs["steps_needed"],
+                partial(attend_pages, group_xs),
                 lambda c, _: c,
                 carry,
-                page,
+                step,
             )
             return carry, None
 
@@ -164,12 +255,10 @@ def ragged_paged_attention_reference(
             jnp.zeros(shape, jnp.float32),
             jnp.zeros((*shape, head_dim), jnp.float32),
         )
-        pages = jnp.arange(pages_per_request, dtype=jnp.int32)
-        (_, denom, acc), _ = jax.lax.scan(step, init, pages)
+        steps = jnp.arange(num_steps, dtype=jnp.int32)
+        (_, denom, acc), _ = jax.lax.scan(step, init, steps)
         return None, acc / jnp.where(denom > 0, denom, 1)[..., None]
 
     _, out = jax.lax.scan(attend_group, None, xs)  # [groups, GS, K, rows, H]
     out = out.reshape(-1, num_kv_heads, group, q_block_size, head_dim).transpose(0, 3, 1, 2, 4)
-    out = out.reshape(*token_index.shape, num_q_heads, head_dim)
-    result = jnp.zeros_like(q)
-    return result.at[token_index].set(out.astype(q.dtype), mode="drop")
+    return token_index, out.reshape(*token_index.shape, num_q_heads, head_dim)
