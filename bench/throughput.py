@@ -23,13 +23,15 @@ def run_jengine(path: str, prompts, max_tokens: int, args) -> dict:
     from jengine import LLM, SamplingParams
 
     started = time.perf_counter()
+    limits = dict(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+    )
     llm = LLM(
         path,
         dtype="float32",
         max_model_len=512,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=args.kv_cache_gib << 30,
+        **{name: value for name, value in limits.items() if value is not None},
     )
     startup = time.perf_counter() - started
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -91,8 +93,9 @@ def main() -> None:
         "--model-dir", default=os.path.expanduser("~/.cache/jengine/bench-llama-56m")
     )
     parser.add_argument("--num-requests", type=int, default=128)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    # Unset: the engine's defaults (128 sequences, a 2048-token budget).
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--kv-cache-gib", type=int, default=1)
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--skip-transformers", action="store_true")

@@ -31,7 +31,7 @@ class EngineArgs:
     tokenizer: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
-    max_num_seqs: int = 64
+    max_num_seqs: int = 128
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -72,7 +72,7 @@ class EngineArgs:
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens or max(512, self.max_num_seqs),
+                max_num_batched_tokens=self.max_num_batched_tokens or max(2048, self.max_num_seqs),
                 max_model_len=max_model_len,
                 policy=self.scheduling_policy,
             ),
@@ -93,7 +93,7 @@ class EngineArgs:
             help="weights and KV cache dtype; auto = bf16 on accelerators, f32 on CPU",
         )
         group.add_argument("--max-model-len", type=int, default=None)
-        group.add_argument("--max-num-seqs", type=int, default=64)
+        group.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs)
         group.add_argument("--max-num-batched-tokens", type=int, default=None)
         group.add_argument("--block-size", type=int, default=16)
         group.add_argument(
