@@ -227,16 +227,7 @@ def _attend_blocks(
             mask &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
         # Unused slots may hold NaN: zero them so 0-probability * NaN cannot poison the sum.
         v = jnp.where(kv_valid[:, None, :, None], v, 0)
-        # XLA:CPU multiplies by a transposed right operand (k^T with k as [S, H]) far
-        # slower than by one laid out [contracted, free]. Prefill blocks (rows = Bq * G)
-        # have the gather write k^T (the barrier keeps the transpose from being folded
-        # back into the dot): ~2.5x faster dots. Decode blocks (rows = G) put k on the
-        # left, so the operand transposed is the tiny q: ~8% off a decode step.
-        if q_block_size > 1:
-            k_t = jax.lax.optimization_barrier(jnp.swapaxes(k, 2, 3))
-            scores = jnp.einsum("bkmh,bkhs->bkms", group_xs["q"], k_t)
-        else:
-            scores = jnp.einsum("bksh,bkmh->bkms", k, group_xs["q"])
+        scores = jnp.einsum("bkmh,bksh->bkms", group_xs["q"], k)
         scores = jnp.where(mask[:, None], scores, -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1))
         # Rows that have seen no visible key yet keep a finite reference point.
