@@ -242,12 +242,15 @@ class ModelRunner:
         if jax.config.jax_compilation_cache_dir:
             with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
                 list(pool.map(lambda p: p[0].lower(*p[1:]).compile(), programs))
-        for shape in shapes:
-            self._run(self._dummy_step(shape))
-        for t in token_counts:
-            self._prompt_logprobs_fn(self.params, hidden[t], targets[t])
+        outputs = [self._run(self._dummy_step(shape)) for shape in shapes]
+        outputs += [
+            self._prompt_logprobs_fn(self.params, hidden[t], targets[t]) for t in token_counts
+        ]
         self.sampling_state = self._write_history(self.sampling_state, *self._history_args(None))
-        jax.block_until_ready(self.kv_cache)
+        # Wait for every warmup program, not only the last cache update: dispatch is
+        # asynchronous, and a queue of unfinished warmup work (the prompt-logprob programs
+        # take seconds) would otherwise delay the first request.
+        jax.block_until_ready((outputs, self.kv_cache, self.sampling_state))
         return len(shapes)
 
     def _dummy_step(self, shape: StepShape) -> PreparedStep:
