@@ -4,8 +4,8 @@ Where it sits: the model calls it once per layer with the queries of one ragged 
 (prefill chunks and decodes mixed) and the whole stacked KV cache. It promises:
 - every token attends causally to its own request's context only (its pages in
   `block_tables`, up to its position), never to another request's or an unused page;
-- memory O((T / Bq + R) x page): queries are cut into blocks of up to Bq tokens of one
-  request, and each block walks its request's pages one at a time with an online softmax
+- memory O((T / Bq + R) x a few pages): queries are cut into blocks of up to Bq tokens of
+  one request, and each block walks its request's pages a few at a time with an online softmax
   (flash-attention style), so nothing of size tokens x context is ever built;
 - a step costs what its contexts need, whatever the block-table width: blocks are sorted
   by how far they see and walk their pages in groups of `GROUP_BLOCKS`, each group only
@@ -239,7 +239,7 @@ def _attend_blocks(
         return new_max, denom, acc
 
     def attend_group(_, group_xs):
-        def step(carry, step):
+        def walk(carry, step):
             carry = jax.lax.cond(
                 step < group_xs["steps_needed"],
                 partial(attend_pages, group_xs),
@@ -256,7 +256,7 @@ def _attend_blocks(
             jnp.zeros((*shape, head_dim), jnp.float32),
         )
         steps = jnp.arange(num_steps, dtype=jnp.int32)
-        (_, denom, acc), _ = jax.lax.scan(step, init, steps)
+        (_, denom, acc), _ = jax.lax.scan(walk, init, steps)
         return None, acc / jnp.where(denom > 0, denom, 1)[..., None]
 
     _, out = jax.lax.scan(attend_group, None, xs)  # [groups, GS, K, rows, H]
