@@ -34,14 +34,15 @@ from pallas_kernels.ragged_paged_attention.metadata import (
 
 # Query blocks that walk their pages together, sorted by how far they see.
 GROUP_BLOCKS = 16
-# Pages one loop step reads per block: one for single-token (decode) blocks, four (64
+# Pages one loop step reads per block: two for single-token (decode) blocks, four (64
 # tokens at block size 16) for prefill blocks, whose matmuls are then [Bq*G, H] x [H, 64].
 # Measured on the 2-core CPU, 56M Llama, 64 decodes with contexts 65-384 (decode step) and
 # a 2048-token step of 10 prefill chunks + 54 decodes (mixed step): lockstep walk of all
 # blocks in 32-token chunks (the previous version) 182 ms / 1824 ms; groups of 16, one
-# page per step 116 ms / 1044 ms; four pages per prefill step 116 ms / ~920 ms. Groups
-# of 8 or 32, or 2 pages per decode step, were within noise of 16 and 1.
-DECODE_PAGES_PER_STEP = 1
+# page per step 116 ms / 1044 ms; four pages per prefill step 116 ms / ~920 ms. Two pages
+# per decode step: 128-request decode step min 186 -> 171 ms, median 220 -> 216 ms (A/B
+# in one process, 25 runs each). Groups of 8 or 32 were within noise of 16.
+DECODE_PAGES_PER_STEP = 2
 PREFILL_PAGES_PER_STEP = 4
 
 
