@@ -17,17 +17,9 @@ from jengine.engine.client import EngineDeadError, SyncMPClient
 from jengine.engine.llm_engine import LLMEngine
 from jengine.engine.protocol import EngineCoreReady, UtilityOutput, UtilityRequest
 from jengine.sampling_params import SamplingParams
-from tests.entrypoints.tiny_model import make_tiny_model
 
 # The serving tests' shapes, so the persistent XLA cache serves this engine too.
-ENGINE_ARGS = dict(
-    max_model_len=128,
-    max_num_seqs=16,
-    max_num_batched_tokens=64,
-    block_size=16,
-    num_gpu_blocks_override=256,
-    dtype="float32",
-)
+from tests.entrypoints.tiny_model import ENGINE_ARGS, make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,9 @@
 """Shared by the serving tests: the tiny model, a real `jengine serve` subprocess, SSE and
 /metrics helpers.
 
-Every server here uses the same engine shapes (SERVER_ARGS), so after the first start the
-persistent XLA cache makes each further start (and the in-process LLM of the fidelity
-test) take seconds.
+Every server here uses the same engine shapes (`tiny_model.ENGINE_ARGS`, as the flags in
+SERVER_ARGS), so after the first start the persistent XLA cache makes each further start
+(and the in-process LLM of the fidelity test) take seconds.
 """
 
 import os
@@ -18,26 +18,18 @@ import time
 import httpx2
 import pytest
 
-from tests.entrypoints.tiny_model import make_tiny_model
+from tests.entrypoints.tiny_model import ENGINE_ARGS, make_tiny_model
 
 API_KEY = "test-key"
 MODEL_NAME = "tiny"
-# One shape set for every engine the serving tests start (see module docstring).
-ENGINE_ARGS = dict(
-    max_model_len=128,
-    max_num_seqs=16,
-    max_num_batched_tokens=64,
-    block_size=16,
-    num_gpu_blocks_override=256,
-    dtype="float32",
-)
+# ENGINE_ARGS as `jengine serve` flags (see module docstring).
+ENGINE_FLAGS = [
+    arg
+    for name, value in ENGINE_ARGS.items()
+    for arg in (f"--{name.replace('_', '-')}", str(value))
+]
 SERVER_ARGS = [
-    "--max-model-len", "128",
-    "--max-num-seqs", "16",
-    "--max-num-batched-tokens", "64",
-    "--block-size", "16",
-    "--num-gpu-blocks-override", "256",
-    "--dtype", "float32",
+    *ENGINE_FLAGS,
     "--served-model-name", MODEL_NAME, "tiny-alias",
     "--disable-uvicorn-access-log",
 ]  # fmt: skip

@@ -4,11 +4,9 @@ import socket
 import subprocess
 import sys
 
-from tests.entrypoints.conftest import SERVER_ARGS
+from tests.entrypoints.conftest import ENGINE_FLAGS
 
 CLI = [sys.executable, "-m", "jengine.entrypoints.cli"]
-ENGINE_FLAGS = [a for a in SERVER_ARGS if a not in ("tiny", "tiny-alias")]
-ENGINE_FLAGS = ENGINE_FLAGS[: ENGINE_FLAGS.index("--served-model-name")]
 
 
 def run(args, timeout=300):

@@ -17,6 +17,16 @@ import os
 import string
 
 VOCAB_SIZE = 384
+# One shape set for every engine the tests start on this model, so that after the first
+# start the persistent XLA cache makes each further start take seconds.
+ENGINE_ARGS = dict(
+    max_model_len=128,
+    max_num_seqs=16,
+    max_num_batched_tokens=64,
+    block_size=16,
+    num_gpu_blocks_override=256,
+    dtype="float32",
+)
 EOS = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS, "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jengine.runner import sampler
+from jengine.runner.input_batch import neutral_sampling_arrays
 from jengine.runner.sampler import MAX_SUPPRESSED_IDS, SamplingMetadata, SamplingState
 
 # Jitted as in the runner: op-by-op dispatch would be slow and test a different program.
@@ -18,19 +19,11 @@ V = 32
 
 
 def _meta(R, **overrides):
-    base = dict(
+    # Real requests in slots 0..R-1, each with its own seed, all yielding a token.
+    base = neutral_sampling_arrays(R)
+    base.update(
         slots=np.arange(R, dtype=np.int32),
-        temperature=np.zeros(R, np.float32),
-        top_k=np.zeros(R, np.int32),
-        top_p=np.ones(R, np.float32),
-        min_p=np.zeros(R, np.float32),
         seeds=np.arange(R, dtype=np.uint32),
-        output_index=np.zeros(R, np.int32),
-        presence_penalty=np.zeros(R, np.float32),
-        frequency_penalty=np.zeros(R, np.float32),
-        repetition_penalty=np.ones(R, np.float32),
-        use_history=np.zeros(R, bool),
-        suppressed_ids=np.full((R, MAX_SUPPRESSED_IDS), -1, np.int32),
         sample_mask=np.ones(R, bool),
     )
     base.update({k: np.asarray(v, base[k].dtype) for k, v in overrides.items()})
