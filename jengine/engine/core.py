@@ -108,7 +108,11 @@ class EngineCore:
     def update_weights(self, params) -> None:
         self.runner.update_weights(params)
         # Cached prefixes were computed by the old weights.
-        self.scheduler.reset_prefix_cache()
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (and nothing forgotten) while requests run."""
+        return self.scheduler.reset_prefix_cache()
 
     def num_free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.num_free_blocks

@@ -152,6 +152,12 @@ class LLM:
             bar.close()
         return [finished[r] for r in request_ids]
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (as vLLM's `LLM.reset_prefix_cache`), e.g. so that a
+        benchmark's second pass over the same prompts computes them again. Returns False,
+        forgetting nothing, while requests are running."""
+        return self.engine_core.reset_prefix_cache()
+
     # -- research integration --------------------------------------------------------------
 
     def update_weights(self, params) -> None:

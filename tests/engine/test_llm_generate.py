@@ -40,6 +40,18 @@ def test_prefix_caching_hits_and_matches(llm, checkpoint):
     assert max(o.num_cached_tokens for o in outputs) >= 28
 
 
+def test_reset_prefix_cache_forgets_cached_prompts(llm):
+    prompt = [{"prompt_token_ids": random_prompts(1, seed=5, low=24, high=25)[0]}]
+    params = SamplingParams(temperature=0, max_tokens=2)
+    first = llm.generate(prompt, params, use_tqdm=False)[0]
+    again = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert again.num_cached_tokens >= 20  # the whole blocks of the prompt
+    assert llm.reset_prefix_cache()
+    after_reset = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert after_reset.num_cached_tokens == 0
+    assert after_reset.outputs[0].token_ids == first.outputs[0].token_ids
+
+
 def test_prefix_caching_off_matches(checkpoint):
     llm = LLM(checkpoint[0], enable_prefix_caching=False, **ENGINE_KWARGS)
     shared = random_prompts(1, seed=2, low=30, high=31)[0]
