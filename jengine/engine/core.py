@@ -111,7 +111,7 @@ class EngineCore:
         self.reset_prefix_cache()
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix; False (and nothing forgotten) while requests run."""
+        """Forget every cached prefix; False (nothing forgotten) while a request holds blocks."""
         return self.scheduler.reset_prefix_cache()
 
     def num_free_blocks(self) -> int:

@@ -155,7 +155,7 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (as vLLM's `LLM.reset_prefix_cache`), e.g. so that a
         benchmark's second pass over the same prompts computes them again. Returns False,
-        forgetting nothing, while requests are running."""
+        forgetting nothing, while a request holds KV blocks."""
         return self.engine_core.reset_prefix_cache()
 
     # -- research integration --------------------------------------------------------------

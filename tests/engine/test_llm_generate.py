@@ -50,6 +50,13 @@ def test_reset_prefix_cache_forgets_cached_prompts(llm):
     after_reset = llm.generate(prompt, params, use_tqdm=False)[0]
     assert after_reset.num_cached_tokens == 0
     assert after_reset.outputs[0].token_ids == first.outputs[0].token_ids
+    # While a request holds blocks nothing is forgotten; once it ends, it can be.
+    engine = llm.llm_engine
+    engine.add_request("holder", prompt[0], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert not llm.reset_prefix_cache()
+    engine.abort_request("holder")
+    assert llm.reset_prefix_cache()
 
 
 def test_prefix_caching_off_matches(checkpoint):
