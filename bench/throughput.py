@@ -52,7 +52,8 @@ class JengineRun:
     def run(self) -> int:
         # Every round computes every prompt: nothing may be served from the blocks the
         # previous round (or the warm-up request) left in the prefix cache.
-        assert self.llm.reset_prefix_cache()
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("the prefix cache could not be reset: requests still running")
         outputs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
         assert not any(o.num_cached_tokens for o in outputs)
         return sum(len(o.outputs[0].token_ids) for o in outputs)
