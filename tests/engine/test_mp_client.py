@@ -17,8 +17,6 @@ from jengine.engine.client import EngineDeadError, SyncMPClient
 from jengine.engine.llm_engine import LLMEngine
 from jengine.engine.protocol import EngineCoreReady, UtilityOutput, UtilityRequest
 from jengine.sampling_params import SamplingParams
-
-# The serving tests' shapes, so the persistent XLA cache serves this engine too.
 from tests.entrypoints.tiny_model import ENGINE_ARGS, make_tiny_model
 
 
