@@ -132,7 +132,7 @@ class ModelConfig:
     dtype: "auto" (bf16 on accelerators, f32 on CPU), "float32", "bfloat16", "float16".
     max_model_len: None -> the model's max_position_embeddings.
     seed: seeds the engine's sampling of requests that bring no seed.
-    attention_impl: force "reference" / "gpu" / "tpu" attention (None: by backend).
+    attention_impl: force "reference" / "cpu" / "gpu" / "tpu" attention (None: by backend).
     """
 
     model: str | None = None
@@ -152,9 +152,9 @@ class ModelConfig:
         if self.max_model_len is not None:
             _require(self.max_model_len >= 1, "max_model_len", "must be >= 1", self.max_model_len)
         _require(
-            self.attention_impl in (None, "reference", "gpu", "tpu"),
+            self.attention_impl in (None, "reference", "cpu", "gpu", "tpu"),
             "attention_impl",
-            "must be reference, gpu or tpu",
+            "must be reference, cpu, gpu or tpu",
             self.attention_impl,
         )
 

@@ -1,21 +1,24 @@
 """One entry point for ragged paged attention that picks the implementation by backend.
 
-`reference` (XLA) on CPU, the Pallas GPU kernel on CUDA/ROCm, the Pallas TPU kernel on TPU.
+On CPU the fused C++ kernel (`cpu`, through the XLA FFI) where it builds, else the XLA
+`reference`; the Pallas GPU kernel on CUDA/ROCm; the Pallas TPU kernel on TPU.
 `impl=` or the `JENGINE_ATTENTION_IMPL` environment variable forces one of
-"reference", "gpu", "tpu"; `interpret=True` runs a Pallas kernel in the interpreter
-(how they are tested on a CPU-only machine).
+"reference", "cpu", "gpu", "tpu"; `interpret=True` runs a Pallas kernel in the interpreter
+(how they are tested on a CPU-only machine). "cpu" hands what the kernel does not take
+(float32 only, head and page sizes multiples of 8) to the reference.
 """
 
 import os
 
 import jax
 
+from pallas_kernels.ragged_paged_attention import cpu
 from pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_attention_reference,
     update_kv_cache,
 )
 
-IMPLEMENTATIONS = ("reference", "gpu", "tpu")
+IMPLEMENTATIONS = ("reference", "cpu", "gpu", "tpu")
 
 
 def default_impl(backend: str | None = None) -> str:
@@ -27,6 +30,8 @@ def default_impl(backend: str | None = None) -> str:
             )
         return forced
     backend = backend or jax.default_backend()
+    if backend == "cpu":
+        return "cpu" if cpu.available() else "reference"
     return {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(backend, "reference")
 
 
@@ -48,8 +53,10 @@ def ragged_paged_attention(
     impl = impl or default_impl()
     kwargs = dict(sm_scale=sm_scale, q_block_size=q_block_size, sliding_window=sliding_window)
     args = (q, kv_cache, layer, kv_lens, block_tables, query_start_loc)
-    if impl == "reference":
+    if impl == "reference" or (impl == "cpu" and not cpu.supports(q, kv_cache)):
         return ragged_paged_attention_reference(*args, **kwargs)
+    if impl == "cpu":
+        return cpu.ragged_paged_attention_cpu(*args, **kwargs)
     if impl == "gpu":
         from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 

@@ -1,0 +1,320 @@
+// Ragged paged attention for XLA:CPU, called through the XLA FFI (`cpu.py` builds and
+// registers it). Same inputs, outputs and promises as `reference.py`, float32 only.
+//
+// Why it exists: in XLA:CPU a page gather is an element-wise loop (~5 GB/s) and the
+// reference's batched dots have two rows per kv head, so a decode step spent most of its
+// attention time copying pages and dispatching tiny ops. Here each work item (one request,
+// one kv head, up to 64 query rows) walks its own pages straight out of the cache, reading
+// every key and value once, with an online softmax; the next page is prefetched while the
+// current one is used. Work items are shared between the calling thread and XLA's
+// intra-op thread pool.
+//
+// Layouts (row-major): q [T, N, H]; kv_cache [L, 2, K, num_blocks, S, H];
+// kv_lens [R]; block_tables [R, P]; query_start_loc [R + 1]; out [T, N, H].
+// Requirements checked by cpu.py before it calls: H and S multiples of 8, N a multiple of K.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Eight floats: GCC/Clang vector extensions, so the same source vectorizes for AVX2 and
+// AVX-512 (where -march=native allows) and still compiles on other targets.
+using v8 = float __attribute__((vector_size(32)));
+using i8 = int32_t __attribute__((vector_size(32)));
+constexpr int kLanes = 8;
+// Query rows (tokens x q heads of one kv head) one work item serves.
+constexpr int64_t kMaxRows = 64;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline v8 Load(const float* p) {
+  v8 x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+inline void Store(float* p, v8 x) { std::memcpy(p, &x, sizeof(x)); }
+
+inline v8 Splat(float x) { return v8{} + x; }
+
+// Lane i of the result is the sum of the lanes of in[i]: eight dot products finished at
+// once with shuffles, instead of eight serial horizontal sums.
+inline v8 TransposeSum(const v8 in[kLanes]) {
+  v8 quads[4], pairs[2];
+  for (int i = 0; i < 4; ++i) {
+    const v8 x = in[2 * i], y = in[2 * i + 1];
+    quads[i] = __builtin_shuffle(x, y, i8{0, 1, 2, 3, 8, 9, 10, 11}) +
+               __builtin_shuffle(x, y, i8{4, 5, 6, 7, 12, 13, 14, 15});
+  }
+  for (int i = 0; i < 2; ++i) {
+    const v8 x = quads[2 * i], y = quads[2 * i + 1];
+    pairs[i] = __builtin_shuffle(x, y, i8{0, 1, 4, 5, 8, 9, 12, 13}) +
+               __builtin_shuffle(x, y, i8{2, 3, 6, 7, 10, 11, 14, 15});
+  }
+  return __builtin_shuffle(pairs[0], pairs[1], i8{0, 2, 4, 6, 8, 10, 12, 14}) +
+         __builtin_shuffle(pairs[0], pairs[1], i8{1, 3, 5, 7, 9, 11, 13, 15});
+}
+
+// exp(x) for x <= 0, Cephes' expf polynomial (about 1 ulp); lanes below -87 give 0.
+inline v8 ExpNonPositive(v8 x) {
+  const v8 clamped = x < -87.0f ? Splat(-87.0f) : x;
+  const v8 round = Splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const v8 n = (clamped * 1.44269504088896341f + round) - round;
+  const v8 r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+  v8 poly = Splat(1.9875691500e-4f);
+  poly = poly * r + 1.3981999507e-3f;
+  poly = poly * r + 8.3334519073e-3f;
+  poly = poly * r + 4.1665795894e-2f;
+  poly = poly * r + 1.6666665459e-1f;
+  poly = poly * r + 5.0000001201e-1f;
+  const v8 mantissa = poly * r * r + r + 1.0f;
+  i8 bits;
+  std::memcpy(&bits, &mantissa, sizeof(bits));
+  bits += __builtin_convertvector(n, i8) << 23;  // times 2^n
+  v8 result;
+  std::memcpy(&result, &bits, sizeof(result));
+  return x < -87.0f ? v8{} : result;
+}
+
+struct Problem {
+  const float* q;
+  const float* kv_cache;
+  float* out;
+  const int32_t* kv_lens;
+  const int32_t* block_tables;
+  const int32_t* query_start_loc;
+  int64_t num_q_heads, num_kv_heads, head_dim, num_blocks, block_size;
+  int64_t layer, pages_per_request;
+  float sm_scale;
+  int32_t sliding_window;  // 0: none
+};
+
+struct WorkItem {
+  int32_t request, kv_head, first_token, num_tokens;
+};
+
+// Per-thread buffers for one work item: rows x head_dim queries and accumulators,
+// rows x block_size scores.
+struct Scratch {
+  std::vector<float> q, acc, scores, row_max, denom;
+  std::vector<int32_t> row_pos;
+  explicit Scratch(const Problem& p)
+      : q(kMaxRows * p.head_dim),
+        acc(kMaxRows * p.head_dim),
+        scores(kMaxRows * p.block_size),
+        row_max(kMaxRows),
+        denom(kMaxRows),
+        row_pos(kMaxRows) {}
+};
+
+inline void Prefetch(const float* page, int64_t num_floats) {
+  for (int64_t i = 0; i < num_floats; i += 64 / sizeof(float)) __builtin_prefetch(page + i);
+}
+
+void Attend(const Problem& p, const WorkItem& item, Scratch& scratch) {
+  const int64_t H = p.head_dim, S = p.block_size;
+  const int64_t group = p.num_q_heads / p.num_kv_heads;
+  const int64_t rows = item.num_tokens * group;  // row = token * group + q head in group
+  const int32_t request_start = p.query_start_loc[item.request];
+  const int32_t q_len = p.query_start_loc[item.request + 1] - request_start;
+  const int32_t kv_len = p.kv_lens[item.request];
+  // The first new token of a request sits at context position kv_len - q_len.
+  const int32_t first_pos = kv_len - q_len + (item.first_token - request_start);
+  const int32_t last_visible = std::min(first_pos + item.num_tokens - 1, kv_len - 1);
+
+  float* q = scratch.q.data();
+  float* acc = scratch.acc.data();
+  for (int64_t t = 0; t < item.num_tokens; ++t) {
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t row = t * group + g;
+      const float* src =
+          p.q + ((item.first_token + t) * p.num_q_heads + item.kv_head * group + g) * H;
+      for (int64_t h = 0; h < H; ++h) q[row * H + h] = src[h] * p.sm_scale;
+      std::fill(acc + row * H, acc + (row + 1) * H, 0.0f);
+      scratch.row_max[row] = kNegInf;
+      scratch.denom[row] = 0.0f;
+      scratch.row_pos[row] = first_pos + int32_t(t);
+    }
+  }
+
+  const int64_t page_floats = S * H;
+  const int64_t kv_stride = p.num_kv_heads * p.num_blocks * page_floats;
+  const float* keys = p.kv_cache + p.layer * 2 * kv_stride + item.kv_head * p.num_blocks * page_floats;
+  const float* values = keys + kv_stride;
+  const int32_t* pages = p.block_tables + int64_t(item.request) * p.pages_per_request;
+  // Out-of-range ids are clamped, as the reference's gather does; they are never visible.
+  auto page_at = [&](int64_t index) {
+    return std::clamp<int64_t>(pages[index], 0, p.num_blocks - 1) * page_floats;
+  };
+  const int32_t first_visible =
+      p.sliding_window > 0 ? std::max(0, first_pos - p.sliding_window + 1) : 0;
+  const int64_t first_page = first_visible / S, end_page = last_visible / S + 1;
+
+  for (int64_t page_index = first_page; page_index < end_page; ++page_index) {
+    if (page_index + 1 < end_page) {
+      // Pages are scattered over the cache, so the hardware prefetcher cannot guess the
+      // next one; ask for it while this one is used.
+      const int64_t next = page_at(page_index + 1);
+      Prefetch(keys + next, page_floats);
+      Prefetch(values + next, page_floats);
+    }
+    const float* k = keys + page_at(page_index);
+    const float* v = values + page_at(page_index);
+    const int32_t page_start = int32_t(page_index * S);
+
+    // Scores of every row against all keys of the page, eight keys at a time. Keys a row
+    // must not see (unused slots may hold NaN) are left out below, never multiplied in.
+    for (int64_t row = 0; row < rows; ++row) {
+      for (int64_t s0 = 0; s0 < S; s0 += kLanes) {
+        v8 partial[kLanes];
+        for (int j = 0; j < kLanes; ++j) {
+          const float* key = k + (s0 + j) * H;
+          v8 sum{};
+          for (int64_t h = 0; h < H; h += kLanes) sum += Load(q + row * H + h) * Load(key + h);
+          partial[j] = sum;
+        }
+        Store(scratch.scores.data() + row * S + s0, TransposeSum(partial));
+      }
+    }
+
+    for (int64_t row = 0; row < rows; ++row) {
+      // The keys a row sees form one run of this page: [s_begin, s_end).
+      const int32_t pos = scratch.row_pos[row];
+      const int32_t lowest = p.sliding_window > 0 ? pos - p.sliding_window + 1 : 0;
+      const int64_t s_begin = std::max<int64_t>(0, lowest - page_start);
+      const int64_t s_end = std::min<int64_t>(S, std::min(pos, kv_len - 1) - page_start + 1);
+      if (s_end <= s_begin) continue;
+      float* scores = scratch.scores.data() + row * S;
+      float page_max = kNegInf;
+      for (int64_t s = s_begin; s < s_end; ++s) page_max = std::max(page_max, scores[s]);
+      const float old_max = scratch.row_max[row];
+      const float new_max = std::max(old_max, page_max);
+      for (int64_t s0 = 0; s0 < S; s0 += kLanes)
+        Store(scores + s0, ExpNonPositive(Load(scores + s0) - new_max));
+      float page_sum = 0.0f;
+      for (int64_t s = s_begin; s < s_end; ++s) page_sum += scores[s];
+      const float correction = old_max == kNegInf ? 0.0f : std::exp(old_max - new_max);
+      scratch.denom[row] = scratch.denom[row] * correction + page_sum;
+      scratch.row_max[row] = new_max;
+      float* a = acc + row * H;
+      for (int64_t h = 0; h < H; h += kLanes) {
+        v8 sum = Load(a + h) * correction;
+        for (int64_t s = s_begin; s < s_end; ++s) sum += scores[s] * Load(v + s * H + h);
+        Store(a + h, sum);
+      }
+    }
+  }
+
+  for (int64_t t = 0; t < item.num_tokens; ++t) {
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t row = t * group + g;
+      float* dst = p.out + ((item.first_token + t) * p.num_q_heads + item.kv_head * group + g) * H;
+      const float denom = scratch.denom[row];
+      const float scale = denom > 0 ? 1.0f / denom : 0.0f;
+      for (int64_t h = 0; h < H; ++h) dst[h] = acc[row * H + h] * scale;
+    }
+  }
+}
+
+// Shared by the caller and the pool tasks; owned jointly, because a task the pool starts
+// late may find no work left and still touch it after the caller has returned.
+struct Work {
+  Problem problem;
+  std::vector<WorkItem> items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+void Drain(Work& work) {
+  const int64_t total = int64_t(work.items.size());
+  int64_t i = work.next.fetch_add(1);
+  if (i >= total) return;
+  Scratch scratch(work.problem);
+  for (; i < total; i = work.next.fetch_add(1)) {
+    Attend(work.problem, work.items[i], scratch);
+    work.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                ffi::Buffer<ffi::F32> kv_cache, ffi::Buffer<ffi::S32> layer,
+                                ffi::Buffer<ffi::S32> kv_lens,
+                                ffi::Buffer<ffi::S32> block_tables,
+                                ffi::Buffer<ffi::S32> query_start_loc,
+                                ffi::ResultBuffer<ffi::F32> out, float sm_scale,
+                                int32_t sliding_window) {
+  const auto q_dims = q.dimensions();
+  const auto cache_dims = kv_cache.dimensions();
+  if (q_dims.size() != 3 || cache_dims.size() != 6 || block_tables.dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("ragged paged attention: unexpected operand ranks");
+  auto work = std::make_shared<Work>();
+  Problem& p = work->problem;
+  const int64_t num_tokens = q_dims[0];
+  const int64_t num_requests = kv_lens.dimensions()[0];
+  p.q = q.typed_data();
+  p.kv_cache = kv_cache.typed_data();
+  p.out = out->typed_data();
+  p.kv_lens = kv_lens.typed_data();
+  p.block_tables = block_tables.typed_data();
+  p.query_start_loc = query_start_loc.typed_data();
+  p.num_q_heads = q_dims[1];
+  p.head_dim = q_dims[2];
+  p.num_kv_heads = cache_dims[2];
+  p.num_blocks = cache_dims[3];
+  p.block_size = cache_dims[4];
+  p.layer = std::clamp<int64_t>(layer.typed_data()[0], 0, cache_dims[0] - 1);
+  p.pages_per_request = block_tables.dimensions()[1];
+  p.sm_scale = sm_scale;
+  p.sliding_window = std::max(0, sliding_window);
+  const int64_t group = p.num_q_heads / p.num_kv_heads;
+  if (p.head_dim % kLanes || p.block_size % kLanes || p.num_q_heads % p.num_kv_heads ||
+      group > kMaxRows || cache_dims[5] != p.head_dim)
+    return ffi::Error::InvalidArgument("ragged paged attention: unsupported shapes");
+
+  // Padding tokens (past query_start_loc[R]) and rows that see nothing come back as zeros.
+  std::memset(p.out, 0, sizeof(float) * num_tokens * p.num_q_heads * p.head_dim);
+  const int64_t tile_tokens = kMaxRows / group;
+  for (int64_t r = 0; r < num_requests; ++r) {
+    const int64_t start = p.query_start_loc[r];
+    const int64_t end = std::min<int64_t>(p.query_start_loc[r + 1], num_tokens);
+    if (end <= start || p.kv_lens[r] <= 0) continue;
+    for (int64_t t = start; t < end; t += tile_tokens)
+      for (int64_t k = 0; k < p.num_kv_heads; ++k)
+        work->items.push_back(
+            {int32_t(r), int32_t(k), int32_t(t), int32_t(std::min(tile_tokens, end - t))});
+  }
+
+  const int64_t total = int64_t(work->items.size());
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { Drain(*work); });
+  Drain(*work);
+  // Every item is claimed by now; wait for the ones a helper is still working on.
+  while (work->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineRaggedPagedAttention, RaggedPagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // kv_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer, shape [1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("sliding_window"));

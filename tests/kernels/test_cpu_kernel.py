@@ -1,0 +1,167 @@
+"""The fused CPU kernel (`cpu.cc` through the XLA FFI) against the XLA reference and the
+float64 oracle, on batches whose every slot it must not read holds NaN
+(`conftest.build_batch`); its derivatives; and how the entry point picks it or falls back.
+
+The kernel is the CPU production path wherever a C++ compiler exists (the development and
+CI machines have one), so these tests require it to build rather than skip.
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.ragged_paged_attention import (
+    cpu,
+    default_impl,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
+
+reference = jax.jit(
+    ragged_paged_attention_reference,
+    static_argnames=("sm_scale", "q_block_size", "sliding_window"),
+)
+kernel = jax.jit(
+    cpu.ragged_paged_attention_cpu, static_argnames=("sm_scale", "q_block_size", "sliding_window")
+)
+
+# (q_lens, kv_lens, pad_tokens); trailing (0, 0) requests are padding.
+BATCHES = {
+    # prefill from scratch, chunked prefill, decodes, a padding request, padding tokens
+    "mixed": ([9, 1, 20, 1, 0], [9, 40, 52, 3, 0], 3),
+    "decode": ([1, 1, 1, 1, 0, 0], [1, 16, 33, 70, 0, 0], 2),
+    # one request whose new tokens straddle pages and the kernel's 16-token work items
+    "prefill": ([37], [45], 0),
+}
+
+# (batch, num_q_heads, num_kv_heads, head_dim, block_size, sliding_window)
+CASES = [
+    ("mixed", 2, 2, 64, 16, None),  # GQA 1
+    ("mixed", 4, 2, 128, 32, None),  # GQA 2
+    ("mixed", 8, 2, 64, 8, None),  # GQA 4, the smallest page
+    ("mixed", 8, 1, 32, 16, None),  # GQA 8: 8 tokens per work item
+    ("mixed", 6, 2, 64, 16, None),  # GQA 3
+    ("mixed", 8, 2, 128, 16, 20),  # sliding window across pages
+    ("decode", 8, 1, 64, 16, None),
+    ("decode", 4, 4, 128, 32, 17),
+    ("prefill", 4, 1, 64, 16, None),
+    ("prefill", 2, 1, 128, 32, 11),
+    ("prefill", 64, 1, 16, 8, None),  # 64 q heads per kv head: one token per work item
+]
+
+
+def test_kernel_builds_here():
+    assert cpu.load() is None
+    assert default_impl("cpu") == "cpu"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_kernel_matches_reference_and_oracle(make_batch, oracle, case):
+    batch_name, num_q_heads, num_kv_heads, head_dim, block_size, sliding_window = case
+    q_lens, kv_lens, pad_tokens = BATCHES[batch_name]
+    batch = make_batch(
+        sum(q_lens),
+        q_lens,
+        kv_lens,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        pad_tokens=pad_tokens,
+    )
+    kwargs = dict(sm_scale=head_dim**-0.5, sliding_window=sliding_window)
+    out = np.asarray(kernel(*batch.args, **kwargs))
+    assert out.shape == batch.q.shape and out.dtype == np.float32
+    assert np.isfinite(out).all(), "the kernel read a NaN slot it should have skipped"
+    np.testing.assert_allclose(out, reference(*batch.args, **kwargs), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        out, oracle(batch, head_dim**-0.5, sliding_window), rtol=1e-5, atol=1e-5
+    )
+    assert not out[sum(q_lens) :].any(), "padding tokens must come back as zeros"
+
+
+def test_kernel_on_many_requests_of_every_length(make_batch, oracle):
+    """A hundred requests, decodes and chunks, contexts from 1 to 300 tokens: the work is
+    shared between threads, and no request may see another's pages."""
+    rng = np.random.default_rng(5)
+    kv_lens = rng.integers(1, 300, size=100)
+    q_lens = np.where(rng.random(100) < 0.2, np.minimum(kv_lens, 40), 1)
+    batch = make_batch(
+        4,
+        q_lens.tolist(),
+        kv_lens.tolist(),
+        num_q_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+        block_size=16,
+        pad_tokens=5,
+    )
+    out = kernel(*batch.args, sm_scale=0.125)
+    np.testing.assert_allclose(out, oracle(batch, 0.125), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_derivatives_are_the_reference_ones(make_batch):
+    q_lens, kv_lens, pad_tokens = BATCHES["mixed"]
+    batch = make_batch(
+        2, q_lens, kv_lens, num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=8
+    )
+    # The NaN traps would make every cotangent NaN; the derivative test needs finite slots.
+    q, cache = jnp.nan_to_num(batch.args[0]), jnp.nan_to_num(batch.args[1])
+    weights = jax.random.normal(jax.random.key(0), q.shape)
+
+    def loss(attention, q, cache):
+        out = attention(q, cache, *batch.args[2:], sm_scale=0.25, sliding_window=30)
+        return jnp.sum(out * weights)
+
+    grads = jax.jit(jax.grad(lambda *a: loss(cpu.ragged_paged_attention_cpu, *a), (0, 1)))(
+        q, cache
+    )
+    expected = jax.jit(jax.grad(lambda *a: loss(ragged_paged_attention_reference, *a), (0, 1)))(
+        q, cache
+    )
+    for got, want in zip(grads, expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(grads[1]).sum()) > 0
+
+
+def test_entry_point_hands_what_the_kernel_does_not_take_to_the_reference(make_batch):
+    q_lens, kv_lens, pad_tokens = BATCHES["mixed"]
+    for head_dim, dtype in ((64, jnp.bfloat16), (12, np.float32)):
+        batch = make_batch(
+            6,
+            q_lens,
+            kv_lens,
+            num_q_heads=4,
+            num_kv_heads=2,
+            head_dim=head_dim,
+            block_size=16,
+            pad_tokens=pad_tokens,
+            dtype=dtype,
+        )
+        out = jax.jit(ragged_paged_attention, static_argnames=("sm_scale", "impl"))(
+            *batch.args, sm_scale=0.125, impl="cpu"
+        )
+        np.testing.assert_array_equal(
+            np.asarray(out, np.float32),
+            np.asarray(reference(*batch.args, sm_scale=0.125), np.float32),
+        )
+        with pytest.raises(ValueError, match="multiples of 8"):
+            cpu.ragged_paged_attention_cpu(*batch.args, sm_scale=0.125)
+
+
+def test_without_a_compiler_the_reference_serves(tmp_path):
+    """A machine with no C++ compiler (and nothing cached) still runs, on the reference."""
+    env = dict(os.environ, CXX="no-such-compiler", JENGINE_KERNEL_CACHE=str(tmp_path))
+    env.pop("JENGINE_ATTENTION_IMPL", None)
+    code = "from pallas_kernels.ragged_paged_attention import default_impl; print(default_impl())"
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "reference"
+    assert "no C++ compiler found" in result.stderr
