@@ -106,7 +106,9 @@ class EngineArgs:
         group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         group.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
         group.add_argument("--seed", type=int, default=0)
-        group.add_argument("--attention-impl", choices=["reference", "cpu", "gpu", "tpu"], default=None)
+        group.add_argument(
+            "--attention-impl", choices=["reference", "cpu", "gpu", "tpu"], default=None
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":

@@ -65,7 +65,9 @@ def _cpu_signature() -> str:
     """What -march=native compiles for: a cached library is only reused on the same CPU."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return "\n".join(sorted({line for line in lines if line.startswith(("flags", "model name"))}))
+        return "\n".join(
+            sorted({line for line in lines if line.startswith(("flags", "model name"))})
+        )
     except OSError:
         return platform.processor() or platform.machine()
 

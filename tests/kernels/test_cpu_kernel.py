@@ -107,9 +107,7 @@ def test_kernel_on_many_requests_of_every_length(make_batch, oracle):
 
 def test_kernel_derivatives_are_the_reference_ones(make_batch):
     q_lens, kv_lens, pad_tokens = BATCHES["mixed"]
-    batch = make_batch(
-        2, q_lens, kv_lens, num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=8
-    )
+    batch = make_batch(2, q_lens, kv_lens, num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=8)
     # The NaN traps would make every cotangent NaN; the derivative test needs finite slots.
     q, cache = jnp.nan_to_num(batch.args[0]), jnp.nan_to_num(batch.args[1])
     weights = jax.random.normal(jax.random.key(0), q.shape)
@@ -118,9 +116,7 @@ def test_kernel_derivatives_are_the_reference_ones(make_batch):
         out = attention(q, cache, *batch.args[2:], sm_scale=0.25, sliding_window=30)
         return jnp.sum(out * weights)
 
-    grads = jax.jit(jax.grad(lambda *a: loss(cpu.ragged_paged_attention_cpu, *a), (0, 1)))(
-        q, cache
-    )
+    grads = jax.jit(jax.grad(lambda *a: loss(cpu.ragged_paged_attention_cpu, *a), (0, 1)))(q, cache)
     expected = jax.jit(jax.grad(lambda *a: loss(ragged_paged_attention_reference, *a), (0, 1)))(
         q, cache
     )
