@@ -70,8 +70,9 @@ class EngineCore:
         num_shapes = self.runner.warmup()
         self.startup_seconds = time.perf_counter() - started
         logger.info(
-            "warmup compiled %d step shapes; engine ready in %.1fs",
+            "warmup compiled %d step shapes (attention: %s); engine ready in %.1fs",
             num_shapes,
+            self.runner.attention_impl,
             self.startup_seconds,
         )
 

@@ -46,6 +46,7 @@ from jengine.runner.sampler import (
     write_slot_history,
 )
 from models import AttentionMetadata
+from pallas_kernels.ragged_paged_attention import default_impl
 
 logger = logging.getLogger(__name__)
 
@@ -151,8 +152,10 @@ class ModelRunner:
         self.sampling_state = jax.device_put(
             SamplingState.zeros(max_num_seqs, self.config.vocab_size), self.device
         )
+        # Resolved once here (building the CPU kernel if need be) so start-up reports it.
+        self.attention_impl = attention_impl or default_impl(self.device.platform)
         self._forward_fn = jax.jit(
-            partial(_forward, self.graphdef, attention_impl), donate_argnums=1
+            partial(_forward, self.graphdef, self.attention_impl), donate_argnums=1
         )
         self._sample_fn = jax.jit(_sample, donate_argnums=0)
         self._prompt_logprobs_fn = jax.jit(partial(_prompt_logprobs, self.graphdef))
