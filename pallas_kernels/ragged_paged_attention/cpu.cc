@@ -37,6 +37,8 @@ constexpr int kLanes = 8;
 // Query rows (tokens x q heads of one kv head) one work item serves.
 constexpr int64_t kMaxRows = 64;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// How far ahead of its page a work item prefetches.
+constexpr int64_t kPrefetchPages = 2;
 
 inline v8 Load(const float* p) {
   v8 x;
@@ -118,8 +120,12 @@ struct Scratch {
         row_pos(kMaxRows) {}
 };
 
+// Into L2 (locality 2): prefetching whole pages into L1 stalled on its few miss buffers.
+// Decode attention, 128 requests, 8 layers (2-core CPU): no prefetch 31-72 ms, next page
+// into L1 35-70 ms, two pages ahead into L2 31-45 ms (consecutive-random page layouts).
 inline void Prefetch(const float* page, int64_t num_floats) {
-  for (int64_t i = 0; i < num_floats; i += 64 / sizeof(float)) __builtin_prefetch(page + i);
+  for (int64_t i = 0; i < num_floats; i += 64 / sizeof(float))
+    __builtin_prefetch(page + i, /*rw=*/0, /*locality=*/2);
 }
 
 void Attend(const Problem& p, const WorkItem& item, Scratch& scratch) {
@@ -161,13 +167,18 @@ void Attend(const Problem& p, const WorkItem& item, Scratch& scratch) {
       p.sliding_window > 0 ? std::max(0, first_pos - p.sliding_window + 1) : 0;
   const int64_t first_page = first_visible / S, end_page = last_visible / S + 1;
 
+  // Pages are scattered over the cache, so the hardware prefetcher cannot guess the next
+  // one: the walk asks for the keys and values kPrefetchPages ahead of the page it uses.
+  for (int64_t index = first_page; index < std::min(first_page + kPrefetchPages, end_page);
+       ++index) {
+    Prefetch(keys + page_at(index), page_floats);
+    Prefetch(values + page_at(index), page_floats);
+  }
   for (int64_t page_index = first_page; page_index < end_page; ++page_index) {
-    if (page_index + 1 < end_page) {
-      // Pages are scattered over the cache, so the hardware prefetcher cannot guess the
-      // next one; ask for it while this one is used.
-      const int64_t next = page_at(page_index + 1);
-      Prefetch(keys + next, page_floats);
-      Prefetch(values + next, page_floats);
+    if (page_index + kPrefetchPages < end_page) {
+      const int64_t ahead = page_at(page_index + kPrefetchPages);
+      Prefetch(keys + ahead, page_floats);
+      Prefetch(values + ahead, page_floats);
     }
     const float* k = keys + page_at(page_index);
     const float* v = values + page_at(page_index);
