@@ -1,7 +1,10 @@
-"""Ragged paged attention in plain XLA: the CPU production path and the kernels' oracle.
+"""Ragged paged attention in plain XLA: the kernels' oracle and the portable path.
 
-Where it sits: the model calls it once per layer with the queries of one ragged batch
-(prefill chunks and decodes mixed) and the whole stacked KV cache. It promises:
+Where it sits: every kernel (`cpu.cc`, `gpu.py`, `tpu.py`) is tested against it; it serves
+on CPU where the C++ kernel does not (no compiler, bfloat16, odd head or page sizes) and
+computes the C++ kernel's derivatives. Like every kernel, it is called once per layer with
+the queries of one ragged batch (prefill chunks and decodes mixed) and the whole stacked KV
+cache. It promises:
 - every token attends causally to its own request's context only (its pages in
   `block_tables`, up to its position), never to another request's or an unused page;
 - memory O((T / Bq + R) x a few pages): queries are cut into blocks of up to Bq tokens of

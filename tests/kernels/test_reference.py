@@ -1,7 +1,7 @@
 """The XLA reference attention against a naive per-token oracle, and `update_kv_cache`.
 
-The reference is both the CPU production path and the oracle of the Pallas kernels, so it
-is checked here against the simplest possible implementation (`conftest.naive_attention`).
+The reference is the oracle of every kernel (and the CPU fallback), so it is checked here
+against the simplest possible implementation (`conftest.naive_attention`).
 """
 
 import jax
