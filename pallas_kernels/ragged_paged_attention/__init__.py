@@ -31,7 +31,7 @@ def default_impl(backend: str | None = None) -> str:
         return forced
     backend = backend or jax.default_backend()
     if backend == "cpu":
-        return "cpu" if cpu.available() else "reference"
+        return "cpu" if cpu.load() is None else "reference"
     return {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(backend, "reference")
 
 

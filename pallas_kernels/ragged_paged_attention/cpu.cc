@@ -165,7 +165,8 @@ void Attend(const Problem& p, const WorkItem& item, Scratch& scratch) {
   };
   const int32_t first_visible =
       p.sliding_window > 0 ? std::max(0, first_pos - p.sliding_window + 1) : 0;
-  const int64_t first_page = first_visible / S, end_page = last_visible / S + 1;
+  const int64_t first_page = first_visible / S;
+  const int64_t end_page = std::min<int64_t>(last_visible / S + 1, p.pages_per_request);
 
   // Pages are scattered over the cache, so the hardware prefetcher cannot guess the next
   // one: the walk asks for the keys and values kPrefetchPages ahead of the page it uses.

@@ -105,33 +105,22 @@ def _build(compiler: str) -> Path:
 
 @functools.cache
 def load() -> str | None:
-    """Build (once per machine) and register the kernel; None if it is available, else why not.
-
-    Cached: XLA keeps one registration per target name for the life of the process.
-    """
+    """Build (once per machine) and register the kernel: None if it is ready, else why not
+    (logged once). Cached: XLA keeps one registration per target name per process."""
     compiler = shutil.which(os.environ.get("CXX", "c++"))
     if compiler is None:
-        return "no C++ compiler found (set CXX)"
-    try:
-        library = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        return f"the kernel did not build: {error}"
-    handler = jax.ffi.pycapsule(getattr(library, SYMBOL))
-    jax.ffi.register_ffi_target(TARGET_NAME, handler, platform="cpu")
-    return None
-
-
-def available() -> bool:
-    """Whether the kernel can run here; logs why not, once."""
-    reason = load()
-    if reason is not None:
-        _warn_once(reason)
-    return reason is None
-
-
-@functools.cache
-def _warn_once(reason: str) -> None:
+        reason = "no C++ compiler found (set CXX)"
+    else:
+        try:
+            library = ctypes.CDLL(str(_build(compiler)))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+            reason = f"the kernel did not build: {error}"
+        else:
+            handler = jax.ffi.pycapsule(getattr(library, SYMBOL))
+            jax.ffi.register_ffi_target(TARGET_NAME, handler, platform="cpu")
+            return None
     logger.warning("CPU attention kernel unavailable, using the XLA reference: %s", reason)
+    return reason
 
 
 def ragged_paged_attention_cpu(
