@@ -121,8 +121,9 @@ struct Scratch {
 };
 
 // Into L2 (locality 2): prefetching whole pages into L1 stalled on its few miss buffers.
-// Decode attention, 128 requests, 8 layers (2-core CPU): no prefetch 31-72 ms, next page
-// into L1 35-70 ms, two pages ahead into L2 31-45 ms (consecutive-random page layouts).
+// Decode attention, 128 requests, 8 layers (2-core CPU, best of 15-25 calls, pages laid out
+// consecutively / at random): no prefetch 31-42 / 65-72 ms, the next page into L1
+// 48-52 / 70 ms, two pages ahead into L2 31-37 / 45 ms (bench/README.md).
 inline void Prefetch(const float* page, int64_t num_floats) {
   for (int64_t i = 0; i < num_floats; i += 64 / sizeof(float))
     __builtin_prefetch(page + i, /*rw=*/0, /*locality=*/2);
@@ -156,7 +157,8 @@ void Attend(const Problem& p, const WorkItem& item, Scratch& scratch) {
 
   const int64_t page_floats = S * H;
   const int64_t kv_stride = p.num_kv_heads * p.num_blocks * page_floats;
-  const float* keys = p.kv_cache + p.layer * 2 * kv_stride + item.kv_head * p.num_blocks * page_floats;
+  const float* keys =
+      p.kv_cache + p.layer * 2 * kv_stride + item.kv_head * p.num_blocks * page_floats;
   const float* values = keys + kv_stride;
   const int32_t* pages = p.block_tables + int64_t(item.request) * p.pages_per_request;
   // Out-of-range ids are clamped, as the reference's gather does; they are never visible.
