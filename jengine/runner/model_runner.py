@@ -46,7 +46,7 @@ from jengine.runner.sampler import (
     write_slot_history,
 )
 from models import AttentionMetadata
-from pallas_kernels.ragged_paged_attention import default_impl
+from pallas_kernels.ragged_paged_attention import resolve_impl
 
 logger = logging.getLogger(__name__)
 
@@ -152,8 +152,12 @@ class ModelRunner:
         self.sampling_state = jax.device_put(
             SamplingState.zeros(max_num_seqs, self.config.vocab_size), self.device
         )
-        # Resolved once here (building the CPU kernel if need be) so start-up reports it.
-        self.attention_impl = attention_impl or default_impl(self.device.platform)
+        # Resolved once here (building the CPU kernel if need be) so start-up reports what
+        # really runs.
+        q = jax.ShapeDtypeStruct(
+            (1, self.config.num_attention_heads, self.config.head_dim), self.dtype
+        )
+        self.attention_impl = resolve_impl(attention_impl, q, self.kv_cache, self.device.platform)
         self._forward_fn = jax.jit(
             partial(_forward, self.graphdef, self.attention_impl), donate_argnums=1
         )

@@ -35,6 +35,16 @@ def default_impl(backend: str | None = None) -> str:
     return {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(backend, "reference")
 
 
+def resolve_impl(impl: str | None, q, kv_cache, backend: str | None = None) -> str:
+    """The implementation that runs for operands shaped like `q` and `kv_cache` (arrays or
+    `jax.ShapeDtypeStruct`s): `impl` or the backend's default, with what the CPU kernel
+    does not take handed to the reference."""
+    impl = impl or default_impl(backend)
+    if impl == "cpu" and not cpu.supports(q, kv_cache):
+        return "reference"
+    return impl
+
+
 def ragged_paged_attention(
     q,
     kv_cache,
@@ -50,10 +60,10 @@ def ragged_paged_attention(
     interpret: bool = False,
 ):
     """See `reference.ragged_paged_attention_reference` for the arguments and promises."""
-    impl = impl or default_impl()
+    impl = resolve_impl(impl, q, kv_cache)
     kwargs = dict(sm_scale=sm_scale, q_block_size=q_block_size, sliding_window=sliding_window)
     args = (q, kv_cache, layer, kv_lens, block_tables, query_start_loc)
-    if impl == "reference" or (impl == "cpu" and not cpu.supports(q, kv_cache)):
+    if impl == "reference":
         return ragged_paged_attention_reference(*args, **kwargs)
     if impl == "cpu":
         return cpu.ragged_paged_attention_cpu(*args, **kwargs)
@@ -71,6 +81,7 @@ def ragged_paged_attention(
 __all__ = [
     "IMPLEMENTATIONS",
     "default_impl",
+    "resolve_impl",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
     "update_kv_cache",
