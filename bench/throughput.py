@@ -1,4 +1,4 @@
-"""Offline throughput, workload A (DESIGN.md §9): jengine vs Hugging Face transformers.
+"""Offline throughput, workload A (bench/README.md): jengine vs Hugging Face transformers.
 
 Both run the same 56M-parameter random Llama (float32) on the same 128 prompts in one
 process run, greedy, exactly 128 output tokens each:

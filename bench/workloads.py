@@ -1,4 +1,4 @@
-"""Standard benchmark workloads and the CPU benchmark model (DESIGN.md §9).
+"""Standard benchmark workloads and the CPU benchmark model (bench/README.md).
 
 Token ids with seed 0, so every engine sees exactly the same requests.
 """
@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-# DESIGN.md §9: a random-weight Llama of about 56M parameters, float32.
+# The CPU benchmark model: a random-weight Llama of about 56M parameters, float32.
 BENCH_MODEL = dict(
     vocab_size=32000,
     hidden_size=512,

@@ -1,18 +1,22 @@
 """Engine configuration: frozen, validated dataclasses, one per concern.
 
-Where it sits: built once by the entry points (CLI flags, ``LLM(...)`` keyword arguments)
-and handed down read-only: ``CacheConfig`` to the KV-cache sizing in the runner and to the
-block pool, ``SchedulerConfig`` to the scheduler. ``ModelConfig`` and ``EngineConfig``
-(which bundles all parts) join this module later.
+Where it sits: built once by the entry points (CLI flags, ``LLM(...)`` keyword arguments,
+through ``EngineArgs`` in jengine/engine/arg_utils.py) and handed down read-only as one
+``EngineConfig``: ``ModelConfig`` to the model loader and the runner, ``CacheConfig`` to the
+KV-cache sizing in the runner and to the block pool, ``SchedulerConfig`` to the scheduler,
+``CompilationConfig`` to the runner's compilation.
 
-What it promises: an instance that exists is valid; a bad value raises ``ValueError``
-naming the field at construction time, long before a step runs. Instances are frozen, so
-every component sees the same numbers for the life of the engine.
+What it promises: the engine's defaults are the defaults of these dataclasses and are
+written nowhere else (EngineArgs and the CLI flags read them); an instance that exists is
+valid, a bad value raises ``ValueError`` naming the field at construction time, long before
+a step runs; instances are frozen, so every component sees the same numbers for the life of
+the engine.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Literal
 
 
@@ -21,7 +25,7 @@ def _require(ok: bool, field: str, msg: str, value: object) -> None:
         raise ValueError(f"{field} {msg}, got {value!r}")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache layout and size.
 
@@ -73,7 +77,7 @@ class CacheConfig:
 SchedulingPolicy = Literal["fcfs", "priority"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class SchedulerConfig:
     """What the scheduler may put into one step.
 
@@ -86,8 +90,9 @@ class SchedulerConfig:
         so one long prompt cannot take the whole budget from the others.
     """
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    # vLLM's CPU server defaults; EngineArgs raises the budget to max_num_seqs if needed.
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     policy: SchedulingPolicy = "fcfs"
     long_prefill_token_threshold: int = 0
@@ -122,7 +127,7 @@ class SchedulerConfig:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class ModelConfig:
     """Which weights, in which precision, and how long a sequence may get.
 
@@ -159,10 +164,28 @@ class ModelConfig:
         )
 
 
-@dataclass(frozen=True, slots=True)
+def default_compilation_cache_dir() -> str:
+    return os.environ.get("JENGINE_COMPILATION_CACHE", os.path.expanduser("~/.cache/jengine/xla"))
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """How the runner keeps compiled programs.
+
+    cache_dir: folder of jax's persistent compilation cache, so a second start loads the
+        step programs instead of compiling them (default: $JENGINE_COMPILATION_CACHE, else
+        ~/.cache/jengine/xla). None leaves jax's process-wide cache setting alone, for
+        research code that manages its own.
+    """
+
+    cache_dir: str | None = field(default_factory=default_compilation_cache_dir)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """All parts together; what `EngineCore` is built from."""
 
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)

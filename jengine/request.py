@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
 
+from jengine.protocol import FinishReason
 from jengine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from jengine.core.outputs import FinishReason
 
 
 class RequestStatus(enum.IntEnum):
@@ -109,10 +106,6 @@ class Request:
         return RequestStatus.is_finished(self.status)
 
     def get_finished_reason(self) -> FinishReason | None:
-        # Imported here, not at module top: jengine.core imports this module, and this
-        # module must stay importable on its own.
-        from jengine.core.outputs import FinishReason
-
         return {
             RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
             RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,

@@ -16,19 +16,16 @@ plain-typed ``msgspec.Struct``, so it round-trips through msgpack unchanged.
 from __future__ import annotations
 
 import copy
-import enum
 import math
 
 import msgspec
 
-# Below this temperature sampling is greedy (argmax); same threshold as vLLM.
-_SAMPLING_EPS = 1e-5
-
-
-class SamplingType(enum.IntEnum):
-    GREEDY = 0
-    RANDOM = 1
-    RANDOM_SEED = 2
+# Below this temperature sampling is greedy (argmax); same threshold as vLLM. The on-device
+# sampler (jengine/runner/sampler.py) reads the same constant.
+GREEDY_TEMPERATURE_EPS = 1e-5
+# Top logprobs the runner computes per token, so the most a request may ask for (vLLM's
+# default max_logprobs); the input processor rejects more.
+MAX_LOGPROBS = 20
 
 
 def _require(ok: bool, field: str, msg: str, value: object) -> None:
@@ -97,7 +94,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self._validate()
-        if self.temperature < _SAMPLING_EPS:
+        if self.temperature < GREEDY_TEMPERATURE_EPS:
             # Greedy ignores the truncation knobs; neutral values let the runner skip them.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
@@ -176,13 +173,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature < _SAMPLING_EPS
-
-    @property
-    def sampling_type(self) -> SamplingType:
-        if self.is_greedy:
-            return SamplingType.GREEDY
-        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+        return self.temperature < GREEDY_TEMPERATURE_EPS
 
     def clone(self) -> SamplingParams:
         """A deep copy (the lists and dict are not shared), e.g. one per n-way child."""

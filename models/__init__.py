@@ -1,18 +1,32 @@
-"""Flax model definitions (the Llama family) and Hugging Face checkpoint loading."""
+"""jengine.models: Flax model definitions (the Llama family) and Hugging Face checkpoint
+loading.
 
-from models.attention_metadata import AttentionMetadata
-from models.llama import LlamaConfig, LlamaForCausalLM
-from models.loader import load_model, model_from_params, read_hf_config, resolve_dtype
-from models.registry import resolve_architecture, supported_architectures
+Installed as `jengine.models` (the folder is `models/` at the top of the repository), so a
+user's own `models` package never shadows it. Importing the package does not import jax:
+`jengine.models.default` (where the bundled model lives) is read by the API process,
+which must stay jax-free; the names below load their modules on first use.
+"""
 
-__all__ = [
-    "AttentionMetadata",
-    "LlamaConfig",
-    "LlamaForCausalLM",
-    "load_model",
-    "model_from_params",
-    "read_hf_config",
-    "resolve_architecture",
-    "resolve_dtype",
-    "supported_architectures",
-]
+import importlib
+
+_EXPORTS = {
+    "AttentionMetadata": "jengine.models.attention_metadata",
+    "LlamaConfig": "jengine.models.llama",
+    "LlamaForCausalLM": "jengine.models.llama",
+    "load_model": "jengine.models.loader",
+    "model_from_params": "jengine.models.loader",
+    "read_hf_config": "jengine.models.loader",
+    "resolve_dtype": "jengine.models.loader",
+    "resolve_architecture": "jengine.models.registry",
+    "supported_architectures": "jengine.models.registry",
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jengine.models' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = sorted(_EXPORTS)

@@ -8,7 +8,7 @@ states and the updated cache; `compute_logits` turns chosen rows into logits.
 Promises:
 - layer weights are stacked on a leading `layers` axis and the layers run under one
   `lax.scan` with the whole KV cache in the carry, so compile time does not grow with depth
-  and the cache is updated in place (DESIGN.md §4);
+  and the cache is updated in place (docs/architecture.md, "One step, end to end");
 - numerics follow Hugging Face transformers for the same checkpoint (tests/models);
 - each token writes its K/V into its slot and attends to its own request's pages only.
 
@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.attention_metadata import AttentionMetadata
-from models.layers import RopeConfig, apply_rope, rms_norm, rope_cos_sin, silu_mlp
-from pallas_kernels import ragged_paged_attention, update_kv_cache
+from jengine.models.attention_metadata import AttentionMetadata
+from jengine.models.layers import RopeConfig, apply_rope, rms_norm, rope_cos_sin, silu_mlp
+from jengine.pallas_kernels import ragged_paged_attention, update_kv_cache
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
-from models.registry import resolve_architecture
+from jengine.models.registry import resolve_architecture
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # HF per-layer tensor name -> (our stacked name, is a linear weight to transpose)

@@ -4,7 +4,7 @@ Where it sits: `models/loader.py` asks it which class builds a checkpoint. Promi
 clear ValueError naming the architecture and the supported list for anything else.
 """
 
-from models.llama import LlamaConfig, LlamaForCausalLM
+from jengine.models.llama import LlamaConfig, LlamaForCausalLM
 
 # name -> (model class, config class); one family file serves several architectures.
 _ARCHITECTURES = {

@@ -51,8 +51,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from models.attention_metadata import AttentionMetadata
-from models.llama import LlamaConfig, LlamaForCausalLM
+from jengine.models.attention_metadata import AttentionMetadata
+from jengine.models.llama import LlamaConfig, LlamaForCausalLM
 
 EOS = "<|endoftext|>"
 END = "<|end|>"
@@ -240,7 +240,7 @@ def hf_config(args, vocab_size: int, eos_id: int) -> dict:
 
 def params_to_hf(params: dict, num_layers: int) -> dict[str, np.ndarray]:
     """Our nested params (stacked [L, in, out] layers) -> HF tensor names ([out, in])."""
-    from models.loader import _LAYER_NAMES, _TOP_NAMES
+    from jengine.models.loader import _LAYER_NAMES, _TOP_NAMES
 
     tensors = {}
     for hf_name, ours in _TOP_NAMES.items():

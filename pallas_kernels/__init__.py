@@ -1,6 +1,6 @@
 """Attention kernels for jengine; each kernel ships beside its pure-jnp reference."""
 
-from pallas_kernels.ragged_paged_attention import (
+from jengine.pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
     update_kv_cache,

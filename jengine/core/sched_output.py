@@ -6,14 +6,14 @@ consumes it and returns a ``ModelRunnerOutput`` for ``Scheduler.update_from_outp
 What it promises: a runner that keeps persistent per-request state can follow the
 scheduler with these deltas alone, and never needs a ``Request``:
 
-1. Drop the state of every id in ``finished_req_ids`` (finished, aborted or *preempted*
+1. Drop the state of every id in ``removed_req_ids`` (finished, aborted or *preempted*
    since the previous step; ids the runner never saw may appear and are to be ignored).
 2. Add every ``NewRequestData``: it carries everything, including, for a request resumed
    after preemption, the output tokens generated so far and its complete new block table.
 3. Update every ``CachedRequestData`` (a request the runner already holds): append
    ``new_block_ids`` to its block table. The runner already knows its tokens: it appended
    the tokens it sampled itself (the scheduler accepts every sampled token, and a request
-   that stops shows up in ``finished_req_ids`` next step).
+   that stops shows up in ``removed_req_ids`` next step).
 
 For every scheduled request, the tokens to run are positions
 ``[num_computed_tokens, num_computed_tokens + num_scheduled_tokens[req_id])`` of
@@ -60,7 +60,7 @@ class SchedulerOutput:
     # req_id -> tokens to run this step; running requests first, then new ones.
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
-    finished_req_ids: set[str] = field(default_factory=set)
+    removed_req_ids: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:

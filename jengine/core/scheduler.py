@@ -24,74 +24,29 @@ What it promises (vLLM V1 rules):
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
-from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from jengine.config import CacheConfig, SchedulerConfig
 from jengine.core.kv_cache_manager import KVCacheManager
-from jengine.core.outputs import (
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    ModelRunnerOutput,
-    SchedulerStats,
-)
+from jengine.core.outputs import ModelRunnerOutput
+from jengine.core.request_queue import WaitingQueue
 from jengine.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from jengine.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from jengine.request import Request, RequestStatus
 
 
-class WaitingQueue:
-    """Requests waiting to (re)start: arrival order for FCFS, (priority, arrival) otherwise.
+@dataclass(slots=True)
+class _StepPlan:
+    """What `schedule()` has decided so far in one step."""
 
-    FCFS puts a preempted request back at the very front; under the priority policy it
-    simply rejoins at its (priority, arrival) rank, which is ahead of later arrivals.
-    """
-
-    def __init__(self, policy: str) -> None:
-        self.policy = policy
-        self._fifo: deque[Request] = deque()
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._tiebreak = itertools.count()  # keeps heap order total and stable
-
-    def _push(self, request: Request) -> None:
-        key = (request.priority, request.arrival_time, next(self._tiebreak), request)
-        heapq.heappush(self._heap, key)
-
-    def add(self, request: Request) -> None:
-        if self.policy == "priority":
-            self._push(request)
-        else:
-            self._fifo.append(request)
-
-    def add_preempted(self, request: Request) -> None:
-        if self.policy == "priority":
-            self._push(request)
-        else:
-            self._fifo.appendleft(request)
-
-    def peek(self) -> Request:
-        return self._heap[0][3] if self.policy == "priority" else self._fifo[0]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._fifo.popleft()
-
-    def remove(self, request: Request) -> None:
-        if self.policy == "priority":
-            self._heap = [e for e in self._heap if e[3] is not request]
-            heapq.heapify(self._heap)
-        else:
-            self._fifo.remove(request)
-
-    def __len__(self) -> int:
-        return len(self._heap) if self.policy == "priority" else len(self._fifo)
-
-    def __iter__(self) -> Iterator[Request]:
-        """In scheduling order."""
-        if self.policy == "priority":
-            return iter([e[3] for e in sorted(self._heap)])
-        return iter(self._fifo)
+    budget: int  # tokens still to hand out
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)  # running requests
+    running: list[Request] = field(default_factory=list)  # scheduled running requests
+    new: list[Request] = field(default_factory=list)  # requests started this step
+    preempted: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -125,7 +80,7 @@ class Scheduler:
         self.waiting = WaitingQueue(scheduler_config.policy)
         self.running: list[Request] = []
         # Ids whose runner state must go, reported with the next SchedulerOutput.
-        self.finished_req_ids: set[str] = set()
+        self.removed_req_ids: set[str] = set()
         self._num_preemptions = 0  # since the last make_stats()
 
     # -- requests in and out ----------------------------------------------------------
@@ -163,7 +118,7 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
-        self.finished_req_ids.add(request.request_id)
+        self.removed_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
     def get_num_unfinished_requests(self) -> int:
@@ -201,18 +156,20 @@ class Scheduler:
         self.waiting.add_preempted(request)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        new_block_ids: dict[str, list[int]] = {}
-        scheduled_running: list[Request] = []
-        scheduled_new: list[Request] = []
-        preempted: list[Request] = []
+        step = _StepPlan(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        # Waiting requests start only if memory was not just too tight for running ones.
+        if not step.preempted:
+            self._schedule_waiting(step)
+        return self._make_scheduler_output(step)
 
-        # 1. Running requests, in order, until the budget is spent.
+    def _schedule_running(self, step: _StepPlan) -> None:
+        """Running requests, in order, until the budget is spent; preempt when blocks run
+        out."""
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and step.budget > 0:
             request = self.running[i]
-            n = self._num_new_tokens(request, budget, request.num_computed_tokens)
+            n = self._num_new_tokens(request, step.budget, request.num_computed_tokens)
             if n == 0:
                 i += 1
                 continue
@@ -220,35 +177,36 @@ class Scheduler:
                 victim, idx = self._pop_victim()
                 if idx < i:
                     i -= 1
-                if victim.request_id in num_scheduled:
+                if victim.request_id in step.num_scheduled:
                     # Priority policy may pick a request already scheduled this step: undo.
-                    budget += num_scheduled.pop(victim.request_id)
-                    del new_block_ids[victim.request_id]
-                    scheduled_running.remove(victim)
+                    step.budget += step.num_scheduled.pop(victim.request_id)
+                    del step.new_block_ids[victim.request_id]
+                    step.running.remove(victim)
                 self._preempt(victim)
-                preempted.append(victim)
+                step.preempted.append(victim)
                 if victim is request:
                     break
             if blocks is None:
                 # The request preempted itself. Under FCFS it was the last one; under the
                 # priority policy the next one (now at index i) may still fit.
                 continue
-            scheduled_running.append(request)
-            num_scheduled[request.request_id] = n
-            new_block_ids[request.request_id] = [b.block_id for b in blocks]
-            budget -= n
+            step.running.append(request)
+            step.num_scheduled[request.request_id] = n
+            step.new_block_ids[request.request_id] = [b.block_id for b in blocks]
+            step.budget -= n
             i += 1
 
-        # 2. Waiting requests, unless memory was just too tight for the running ones.
+    def _schedule_waiting(self, step: _StepPlan) -> None:
+        """Waiting requests from the head of the queue while budget, blocks and
+        max_num_seqs allow; a prefix-cache hit starts a request past its cached blocks."""
         while (
-            not preempted
-            and len(self.waiting) > 0
-            and budget > 0
+            len(self.waiting) > 0
+            and step.budget > 0
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
             hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
-            n = self._num_new_tokens(request, budget, num_hit)
+            n = self._num_new_tokens(request, step.budget, num_hit)
             if n == 0:
                 break
             if self.kv_cache_manager.allocate_slots(request, n, hit_blocks, num_hit) is None:
@@ -260,11 +218,12 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
-            scheduled_new.append(request)
-            num_scheduled[request.request_id] = n
-            budget -= n
+            step.new.append(request)
+            step.num_scheduled[request.request_id] = n
+            step.budget -= n
 
-        # 3. Describe the step, then advance the computed counters past it.
+    def _make_scheduler_output(self, step: _StepPlan) -> SchedulerOutput:
+        """Describe the step, then advance the computed counters past it."""
         new_reqs = [
             NewRequestData(
                 req_id=r.request_id,
@@ -275,30 +234,28 @@ class Scheduler:
                 output_token_ids=list(r.output_token_ids),
                 eos_token_id=r.eos_token_id,
             )
-            for r in scheduled_new
+            for r in step.new
         ]
         cached_reqs = [
             CachedRequestData(
                 req_id=r.request_id,
-                new_block_ids=new_block_ids[r.request_id],
+                new_block_ids=step.new_block_ids[r.request_id],
                 num_computed_tokens=r.num_computed_tokens,
             )
-            for r in scheduled_running
+            for r in step.running
         ]
-        for r in scheduled_running:
-            r.num_computed_tokens += num_scheduled[r.request_id]
-        for r in scheduled_new:
-            r.num_computed_tokens += num_scheduled[r.request_id]
+        for r in (*step.running, *step.new):
+            r.num_computed_tokens += step.num_scheduled[r.request_id]
 
-        finished = self.finished_req_ids
-        finished.update(r.request_id for r in preempted)
-        self.finished_req_ids = set()
+        removed = self.removed_req_ids
+        removed.update(r.request_id for r in step.preempted)
+        self.removed_req_ids = set()
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
-            finished_req_ids=finished,
+            num_scheduled_tokens=step.num_scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - step.budget,
+            removed_req_ids=removed,
         )
 
     # -- results ----------------------------------------------------------------------

@@ -1,17 +1,26 @@
 """EngineArgs: the engine's knobs as one flat dataclass, the CLI flags that set them (vLLM's
 names), and the step that turns them into a validated `EngineConfig`.
 
-Where it sits: `jengine serve` / `jengine generate` parse flags into EngineArgs;
-`AsyncLLM.from_engine_args` and `LLMEngine.from_engine_args` build their EngineConfig from
-it. Jax-free (the API process uses it): the model's defaults come from its config.json.
+Where it sits: `jengine serve` / `jengine generate` parse flags into EngineArgs; `LLM(...)`
+takes its fields as keyword arguments; `AsyncLLM.from_engine_args` and
+`LLMEngine.from_engine_args` build their EngineConfig from it. The defaults are those of the
+config dataclasses (jengine/config.py), read here and by every flag, so they are written
+once. Jax-free (the API process uses it): the model's own limits come from its config.json.
 """
 
 import argparse
 import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
-from jengine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from jengine.config import (
+    CacheConfig,
+    CompilationConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    default_compilation_cache_dir,
+)
 
 
 def read_model_config(path: str) -> dict:
@@ -27,20 +36,25 @@ def read_model_config(path: str) -> dict:
 
 @dataclass
 class EngineArgs:
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
+    model: str | None = ModelConfig.model
+    tokenizer: str | None = ModelConfig.tokenizer
+    dtype: str = ModelConfig.dtype
+    # None: the model's max_position_embeddings.
     max_model_len: int | None = None
-    max_num_seqs: int = 128
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    # None: SchedulerConfig's budget, raised to max_num_seqs if that is larger.
     max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    num_gpu_blocks_override: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    scheduling_policy: str = "fcfs"
-    seed: int = 0
-    attention_impl: str | None = None
+    long_prefill_token_threshold: int = SchedulerConfig.long_prefill_token_threshold
+    block_size: int = CacheConfig.block_size
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
+    num_gpu_blocks_override: int | None = CacheConfig.num_gpu_blocks
+    kv_cache_memory_bytes: int | None = CacheConfig.kv_cache_memory_bytes
+    gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
+    scheduling_policy: str = SchedulerConfig.policy
+    seed: int = ModelConfig.seed
+    attention_impl: str | None = ModelConfig.attention_impl
+    # None leaves jax's process-wide compilation cache setting alone.
+    compilation_cache_dir: str | None = field(default_factory=default_compilation_cache_dir)
 
     def create_engine_config(self) -> EngineConfig:
         """Validate and build; `model` may be None only for an in-memory model (then
@@ -51,9 +65,12 @@ class EngineArgs:
                 raise ValueError("EngineArgs.model must name a checkpoint folder")
         elif max_model_len is None:
             hf_config = read_model_config(self.model)
-            max_model_len = hf_config.get("max_position_embeddings", 2048)
+            max_model_len = hf_config.get("max_position_embeddings", SchedulerConfig.max_model_len)
         else:
             read_model_config(self.model)  # fail here, not in the engine process
+        max_num_batched_tokens = self.max_num_batched_tokens or max(
+            SchedulerConfig.max_num_batched_tokens, self.max_num_seqs
+        )
         return EngineConfig(
             model=ModelConfig(
                 model=self.model,
@@ -72,42 +89,57 @@ class EngineArgs:
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens or max(2048, self.max_num_seqs),
+                max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
                 policy=self.scheduling_policy,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
             ),
+            compilation=CompilationConfig(cache_dir=self.compilation_cache_dir or None),
         )
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, *, model_flag: bool = True) -> None:
+        """The engine's flags; every default is EngineArgs' own."""
         group = parser.add_argument_group("engine")
+
+        def add(flag: str, **kwargs) -> None:
+            name = flag[2:].replace("-", "_")
+            group.add_argument(flag, default=getattr(EngineArgs, name, None), **kwargs)
+
         if model_flag:
-            group.add_argument(
-                "--model", default=None, help="HF checkpoint folder (default: bundled model)"
-            )
-        group.add_argument("--tokenizer", default=None, help="tokenizer folder (default: model)")
-        group.add_argument(
+            add("--model", help="HF checkpoint folder (default: bundled model)")
+        add("--tokenizer", help="tokenizer folder (default: model)")
+        add(
             "--dtype",
-            default="auto",
             choices=["auto", "float32", "bfloat16", "float16", "float", "half"],
             help="weights and KV cache dtype; auto = bf16 on accelerators, f32 on CPU",
         )
-        group.add_argument("--max-model-len", type=int, default=None)
-        group.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs)
-        group.add_argument("--max-num-batched-tokens", type=int, default=None)
-        group.add_argument("--block-size", type=int, default=16)
-        group.add_argument(
-            "--enable-prefix-caching",
-            action=argparse.BooleanOptionalAction,
-            default=True,
+        add("--max-model-len", type=int, help="default: the model's max_position_embeddings")
+        add("--max-num-seqs", type=int, help="requests running at once")
+        add(
+            "--max-num-batched-tokens",
+            type=int,
+            help=f"tokens per step (default: {SchedulerConfig.max_num_batched_tokens}, "
+            "or max-num-seqs if larger)",
         )
-        group.add_argument("--num-gpu-blocks-override", type=int, default=None)
-        group.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-        group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-        group.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
-        group.add_argument("--seed", type=int, default=0)
+        add(
+            "--long-prefill-token-threshold",
+            type=int,
+            help="at most this many tokens of one request per step (0: no limit)",
+        )
+        add("--block-size", type=int, help="tokens per KV-cache block")
+        add("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
+        add("--num-gpu-blocks-override", type=int)
+        add("--kv-cache-memory-bytes", type=int, help="KV-cache budget (default on CPU: 1 GiB)")
+        add("--gpu-memory-utilization", type=float)
+        add("--scheduling-policy", choices=["fcfs", "priority"])
+        add("--seed", type=int)
+        add("--attention-impl", choices=["reference", "cpu", "gpu", "tpu"])
         group.add_argument(
-            "--attention-impl", choices=["reference", "cpu", "gpu", "tpu"], default=None
+            "--compilation-cache-dir",
+            default=default_compilation_cache_dir(),
+            help="jax's persistent compilation cache (default: $JENGINE_COMPILATION_CACHE, "
+            "else ~/.cache/jengine/xla); '' leaves jax's setting alone",
         )
 
     @classmethod

@@ -23,9 +23,9 @@ from jengine.config import EngineConfig
 from jengine.engine.arg_utils import EngineArgs
 from jengine.engine.client import AsyncMPClient, EngineDeadError
 from jengine.engine.input_processor import InputProcessor, PromptType
-from jengine.engine.llm_engine import eos_token_ids_of, fan_out, load_tokenizer
 from jengine.engine.output_processor import OutputProcessor, RequestOutputKind
 from jengine.engine.stats import LoggingStatLogger, StatLoggerBase, StatsTracker
+from jengine.engine.tokenizer import load_tokenizer
 from jengine.outputs import RequestOutput
 from jengine.sampling_params import SamplingParams
 
@@ -51,12 +51,7 @@ class AsyncLLM:
         self.vocab_size = ready.vocab_size
         self.num_blocks = ready.num_blocks
         self.max_model_len = config.scheduler.max_model_len
-        self.input_processor = InputProcessor(
-            self.tokenizer,
-            self.max_model_len,
-            ready.vocab_size,
-            eos_token_ids=eos_token_ids_of(config.model.model, self.tokenizer),
-        )
+        self.input_processor = InputProcessor.from_config(config, self.tokenizer, ready.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = StatsTracker()
         self.stat_loggers: list[StatLoggerBase] = list(stat_loggers)
@@ -84,10 +79,6 @@ class AsyncLLM:
     def dead_error(self) -> BaseException:
         return self._dead_error or self.engine_core.dead_error()
 
-    async def check_health(self) -> None:
-        if self.errored:
-            raise self.dead_error()
-
     def get_tokenizer(self):
         return self.tokenizer
 
@@ -111,17 +102,14 @@ class AsyncLLM:
         if self.errored:
             raise self.dead_error()
         self._ensure_background_tasks()
-        if request_id in self._queues or request_id in self.output_processor.parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
         text, request = self.input_processor.process(request_id, prompt, params, priority)
+        # Raises ValueError, before anything is sent, if the id is in use.
+        sequences = self.output_processor.add_request(request, text, output_kind)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         try:
-            for index, child in enumerate(fan_out(request)):
-                self.output_processor.add_request(
-                    child, text, parent_id=request_id, index=index, output_kind=output_kind
-                )
-                await self.engine_core.add_request_async(child)
+            for sequence in sequences:
+                await self.engine_core.add_request_async(sequence)
         except BaseException:
             await self.abort(request_id)
             raise

@@ -36,8 +36,10 @@ import zmq
 import zmq.asyncio
 
 from jengine.config import EngineConfig
-from jengine.core.outputs import EngineCoreOutputs
-from jengine.engine.protocol import (
+from jengine.logger import init_logging
+from jengine.protocol import (
+    UTILITY_METHODS,
+    EngineCoreOutputs,
     EngineCoreOutputType,
     EngineCoreReady,
     EngineCoreRequest,
@@ -47,14 +49,6 @@ from jengine.engine.protocol import (
 )
 
 logger = logging.getLogger(__name__)
-
-UTILITY_METHODS = (
-    "num_free_blocks",
-    "compiles_after_warmup",
-    "update_weights",
-    "has_unfinished_requests",
-    "get_stats",
-)
 
 
 class InprocClient:
@@ -89,11 +83,7 @@ class EngineDeadError(RuntimeError):
 def run_engine_core(*args) -> None:
     """Spawn target of the engine process. Lives here, in a jax-free module, because the
     child imports the target's module first; jax loads only inside this call."""
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=logging.INFO,
-            format=f"%(levelname)s %(asctime)s [engine-core {os.getpid()}] %(name)s: %(message)s",
-        )
+    init_logging(prefix=f"[engine-core {os.getpid()}] ")
     from jengine.engine.core import EngineCoreProc
 
     EngineCoreProc.run_engine_core(*args)
@@ -185,8 +175,8 @@ class MPClient:
         return self._outputs_decoder.decode(payload.buffer)
 
     def _new_utility_request(self, name: str, args) -> UtilityRequest:
-        if name not in UTILITY_METHODS or name == "update_weights":
-            raise ValueError(f"engine-core utility {name!r} is not available over ZMQ")
+        if name not in UTILITY_METHODS:
+            raise ValueError(f"unknown engine-core utility {name!r}")
         return UtilityRequest(next(self._call_ids), name, list(args))
 
     def shutdown(self) -> None:

@@ -21,24 +21,30 @@ import signal
 import threading
 import time
 
+import jax
+import jax.numpy as jnp
 import msgspec
 import zmq
 from flax import nnx
 
 from jengine.config import EngineConfig
-from jengine.core.outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from jengine.core.scheduler import Scheduler
-from jengine.engine.protocol import (
+from jengine.models import load_model
+from jengine.protocol import (
+    UTILITY_METHODS,
+    EngineCoreOutput,
+    EngineCoreOutputs,
     EngineCoreOutputType,
     EngineCoreReady,
     EngineCoreRequest,
     EngineCoreRequestType,
+    FinishReason,
     UtilityOutput,
     UtilityRequest,
 )
 from jengine.request import Request, RequestStatus
-from jengine.runner.model_runner import ModelRunner, enable_compilation_cache
-from models import load_model
+from jengine.runner.compilation import enable_compilation_cache
+from jengine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -46,33 +52,41 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig, model: nnx.Module | None = None):
         self.config = config
-        enable_compilation_cache()
+        if config.compilation.cache_dir:
+            enable_compilation_cache(config.compilation.cache_dir)
         started = time.perf_counter()
         if model is None:
             model = load_model(config.model.model, config.model.dtype)
-        sched = config.scheduler
+        scheduler_config = config.scheduler
         self.runner = ModelRunner(
             model,
             block_size=config.cache.block_size,
-            max_model_len=sched.max_model_len,
-            max_num_seqs=sched.max_num_seqs,
-            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_model_len=scheduler_config.max_model_len,
+            max_num_seqs=scheduler_config.max_num_seqs,
+            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
             kv_cache_memory_bytes=config.cache.kv_cache_memory_bytes,
             gpu_memory_utilization=config.cache.gpu_memory_utilization,
             num_blocks=config.cache.num_gpu_blocks,
             seed=config.model.seed,
             attention_impl=config.model.attention_impl,
         )
+        logger.info(
+            "model %s: %s, %s, %.1fM parameters; attention: %s",
+            config.model.model or "(in memory)",
+            type(model).__name__,
+            jnp.dtype(self.runner.dtype).name,
+            sum(x.size for x in jax.tree.leaves(self.runner.params)) / 1e6,
+            self.runner.attention_impl,
+        )
         self.capacity_report = self.runner.capacity_report()
         logger.info(self.capacity_report)
-        self.scheduler = Scheduler(sched, config.cache, self.runner.num_blocks)
+        self.scheduler = Scheduler(scheduler_config, config.cache, self.runner.num_blocks)
         self.num_preemptions = 0  # since start, for tests and metrics
         num_shapes = self.runner.warmup()
         self.startup_seconds = time.perf_counter() - started
         logger.info(
-            "warmup compiled %d step shapes (attention: %s); engine ready in %.1fs",
+            "warmup compiled %d step shapes; engine ready in %.1fs",
             num_shapes,
-            self.runner.attention_impl,
             self.startup_seconds,
         )
 
@@ -123,23 +137,18 @@ class EngineCore:
 
     def get_stats(self) -> dict:
         """Gauges of the engine right now (for /metrics and tests), as plain types."""
-        sched = self.scheduler
+        scheduler = self.scheduler
         return {
-            "num_running_reqs": len(sched.running),
-            "num_waiting_reqs": len(sched.waiting),
+            "num_running_reqs": len(scheduler.running),
+            "num_waiting_reqs": len(scheduler.waiting),
             "num_free_blocks": self.num_free_blocks(),
             "num_blocks": self.runner.num_blocks,
-            "kv_cache_usage": sched.kv_cache_manager.usage,
+            "kv_cache_usage": scheduler.kv_cache_manager.usage,
             "num_preemptions": self.num_preemptions,
             "compiles_after_warmup": self.compiles_after_warmup(),
         }
 
 
-# Utilities the front end may call over ZMQ (update_weights needs in-memory jax arrays, so
-# it exists only in-process).
-PROC_UTILITY_METHODS = frozenset(
-    {"num_free_blocks", "compiles_after_warmup", "has_unfinished_requests", "get_stats"}
-)
 _PARENT_POLL_SECONDS = 1.0
 
 
@@ -163,7 +172,6 @@ class EngineCoreProc(EngineCore):
             pid=os.getpid(),
             vocab_size=self.runner.config.vocab_size,
             num_blocks=self.runner.num_blocks,
-            max_model_len=config.scheduler.max_model_len,
             capacity_report=self.capacity_report,
             startup_seconds=self.startup_seconds,
         )
@@ -271,7 +279,7 @@ class EngineCoreProc(EngineCore):
             self.output_queue.put_nowait((EngineCoreOutputType.UTILITY, self._call(message)))
 
     def _call(self, call: UtilityRequest) -> UtilityOutput:
-        if call.method not in PROC_UTILITY_METHODS:
+        if call.method not in UTILITY_METHODS:
             return UtilityOutput(call.call_id, failure_message=f"unknown utility {call.method!r}")
         try:
             return UtilityOutput(call.call_id, result=getattr(self, call.method)(*call.args))

@@ -77,6 +77,3 @@ class IncrementalDetokenizer:
         delta = self.text[self.sent : end]
         self.sent = end
         return delta
-
-    def decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""

@@ -9,15 +9,24 @@ above the engine's limit.
 
 import time
 
-from jengine.engine.protocol import EngineCoreRequest
-from jengine.sampling_params import SamplingParams
-
-MAX_LOGPROBS = 20  # what the runner computes per token (vLLM's default max_logprobs)
+from jengine.config import EngineConfig
+from jengine.engine.tokenizer import eos_token_ids_of
+from jengine.protocol import EngineCoreRequest
+from jengine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 PromptType = str | list[int] | dict
 
 
 class InputProcessor:
+    @classmethod
+    def from_config(cls, config: EngineConfig, tokenizer, vocab_size: int) -> "InputProcessor":
+        return cls(
+            tokenizer,
+            config.scheduler.max_model_len,
+            vocab_size,
+            eos_token_ids=eos_token_ids_of(config.model.model, tokenizer),
+        )
+
     def __init__(
         self, tokenizer, max_model_len: int, vocab_size: int, eos_token_ids: list[int] = ()
     ):
@@ -47,14 +56,23 @@ class InputProcessor:
             return None, list(prompt)
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt=True, **kwargs):
+    def render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+        **template_kwargs,
+    ) -> tuple[str, list[int]]:
+        """Chat messages -> (prompt text, token ids) through the model's chat template. The
+        template writes the special tokens it wants (BOS), so none are added by default."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("this model's tokenizer has no chat template")
-        return self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
         )
+        return text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:

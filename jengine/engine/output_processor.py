@@ -17,10 +17,10 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from jengine.core.outputs import EngineCoreOutput, FinishReason, LogprobsLists
 from jengine.engine.detokenizer import IncrementalDetokenizer
-from jengine.engine.protocol import EngineCoreRequest
+from jengine.engine.parallel_sampling import fan_out
 from jengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jengine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -103,37 +103,42 @@ class OutputProcessor:
         self,
         request: EngineCoreRequest,
         prompt: str | None,
-        *,
-        parent_id: str | None = None,
-        index: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
-    ) -> None:
-        parent_id = parent_id or request.request_id
-        parent = self.parents.get(parent_id)
-        if parent is None:
-            parent = ParentRequest(
-                parent_id,
-                prompt,
-                request.prompt_token_ids,
-                output_kind,
-                metrics=RequestMetrics(arrival_time=request.arrival_time or time.time()),
-            )
-            self.parents[parent_id] = parent
-        params = request.sampling_params
-        state = RequestState(
-            request_id=request.request_id,
-            index=index,
-            parent=parent,
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer if params.detokenize else None, request.prompt_token_ids, params
-            ),
-            num_logprobs=params.logprobs,
-            num_prompt_logprobs=params.prompt_logprobs,
-            logprobs=[] if params.logprobs is not None else None,
-            cumulative_logprob=0.0 if params.logprobs is not None else None,
+    ) -> list[EngineCoreRequest]:
+        """Register a user request (validated by the input processor); returns the
+        engine-core sequences to send: the request itself, or its n > 1 fan-out. Raises
+        ValueError if the id is already in use."""
+        request_id = request.request_id
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        parent = ParentRequest(
+            request_id,
+            prompt,
+            request.prompt_token_ids,
+            output_kind,
+            metrics=RequestMetrics(arrival_time=request.arrival_time or time.time()),
         )
-        parent.children[index] = state
-        self.request_states[request.request_id] = state
+        self.parents[request_id] = parent
+        sequences = fan_out(request)
+        for index, sequence in enumerate(sequences):
+            params = sequence.sampling_params
+            state = RequestState(
+                request_id=sequence.request_id,
+                index=index,
+                parent=parent,
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer if params.detokenize else None,
+                    sequence.prompt_token_ids,
+                    params,
+                ),
+                num_logprobs=params.logprobs,
+                num_prompt_logprobs=params.prompt_logprobs,
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+            )
+            parent.children[index] = state
+            self.request_states[sequence.request_id] = state
+        return sequences
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Forget parents (or sequences) by id; returns the engine-core ids to abort."""

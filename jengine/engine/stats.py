@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from jengine.core.outputs import EngineCoreOutput, SchedulerStats
+from jengine.protocol import EngineCoreOutput, SchedulerStats
 
 logger = logging.getLogger(__name__)
 

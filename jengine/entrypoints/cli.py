@@ -9,32 +9,13 @@ does); `generate` runs the engine in-process.
 
 import argparse
 import contextlib
-import importlib.util
-import logging
 import os
 import sys
 from dataclasses import fields
 
 from jengine.engine.arg_utils import EngineArgs
-
-logger = logging.getLogger("jengine")
-
-LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"
-
-
-def default_model_path() -> str:
-    """`models.default.DEFAULT_MODEL_PATH`, read without importing the `models` package
-    (its __init__ loads the Flax models and so jax, which the API process must not)."""
-    spec = importlib.util.find_spec("models")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("no model given and the bundled `models` package is not installed")
-    path = os.path.join(list(spec.submodule_search_locations)[0], "default.py")
-    if not os.path.isfile(path):
-        raise SystemExit("no model given and no bundled default model (models/default.py)")
-    module_spec = importlib.util.spec_from_file_location("_jengine_default_model", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module.DEFAULT_MODEL_PATH
+from jengine.logger import init_logging
+from jengine.models.default import DEFAULT_MODEL_PATH
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -87,7 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.model_tag and args.model and args.model_tag != args.model:
         raise SystemExit("give the model once: positionally or with --model")
     if not (args.model_tag or args.model):
-        args.model = default_model_path()
+        args.model = DEFAULT_MODEL_PATH
         # Clients name the bundled model by its folder name, not a site-packages path.
         args.served_model_name = args.served_model_name or [os.path.basename(args.model)]
     args.model = args.model_tag or args.model
@@ -101,7 +82,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     e = EngineArgs.from_cli_args(args)
     engine_kwargs = {f.name: getattr(e, f.name) for f in fields(e) if f.name != "model"}
-    llm = LLM(e.model or default_model_path(), **engine_kwargs)
+    llm = LLM(e.model or DEFAULT_MODEL_PATH, **engine_kwargs)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -123,7 +104,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = make_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    init_logging()
     try:
         if args.command == "serve":
             cmd_serve(args)

@@ -18,19 +18,15 @@ from tqdm.auto import tqdm
 
 from jengine.engine.arg_utils import EngineArgs
 from jengine.engine.core import EngineCore
-from jengine.engine.llm_engine import LLMEngine, load_tokenizer
+from jengine.engine.llm_engine import LLMEngine
 from jengine.engine.output_processor import RequestOutputKind
+from jengine.engine.tokenizer import load_tokenizer
+from jengine.models import model_from_params, read_hf_config, resolve_architecture, resolve_dtype
+from jengine.models.default import DEFAULT_MODEL_PATH
 from jengine.outputs import RequestOutput
 from jengine.sampling_params import SamplingParams
-from models import model_from_params, read_hf_config, resolve_architecture, resolve_dtype
 
 PROGRESS_BAR_MIN_PROMPTS = 8
-
-
-def default_model_path() -> str:
-    from models.default import DEFAULT_MODEL_PATH
-
-    return DEFAULT_MODEL_PATH
 
 
 class LLM:
@@ -51,7 +47,7 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown LLM arguments: {sorted(unknown)}")
         module = model if isinstance(model, nnx.Module) else None
-        path = None if module is not None else (model or default_model_path())
+        path = None if module is not None else (model or DEFAULT_MODEL_PATH)
         dtype = engine_kwargs.get("dtype", "auto")
         if module is None and params is not None:
             module = _module_from_params(path, params, dtype)
@@ -96,21 +92,18 @@ class LLM:
             )
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
-        # Validate everything first so a bad prompt leaves nothing half-queued.
-        for prompt, params in zip(prompts, sampling_params, strict=True):
-            _, token_ids = self.llm_engine.input_processor.tokenize(prompt)
-            self.llm_engine.input_processor.validate(token_ids, params)
-        ids = []
-        for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
-            request_id = self.llm_engine.next_request_id()
-            self.llm_engine.add_request(
-                request_id,
-                prompt,
-                params,
-                priority=priority[i] if priority else 0,
-                output_kind=RequestOutputKind.FINAL_ONLY,
+        # Tokenize and validate every prompt (once) before sending any, so a bad prompt
+        # leaves nothing half-queued.
+        engine = self.llm_engine
+        requests = [
+            engine.input_processor.process(
+                engine.next_request_id(), prompt, params, priority[i] if priority else 0
             )
-            ids.append(request_id)
+            for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True))
+        ]
+        for text, request in requests:
+            engine.add_processed_request(request, text, RequestOutputKind.FINAL_ONLY)
+        ids = [request.request_id for _, request in requests]
         return self._run_engine(ids, use_tqdm and len(prompts) >= PROGRESS_BAR_MIN_PROMPTS)
 
     def chat(
@@ -123,16 +116,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list, through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        processor = self.llm_engine.input_processor
+        render = self.llm_engine.input_processor.render_chat
         prompts = [
-            {
-                "prompt_token_ids": self.get_tokenizer().encode(
-                    text := processor.apply_chat_template(conv, add_generation_prompt),
-                    add_special_tokens=False,
-                ),
-                "prompt": text,
-            }
-            for conv in conversations
+            {"prompt": text, "prompt_token_ids": token_ids}
+            for text, token_ids in (render(conv, add_generation_prompt) for conv in conversations)
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -1,7 +1,7 @@
 """Padding buckets: the few fixed shapes every step is padded to. Pure functions.
 
 Where it sits: `input_batch.py` picks a `StepShape` for each SchedulerOutput;
-`model_runner.py` compiles every shape of `all_step_shapes` at warmup, so serving
+`model_runner.py` compiles every shape of `BucketSpec.all_shapes()` at warmup, so serving
 compiles nothing.
 
 A step's shape is (tokens T, requests R, pages per request P, query block Bq):
@@ -19,6 +19,8 @@ max_num_seqs 64, max_num_batched_tokens 512, max_model_len 512 and block_size 16
 """
 
 from dataclasses import dataclass
+
+from jengine.core.kv_cache_utils import cdiv
 
 MIN_TOKENS = 16
 MIN_PAGES = 8
@@ -70,7 +72,7 @@ def smallest_fitting(buckets: list[int], n: int) -> int:
 
 
 def max_pages_per_request(max_model_len: int, block_size: int) -> int:
-    return -(-max_model_len // block_size)
+    return cdiv(max_model_len, block_size)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jengine.core.kv_cache_utils import cdiv
 from jengine.core.sched_output import SchedulerOutput
 from jengine.runner.buckets import BucketSpec, StepShape
 from jengine.runner.sampler import MAX_SUPPRESSED_IDS
@@ -106,14 +107,14 @@ class InputBatch:
 
     # -- following the scheduler ---------------------------------------------------------
 
-    def update(self, sched: SchedulerOutput) -> list[CachedRequestState]:
+    def update(self, scheduler_output: SchedulerOutput) -> list[CachedRequestState]:
         """Apply the scheduler's deltas; returns the requests that just entered the batch."""
-        for req_id in sched.finished_req_ids:
+        for req_id in scheduler_output.removed_req_ids:
             state = self.requests.pop(req_id, None)
             if state is not None:
                 self.free_slots.append(state.slot)
         added = []
-        for new in sched.scheduled_new_reqs:
+        for new in scheduler_output.scheduled_new_reqs:
             params = new.sampling_params
             suppressed = [] if params.min_tokens == 0 else list(params.stop_token_ids or [])
             if params.min_tokens and new.eos_token_id is not None and not params.ignore_eos:
@@ -131,7 +132,7 @@ class InputBatch:
             )
             self.requests[new.req_id] = state
             added.append(state)
-        for cached in sched.scheduled_cached_reqs:
+        for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
@@ -150,13 +151,13 @@ class InputBatch:
 
     # -- building the padded step --------------------------------------------------------
 
-    def prepare(self, sched: SchedulerOutput) -> PreparedStep:
-        req_ids = list(sched.num_scheduled_tokens)
+    def prepare(self, scheduler_output: SchedulerOutput) -> PreparedStep:
+        req_ids = list(scheduler_output.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
-        counts = np.array([sched.num_scheduled_tokens[r] for r in req_ids], np.int32)
+        counts = np.array([scheduler_output.num_scheduled_tokens[r] for r in req_ids], np.int32)
         starts = np.array([s.num_computed_tokens for s in states], np.int32)
         kv_lens = starts + counts
-        max_pages = int(-(-kv_lens.max() // self.block_size))
+        max_pages = cdiv(int(kv_lens.max()), self.block_size)
         shape = self.buckets.shape_for(int(counts.sum()), len(req_ids), max_pages)
         T, R, P = shape.num_tokens, shape.num_reqs, shape.num_pages
 

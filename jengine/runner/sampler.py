@@ -26,7 +26,9 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-_GREEDY_EPS = 1e-5
+from jengine.core.kv_cache_utils import cdiv
+from jengine.sampling_params import GREEDY_TEMPERATURE_EPS
+
 MAX_SUPPRESSED_IDS = 16  # EOS + stop token ids masked before min_tokens
 
 
@@ -54,7 +56,7 @@ class SamplingMetadata:
     """Per-request sampling parameters of one step, [R] each unless noted."""
 
     slots: jax.Array  # int32: row of the request in SamplingState
-    temperature: jax.Array  # float32; < 1e-5 means greedy
+    temperature: jax.Array  # float32; below GREEDY_TEMPERATURE_EPS means greedy
     top_k: jax.Array  # int32; 0 = off
     top_p: jax.Array  # float32; 1 = off
     min_p: jax.Array  # float32; 0 = off
@@ -78,7 +80,7 @@ def argmax(x: jax.Array, block: int = 128) -> jax.Array:
     resolve as in `jnp.argmax`.
     """
     rows, vocab = x.shape
-    num_blocks = -(-vocab // block)
+    num_blocks = cdiv(vocab, block)
     x = jnp.pad(x, ((0, 0), (0, num_blocks * block - vocab)), constant_values=-jnp.inf)
     x = x.reshape(rows, num_blocks, block)
     best_block = jnp.argmax(jnp.max(x, axis=-1), axis=-1)  # [rows]
@@ -133,7 +135,7 @@ def _sample_general(logits: jax.Array, meta: SamplingMetadata, state: SamplingSt
     suppressed = jnp.where(meta.suppressed_ids >= 0, meta.suppressed_ids, logits.shape[-1])
     logits = logits.at[rows, suppressed].set(-jnp.inf, mode="drop")
 
-    greedy = meta.temperature < _GREEDY_EPS
+    greedy = meta.temperature < GREEDY_TEMPERATURE_EPS
     greedy_ids = argmax(logits)
 
     def random_ids(logits):
@@ -156,7 +158,7 @@ def sample(
     plain_greedy = (
         ~jnp.any(meta.use_history)
         & jnp.all(meta.suppressed_ids < 0)
-        & jnp.all((meta.temperature < _GREEDY_EPS) | ~meta.sample_mask)
+        & jnp.all((meta.temperature < GREEDY_TEMPERATURE_EPS) | ~meta.sample_mask)
     )
     sampled = jax.lax.cond(
         plain_greedy,

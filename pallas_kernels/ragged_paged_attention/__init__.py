@@ -12,8 +12,8 @@ import os
 
 import jax
 
-from pallas_kernels.ragged_paged_attention import cpu
-from pallas_kernels.ragged_paged_attention.reference import (
+from jengine.pallas_kernels.ragged_paged_attention import cpu
+from jengine.pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_attention_reference,
     update_kv_cache,
 )
@@ -68,11 +68,11 @@ def ragged_paged_attention(
     if impl == "cpu":
         return cpu.ragged_paged_attention_cpu(*args, **kwargs)
     if impl == "gpu":
-        from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
+        from jengine.pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 
         return ragged_paged_attention_gpu(*args, **kwargs, interpret=interpret)
     if impl == "tpu":
-        from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
+        from jengine.pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
 
         return ragged_paged_attention_tpu(*args, **kwargs, interpret=interpret)
     raise ValueError(f"unknown attention implementation {impl!r}; expected {IMPLEMENTATIONS}")

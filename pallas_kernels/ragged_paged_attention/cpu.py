@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+from jengine.pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
 logger = logging.getLogger(__name__)
 

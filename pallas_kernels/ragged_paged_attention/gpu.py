@@ -8,7 +8,8 @@ How: the wrapper cuts the batch into query blocks of at most Bq tokens of one re
 (`metadata.query_blocks`) and lays each block out as M matrix rows per kv head
 (`metadata.RowLayout`: Bq tokens x the G q heads that share the kv head). One program per
 (query block, kv head) walks its request's pages with a flash-attention online softmax in
-float32 and writes its [M, H] rows; the wrapper scatters rows back to [T, N, H].
+float32 (`online_softmax.online_softmax_update`, shared with the TPU kernel) and writes its
+[M, H] rows; the wrapper scatters rows back to [T, N, H].
 
 GPU Pallas has no scalar prefetch, so block tables, per-block metadata and the layer index
 are ordinary inputs and pages are gathered by dynamic indexing of the whole cache inside
@@ -30,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.ragged_paged_attention.metadata import (
+from jengine.pallas_kernels.ragged_paged_attention.metadata import (
     MASK_VALUE,
     block_token_index,
     gather_query_rows,
@@ -38,6 +39,11 @@ from pallas_kernels.ragged_paged_attention.metadata import (
     query_blocks,
     row_layout,
     scatter_query_rows,
+)
+from jengine.pallas_kernels.ragged_paged_attention.online_softmax import (
+    finalize,
+    online_softmax_update,
+    row_tokens,
 )
 
 
@@ -68,40 +74,26 @@ def _kernel(
     rows, head_dim = q_ref.shape
 
     q = q_ref[...]
-    # Row r is token r >> log2(Gp) of the block; rows past q_len (and padding rows) see nothing.
-    row_token = lax.shift_right_logical(
-        lax.broadcasted_iota(jnp.int32, (rows, block_size), 0), group_shift
-    )
-    row_pos = q_pos + row_token
-    slot = lax.broadcasted_iota(jnp.int32, (rows, block_size), 1)
-    v_slot = lax.broadcasted_iota(jnp.int32, (block_size, head_dim), 0)
+    row_token = row_tokens(rows, block_size, group_shift)
 
     def body(page_index, carry):
         acc, m_prev, l_prev = carry
         page = block_tables_ref[request, page_index]
-        k = kv_ref[layer, 0, kv_head, page]  # [S, H]
-        v = kv_ref[layer, 1, kv_head, page]
-        kv_start = page_index * block_size
-        s = lax.dot_general(
-            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        )  # [M, S]
-        kv_pos = kv_start + slot
-        mask = (row_token < q_len) & (kv_pos <= row_pos) & (kv_pos < kv_len)
-        if sliding_window is not None:
-            mask &= kv_pos > row_pos - sliding_window
-        # `where`, not an additive bias: NaN keys in unused slots must not reach the max.
-        s = jnp.where(mask, s * sm_scale, MASK_VALUE)
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        alpha = jnp.exp(m_prev - m_next)
-        # Masked probabilities are exactly 0 even while a row's max is still MASK_VALUE.
-        p = jnp.where(mask, jnp.exp(s - m_next), 0.0)
-        l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-        # Unused slots may hold NaN and 0 * NaN = NaN: zero them before the dot.
-        v = jnp.where(kv_start + v_slot < kv_len, v, jnp.zeros_like(v))
-        pv = lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        return online_softmax_update(
+            q,
+            kv_ref[layer, 0, kv_head, page],  # [S, H]
+            kv_ref[layer, 1, kv_head, page],
+            acc,
+            m_prev,
+            l_prev,
+            row_token=row_token,
+            q_len=q_len,
+            q_pos=q_pos,
+            kv_start=page_index * block_size,
+            kv_len=kv_len,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
         )
-        return alpha * acc + pv, m_next, l_next
 
     first, end = page_range(q_len, q_pos, kv_len, block_size, sliding_window)
     init = (
@@ -110,8 +102,7 @@ def _kernel(
         jnp.zeros((rows, 1), jnp.float32),
     )
     acc, _, l = lax.fori_loop(first, end, body, init)
-    # Rows that saw no key (padding) have l == 0 and come out as zeros.
-    o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+    o_ref[...] = finalize(acc, l, o_ref.dtype)
 
 
 def _check_pow2(name: str, value: int) -> None:

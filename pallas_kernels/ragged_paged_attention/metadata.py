@@ -8,7 +8,8 @@ T tokens over R requests need at most min(T, T // Bq + R) blocks. Unused blocks 
 q_len 0 and point at request 0; every implementation masks them out.
 
 The Pallas kernels also share how a block becomes matrix rows (`RowLayout`,
-`gather_query_rows`, `scatter_query_rows`) and which pages a block can see (`page_range`).
+`gather_query_rows`, `scatter_query_rows`) and which pages a block can see (`page_range`);
+the per-page softmax math they share lives in `online_softmax.py`.
 
 Axis letters: T tokens, R requests, B query blocks, Q tokens per block, P pages per request,
 N q heads, K kv heads, G q heads per kv head (Gp padded), H head dim, M rows per block.

@@ -28,7 +28,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention.metadata import (
+from jengine.pallas_kernels.ragged_paged_attention.metadata import (
     QueryBlocks,
     block_token_index,
     decode_blocks,
@@ -164,6 +164,33 @@ def _gather_pages(kv_cache: jax.Array, layer, kv: int, page_ids: jax.Array) -> j
     return pages.reshape(num_blocks, num_kv_heads, num_pages * block_size, head_dim)
 
 
+def _attend_pages(kv_cache, layer, step_tokens, sliding_window, group_xs, carry, step):
+    """One online-softmax step of a group of query blocks over their next `step_tokens`
+    keys (`pages_per_step` pages of each block's request)."""
+    row_max, denom, acc = carry
+    page_ids = group_xs["pages"][:, step]  # [GS, pages_per_step]
+    k = _gather_pages(kv_cache, layer, 0, page_ids).astype(jnp.float32)
+    v = _gather_pages(kv_cache, layer, 1, page_ids).astype(jnp.float32)
+    kv_pos = step * step_tokens + jnp.arange(step_tokens, dtype=jnp.int32)
+    kv_valid = kv_pos[None, :] < group_xs["kv_lens"][:, None]  # [GS, C]
+    q_pos = group_xs["q_pos"]
+    mask = kv_valid[:, None, :] & (kv_pos[None, None, :] <= q_pos[:, :, None])  # [GS, rows, C]
+    if sliding_window is not None:
+        mask &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    # Unused slots may hold NaN: zero them so 0-probability * NaN cannot poison the sum.
+    v = jnp.where(kv_valid[:, None, :, None], v, 0)
+    scores = jnp.einsum("bkmh,bksh->bkms", group_xs["q"], k)
+    scores = jnp.where(mask[:, None], scores, -jnp.inf)
+    new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1))
+    # Rows that have seen no visible key yet keep a finite reference point.
+    safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0)
+    probs = jnp.exp(scores - safe_max[..., None])
+    correction = jnp.exp(jnp.where(jnp.isfinite(row_max), row_max, safe_max) - safe_max)
+    denom = denom * correction + jnp.sum(probs, axis=-1)
+    acc = acc * correction[..., None] + jnp.einsum("bkms,bksh->bkmh", probs, v)
+    return new_max, denom, acc
+
+
 def _attend_blocks(
     q,
     kv_cache,
@@ -218,35 +245,11 @@ def _attend_blocks(
     )
     kv_cache = jnp.asarray(kv_cache)
 
-    def attend_pages(group_xs, carry, step):
-        row_max, denom, acc = carry
-        page_ids = group_xs["pages"][:, step]  # [GS, pages_per_step]
-        k = _gather_pages(kv_cache, layer, 0, page_ids).astype(jnp.float32)
-        v = _gather_pages(kv_cache, layer, 1, page_ids).astype(jnp.float32)
-        kv_pos = step * step_tokens + jnp.arange(step_tokens, dtype=jnp.int32)
-        kv_valid = kv_pos[None, :] < group_xs["kv_lens"][:, None]  # [GS, C]
-        q_pos = group_xs["q_pos"]
-        mask = kv_valid[:, None, :] & (kv_pos[None, None, :] <= q_pos[:, :, None])  # [GS, rows, C]
-        if sliding_window is not None:
-            mask &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-        # Unused slots may hold NaN: zero them so 0-probability * NaN cannot poison the sum.
-        v = jnp.where(kv_valid[:, None, :, None], v, 0)
-        scores = jnp.einsum("bkmh,bksh->bkms", group_xs["q"], k)
-        scores = jnp.where(mask[:, None], scores, -jnp.inf)
-        new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1))
-        # Rows that have seen no visible key yet keep a finite reference point.
-        safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0)
-        probs = jnp.exp(scores - safe_max[..., None])
-        correction = jnp.exp(jnp.where(jnp.isfinite(row_max), row_max, safe_max) - safe_max)
-        denom = denom * correction + jnp.sum(probs, axis=-1)
-        acc = acc * correction[..., None] + jnp.einsum("bkms,bksh->bkmh", probs, v)
-        return new_max, denom, acc
-
     def attend_group(_, group_xs):
         def walk(carry, step):
             carry = jax.lax.cond(
                 step < group_xs["steps_needed"],
-                partial(attend_pages, group_xs),
+                partial(_attend_pages, kv_cache, layer, step_tokens, sliding_window, group_xs),
                 lambda c, _: c,
                 carry,
                 step,

@@ -9,10 +9,11 @@ How: the wrapper cuts the batch into query blocks of at most Bq tokens of one re
 (`metadata.RowLayout`). The grid is (query block, kv head, page): block tables, per-block
 metadata and the layer index are scalar-prefetch operands (SMEM), so the K and V BlockSpecs
 pick page `block_tables[request, p]` of the right layer and kv head and Pallas pipelines
-the page DMAs. The page axis is "arbitrary": an online softmax in VMEM scratch (float32)
-carries across it, and the output block is written once, after the last page. Pages a block
-cannot see (past its last token, before its sliding window) map to the nearest visible page,
-so the pipeline does not fetch them again, and their step is skipped.
+the page DMAs. The page axis is "arbitrary": an online softmax in VMEM scratch (float32,
+`online_softmax.online_softmax_update`, shared with the GPU kernel) carries across it, and
+the output block is written once, after the last page. Pages a block cannot see (past its
+last token, before its sliding window) map to the nearest visible page, so the pipeline
+does not fetch them again, and their step is skipped.
 
 Tiling: the kv block is the trailing (S, H) pair of the cache, so S should be a multiple of
 8 (16 for bf16) and H 64 or 128 or a multiple of 128. Scalar prefetch lives in SMEM: the
@@ -26,18 +27,23 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.ragged_paged_attention.metadata import (
+from jengine.pallas_kernels.ragged_paged_attention.metadata import (
     MASK_VALUE,
+    RowLayout,
     block_token_index,
     gather_query_rows,
     page_range,
     query_blocks,
     row_layout,
     scatter_query_rows,
+)
+from jengine.pallas_kernels.ragged_paged_attention.online_softmax import (
+    finalize,
+    online_softmax_update,
+    row_tokens,
 )
 
 # m and l live lane-broadcast in (M, 128) scratch: Mosaic handles full-lane tiles best.
@@ -110,46 +116,79 @@ def _kernel(
 
     @pl.when((page_index >= first) & (page_index < end))
     def _step():
-        kv_start = page_index * block_size
-        # Row r is token r >> log2(Gp) of the block; rows past q_len (and padding rows) see
-        # nothing.
-        row_iota = lax.broadcasted_iota(jnp.int32, (rows, block_size), 0)
-        row_token = lax.shift_right_logical(row_iota, group_shift)
-        row_pos = q_pos + row_token
-        kv_pos = kv_start + lax.broadcasted_iota(jnp.int32, (rows, block_size), 1)
-        mask = (row_token < q_len) & (kv_pos <= row_pos) & (kv_pos < kv_len)
-        if sliding_window is not None:
-            mask &= kv_pos > row_pos - sliding_window
-
-        s = lax.dot_general(
-            q_ref[...], k_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        )  # [M, S]
-        # `where`, not an additive bias: NaN keys in unused slots must not reach the max.
-        s = jnp.where(mask, s * sm_scale, MASK_VALUE)
         # All lanes of m and l hold the same value; a lane max turns them back into columns.
-        m_prev = jnp.max(m_ref[...], axis=1, keepdims=True)  # [M, 1]
-        l_prev = jnp.max(l_ref[...], axis=1, keepdims=True)
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        alpha = jnp.exp(m_prev - m_next)
-        # Masked probabilities are exactly 0 even while a row's max is still MASK_VALUE.
-        p = jnp.where(mask, jnp.exp(s - m_next), 0.0)
-        l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-        # Unused slots may hold NaN and 0 * NaN = NaN: zero them before the dot.
-        v = v_ref[...]
-        v_pos = kv_start + lax.broadcasted_iota(jnp.int32, v.shape, 0)
-        v = jnp.where(v_pos < kv_len, v, jnp.zeros_like(v))
-        pv = lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        acc, m_next, l_next = online_softmax_update(
+            q_ref[...],
+            k_ref[...],
+            v_ref[...],
+            acc_ref[...],
+            jnp.max(m_ref[...], axis=1, keepdims=True),  # [M, 1]
+            jnp.max(l_ref[...], axis=1, keepdims=True),
+            row_token=row_tokens(rows, block_size, group_shift),
+            q_len=q_len,
+            q_pos=q_pos,
+            kv_start=page_index * block_size,
+            kv_len=kv_len,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
         )
-        acc_ref[...] = alpha * acc_ref[...] + pv
+        acc_ref[...] = acc
         m_ref[...] = jnp.broadcast_to(m_next, m_ref.shape)
         l_ref[...] = jnp.broadcast_to(l_next, l_ref.shape)
 
     @pl.when(page_index == pl.num_programs(2) - 1)
     def _finish():
-        # Rows that saw no key (padding) have l == 0 and come out as zeros.
         l = jnp.max(l_ref[...], axis=1, keepdims=True)
-        o_ref[...] = (acc_ref[...] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+        o_ref[...] = finalize(acc_ref[...], l, o_ref.dtype)
+
+
+def _grid_spec(
+    kv_cache_shape: tuple[int, ...],
+    layout: RowLayout,
+    num_blocks: int,
+    pages_per_request: int,
+    sliding_window: int | None,
+) -> pltpu.PrefetchScalarGridSpec:
+    """The (query block, kv head, page) grid after the 6 scalar-prefetch operands: q and
+    output rows per (block, kv head), the K and V page `_visible_page` picks, and the
+    m / l / acc scratch."""
+    _, _, num_kv_heads, num_pages, block_size, head_dim = kv_cache_shape
+    visible_page = functools.partial(
+        _visible_page,
+        pages_per_request=pages_per_request,
+        num_pages=num_pages,
+        block_size=block_size,
+        sliding_window=sliding_window,
+    )
+
+    def row_map(b, h, p, *_):
+        return b, h, 0, 0
+
+    def kv_map(which):
+        def index_map(b, h, p, request, q_len, q_pos, kv_lens, tables, layer):
+            page = visible_page(b, p, request, q_len, q_pos, kv_lens, tables)
+            return layer[0], which, h, page, 0, 0
+
+        return index_map
+
+    squeezed = pl.squeezed
+    row_spec = pl.BlockSpec((squeezed, squeezed, layout.rows, head_dim), row_map)
+    kv_block = (squeezed,) * 4 + (block_size, head_dim)
+    return pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=6,
+        grid=(num_blocks, num_kv_heads, pages_per_request),
+        in_specs=[
+            row_spec,
+            pl.BlockSpec(kv_block, kv_map(0)),
+            pl.BlockSpec(kv_block, kv_map(1)),
+        ],
+        out_specs=row_spec,
+        scratch_shapes=[
+            pltpu.VMEM((layout.rows, LANES), jnp.float32),
+            pltpu.VMEM((layout.rows, LANES), jnp.float32),
+            pltpu.VMEM((layout.rows, head_dim), jnp.float32),
+        ],
+    )
 
 
 @functools.partial(
@@ -175,7 +214,7 @@ def ragged_paged_attention_tpu(
     in the TPU interpreter, which also simulates the page DMAs.
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    _, _, num_kv_heads, num_pages, block_size, _ = kv_cache.shape
+    num_kv_heads = kv_cache.shape[2]
     num_requests, pages_per_request = block_tables.shape
     layout = row_layout(num_q_heads, num_kv_heads, q_block_size)
 
@@ -186,42 +225,7 @@ def ragged_paged_attention_tpu(
     rows = gather_query_rows(q, token_index, num_kv_heads, layout)  # [B, K, M, H]
     num_blocks = rows.shape[0]
 
-    visible_page = functools.partial(
-        _visible_page,
-        pages_per_request=pages_per_request,
-        num_pages=num_pages,
-        block_size=block_size,
-        sliding_window=sliding_window,
-    )
-
-    def row_map(b, h, p, *_):
-        return b, h, 0, 0
-
-    def kv_map(which):
-        def index_map(b, h, p, request, q_len, q_pos, kv_lens, tables, layer):
-            page = visible_page(b, p, request, q_len, q_pos, kv_lens, tables)
-            return layer[0], which, h, page, 0, 0
-
-        return index_map
-
-    squeezed = pl.squeezed
-    row_spec = pl.BlockSpec((squeezed, squeezed, layout.rows, head_dim), row_map)
-    kv_block = (squeezed,) * 4 + (block_size, head_dim)
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=6,
-        grid=(num_blocks, num_kv_heads, pages_per_request),
-        in_specs=[
-            row_spec,
-            pl.BlockSpec(kv_block, kv_map(0)),
-            pl.BlockSpec(kv_block, kv_map(1)),
-        ],
-        out_specs=row_spec,
-        scratch_shapes=[
-            pltpu.VMEM((layout.rows, LANES), jnp.float32),
-            pltpu.VMEM((layout.rows, LANES), jnp.float32),
-            pltpu.VMEM((layout.rows, head_dim), jnp.float32),
-        ],
-    )
+    grid_spec = _grid_spec(kv_cache.shape, layout, num_blocks, pages_per_request, sliding_window)
     kernel = functools.partial(
         _kernel,
         sm_scale=sm_scale,

@@ -17,14 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jengine.config import CacheConfig, SchedulerConfig
-from jengine.core import (
-    EngineCoreOutputs,
-    FinishReason,
-    LogprobsArrays,
-    ModelRunnerOutput,
-    Scheduler,
-    SchedulerOutput,
-)
+from jengine.core import LogprobsArrays, ModelRunnerOutput, Scheduler, SchedulerOutput
+from jengine.protocol import EngineCoreOutputs, FinishReason
 from jengine.request import Request
 from jengine.sampling_params import SamplingParams
 
@@ -111,7 +105,7 @@ class StubRunner:
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         bs = self.block_size
-        for req_id in so.finished_req_ids:
+        for req_id in so.removed_req_ids:
             self.reqs.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             assert new.req_id not in self.reqs, "new request the runner still holds"

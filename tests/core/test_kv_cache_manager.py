@@ -1,9 +1,9 @@
 """KV cache manager: allocation, all-or-nothing failure, prefix hits, free order, leaks."""
 
 import pytest
-from core_helpers import make_request
 
 from jengine.core import KVCacheManager
+from tests.core.core_helpers import make_request
 
 BS = 4
 

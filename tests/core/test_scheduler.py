@@ -4,7 +4,11 @@ aborts and stop conditions. No model runs; ``StubRunner`` checks every block tab
 import random
 
 import pytest
-from core_helpers import (
+
+from jengine.core import ModelRunnerOutput
+from jengine.protocol import FinishReason
+from jengine.request import RequestStatus
+from tests.core.core_helpers import (
     EOS,
     Result,
     StubRunner,
@@ -16,9 +20,6 @@ from core_helpers import (
     run_to_completion,
     step,
 )
-
-from jengine.core import FinishReason, ModelRunnerOutput
-from jengine.request import RequestStatus
 
 
 def test_chunked_prefill_then_decode():
@@ -155,7 +156,7 @@ def test_fcfs_preempts_the_latest_running_request():
     step(sched, runner, results)  # both decode into their second block
     so = step(sched, runner, results)  # a needs a third block: b makes room
     assert so.num_scheduled_tokens == {"a": 1}
-    assert "b" in so.finished_req_ids
+    assert "b" in so.removed_req_ids
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert b.num_preemptions == 1 and list(sched.waiting)[0] is b
     run_to_completion(sched, runner, results)
@@ -178,7 +179,7 @@ def test_priority_preempts_lowest_priority_even_if_already_scheduled():
     # low was scheduled first in this step, then high needed a block: low is the victim,
     # and its tokens are taken back out of the step.
     assert so.num_scheduled_tokens == {"high": 1} and so.total_num_scheduled_tokens == 1
-    assert "low" in so.finished_req_ids and low.status == RequestStatus.PREEMPTED
+    assert "low" in so.removed_req_ids and low.status == RequestStatus.PREEMPTED
     run_to_completion(sched, runner, results)
     assert results["low"].token_ids == reference_tokens(low.prompt_token_ids, 10)
     assert results["high"].token_ids == reference_tokens(high.prompt_token_ids, 8)
@@ -258,7 +259,7 @@ def test_abort_waiting_and_running_requests():
     assert not sched.has_unfinished_requests()
     assert_no_leak(sched)
     so = sched.schedule()
-    assert so.finished_req_ids == {"a", "b"} and so.is_empty
+    assert so.removed_req_ids == {"a", "b"} and so.is_empty
 
 
 def test_abort_while_step_runs_discards_its_results():

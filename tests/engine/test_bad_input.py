@@ -3,7 +3,8 @@
 import pytest
 
 from jengine import SamplingParams
-from tests.engine.conftest import ENGINE_KWARGS, VOCAB, hf_greedy, random_prompts
+from tests.engine.engine_helpers import ENGINE_KWARGS, hf_greedy, random_prompts
+from tests.models.checkpoints import VOCAB
 
 
 @pytest.mark.parametrize(

@@ -11,9 +11,9 @@ import pytest
 from flax import nnx
 
 from jengine import LLM, SamplingParams
-from models import LlamaForCausalLM
-from models.default import DEFAULT_MODEL_PATH
-from models.train_shakespeare import evaluate_with_transformers
+from jengine.models import LlamaForCausalLM
+from jengine.models.default import DEFAULT_MODEL_PATH
+from jengine.models.train_shakespeare import evaluate_with_transformers
 
 WINDOW = 256
 

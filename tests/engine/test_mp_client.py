@@ -15,7 +15,7 @@ import pytest
 from jengine.engine.arg_utils import EngineArgs
 from jengine.engine.client import EngineDeadError, SyncMPClient
 from jengine.engine.llm_engine import LLMEngine
-from jengine.engine.protocol import EngineCoreReady, UtilityOutput, UtilityRequest
+from jengine.protocol import EngineCoreReady, UtilityOutput, UtilityRequest
 from jengine.sampling_params import SamplingParams
 from tests.entrypoints.tiny_model import ENGINE_ARGS, make_tiny_model
 
@@ -47,7 +47,7 @@ def test_protocol_round_trips():
         UtilityRequest(4, "get_stats", [1, "x"]),
         UtilityOutput(3, result={"num_free_blocks": 7}),
         UtilityOutput(5, failure_message="boom"),
-        EngineCoreReady(pid=1, vocab_size=384, num_blocks=256, max_model_len=128),
+        EngineCoreReady(pid=1, vocab_size=384, num_blocks=256),
     ):
         assert msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=type(message)) == (
             message
@@ -90,7 +90,7 @@ def test_utilities(engine):
     assert client.call_utility("has_unfinished_requests") is False
     stats = client.call_utility("get_stats")
     assert stats["num_blocks"] == 256 and stats["num_running_reqs"] == 0
-    assert client.ready.vocab_size == 384 and client.ready.max_model_len == 128
+    assert client.ready.vocab_size == 384
     with pytest.raises(ValueError):
         client.call_utility("update_weights", {})  # in-process only
     with pytest.raises(ValueError):

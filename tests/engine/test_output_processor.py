@@ -2,9 +2,8 @@
 
 import pytest
 
-from jengine.core.outputs import EngineCoreOutput, FinishReason
 from jengine.engine.output_processor import OutputProcessor, RequestOutputKind
-from jengine.engine.protocol import EngineCoreRequest
+from jengine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
 from jengine.sampling_params import SamplingParams
 from tests.entrypoints.tiny_model import make_tokenizer
 
@@ -109,11 +108,10 @@ def test_min_tokens_delays_stop_strings(tokenizer):
 def test_n_children_gathered_in_order(tokenizer):
     processor = OutputProcessor(tokenizer)
     prompt = tokenizer.encode("Hark:")
-    for index in (0, 1):
-        request = EngineCoreRequest(f"{index}_p", prompt, SamplingParams())
-        processor.add_request(
-            request, "Hark:", parent_id="p", index=index, output_kind=RequestOutputKind.FINAL_ONLY
-        )
+    sequences = processor.add_request(
+        EngineCoreRequest("p", prompt, SamplingParams(n=2)), "Hark:", RequestOutputKind.FINAL_ONLY
+    )
+    assert [s.request_id for s in sequences] == ["0_p", "1_p"]
     a, b = tokenizer.encode("winter"), tokenizer.encode("summer")
     out, _ = processor.process_outputs(
         [EngineCoreOutput("1_p", b, finish_reason=FinishReason.LENGTH)]

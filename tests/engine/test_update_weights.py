@@ -3,8 +3,8 @@
 from flax import nnx
 
 from jengine import LLM, SamplingParams
-from models import load_model
-from tests.engine.conftest import ENGINE_KWARGS, hf_greedy, random_prompts
+from jengine.models import load_model
+from tests.engine.engine_helpers import ENGINE_KWARGS, hf_greedy, random_prompts
 from tests.models.checkpoints import make_checkpoint
 
 

@@ -1,10 +1,11 @@
 """`jengine generate` and `jengine serve` as a user runs them (subprocesses)."""
 
+import re
 import socket
 import subprocess
 import sys
 
-from tests.entrypoints.conftest import ENGINE_FLAGS
+from tests.entrypoints.remote_server import ENGINE_FLAGS
 
 CLI = [sys.executable, "-m", "jengine.entrypoints.cli"]
 
@@ -37,3 +38,25 @@ def test_serve_fails_fast_and_clearly():
     for flag in ("--served-model-name", "--max-model-len", "--max-num-seqs",
                  "--max-num-batched-tokens", "--block-size", "--dtype", "--api-key"):  # fmt: skip
         assert flag in help_text
+
+
+def test_generate_logs_only_what_a_user_needs(tiny_model):
+    """A first run says model, dtype, attention, KV capacity and ready time, and nothing
+    the user must learn to ignore: not transformers' advice that PyTorch is missing (the
+    engine needs only its tokenizers; hidden here from an environment that has torch), nor
+    JAX probing for a TPU."""
+    code = (
+        "import sys; sys.modules['torch'] = None; "  # as on an install without torch
+        "from jengine.entrypoints.cli import main; main(sys.argv[1:])"
+    )
+    args = ["generate", "The quick brown fox", "--model", tiny_model, "--max-tokens", "4",
+            "--temperature", "0", *ENGINE_FLAGS]  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert all(re.match(r"INFO \S+ \S+ jengine\.", line) for line in lines), lines
+    log = "\n".join(lines)
+    assert re.search(rf"model {re.escape(tiny_model)}: LlamaForCausalLM, float32", log)
+    assert re.search(r"attention: \w+", log) and "KV cache: " in log and "ready in" in log

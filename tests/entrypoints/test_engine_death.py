@@ -10,7 +10,7 @@ import time
 import httpx2
 import pytest
 
-from tests.entrypoints.conftest import MODEL_NAME, SERVER_ARGS, RemoteServer
+from tests.entrypoints.remote_server import MODEL_NAME, SERVER_ARGS, RemoteServer
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import httpx2
 import openai
 import pytest
 
-from tests.entrypoints.conftest import (
+from tests.entrypoints.remote_server import (
     API_KEY,
     ENGINE_ARGS,
     MODEL_NAME,

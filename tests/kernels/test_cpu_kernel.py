@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.ragged_paged_attention import (
+from jengine.pallas_kernels.ragged_paged_attention import (
     cpu,
     default_impl,
     ragged_paged_attention,
@@ -154,7 +154,10 @@ def test_without_a_compiler_the_reference_serves(tmp_path):
     """A machine with no C++ compiler (and nothing cached) still runs, on the reference."""
     env = dict(os.environ, CXX="no-such-compiler", JENGINE_KERNEL_CACHE=str(tmp_path))
     env.pop("JENGINE_ATTENTION_IMPL", None)
-    code = "from pallas_kernels.ragged_paged_attention import default_impl; print(default_impl())"
+    code = (
+        "from jengine.pallas_kernels.ragged_paged_attention import default_impl; "
+        "print(default_impl())"
+    )
     result = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
-from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
+from jengine.pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
+from jengine.pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
 
 KERNELS = {
     "cuda": (ragged_paged_attention_gpu, "__gpu$xla.gpu.triton"),

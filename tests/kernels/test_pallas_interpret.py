@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.ragged_paged_attention import (
+from jengine.pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
-from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
-from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
+from jengine.pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
+from jengine.pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
 
 KERNELS = {
     "gpu": functools.partial(ragged_paged_attention_gpu, interpret=True),

@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.ragged_paged_attention import (
+from jengine.pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
     update_kv_cache,
 )
-from pallas_kernels.ragged_paged_attention.reference import GROUP_BLOCKS
+from jengine.pallas_kernels.ragged_paged_attention.reference import GROUP_BLOCKS
 
 # Jitted: op-by-op dispatch of the reference costs seconds per call on CPU.
 reference = jax.jit(

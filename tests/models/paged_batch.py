@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import AttentionMetadata
+from jengine.models import AttentionMetadata
 
 
 class PagedSequences:

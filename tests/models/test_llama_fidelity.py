@@ -8,7 +8,7 @@ chunk and in several chunks gives the same logits.
 import numpy as np
 import pytest
 
-from models import load_model
+from jengine.models import load_model
 from tests.models.checkpoints import FAMILIES, VOCAB, hf_logits, make_checkpoint
 from tests.models.paged_batch import PagedSequences
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from models import load_model
+from jengine.models import load_model
 from tests.models.checkpoints import hf_logits, make_checkpoint
 from tests.models.paged_batch import PagedSequences
 

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import AttentionMetadata, LlamaConfig, LlamaForCausalLM
-from models.layers import RopeConfig
+from jengine.models import AttentionMetadata, LlamaConfig, LlamaForCausalLM
+from jengine.models.layers import RopeConfig
 
 CONFIG = LlamaConfig(
     vocab_size=128,

@@ -1,11 +1,10 @@
-"""The OpenAI-compatible HTTP server: FastAPI app factory and the uvicorn runner behind
+"""The OpenAI-compatible HTTP server: the FastAPI app factory and the uvicorn runner behind
 `jengine serve`.
 
 Where it sits: the top of the serving path, in the API process (which never imports jax):
-routes -> serving_completion / serving_chat -> AsyncLLM -> (ZMQ) -> engine-core process.
-
-Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models,
-GET /health, GET /metrics (Prometheus), POST /tokenize, POST /detokenize, GET /version.
+routes.py -> serving_completion / serving_chat / serving_tokenization -> AsyncLLM ->
+(ZMQ) -> engine-core process. `build_app` only wires: the serving objects and the engine
+on `app.state`, the API-key middleware, the exception handlers, and routes.py's router.
 
 Errors always have OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: bad
 or missing fields and malformed JSON -> 400, unknown model -> 404, missing or wrong API key
@@ -16,7 +15,6 @@ request.
 
 import asyncio
 import gc
-import importlib.metadata
 import logging
 import secrets
 import signal
@@ -26,39 +24,45 @@ import sys
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jengine.engine.async_llm import AsyncLLM
 from jengine.engine.client import EngineDeadError
-from jengine.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
-from jengine.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    OpenAIError,
-    TokenizeRequest,
-    TokenizeResponse,
-)
+from jengine.entrypoints.openai.metrics import PrometheusStatLogger
+from jengine.entrypoints.openai.protocol import OpenAIError
+from jengine.entrypoints.openai.routes import error_response, router, version
 from jengine.entrypoints.openai.serving_chat import OpenAIServingChat
 from jengine.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jengine.entrypoints.openai.serving_engine import engine_dead_error
+from jengine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
 
 
-def version() -> str:
-    try:
-        return importlib.metadata.version("jengine")
-    except importlib.metadata.PackageNotFoundError:
-        return "0.0.0"
+def build_app(
+    engine: AsyncLLM,
+    served_model_names: list[str] | None = None,
+    *,
+    api_key: str | None = None,
+) -> FastAPI:
+    model_path = engine.config.model.model
+    names = list(served_model_names or [model_path])
+    prometheus = PrometheusStatLogger(names[0], engine.num_blocks)
+    engine.stat_loggers.append(prometheus)
+    chat = OpenAIServingChat(engine, names, model_path)
 
-
-def error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.to_response().model_dump(), status_code=error.status_code)
+    app = FastAPI(title="jengine", version=version())
+    app.state.engine = engine
+    app.state.prometheus = prometheus
+    app.state.serving_completion = OpenAIServingCompletion(engine, names, model_path)
+    app.state.serving_chat = chat
+    app.state.serving_tokenization = OpenAIServingTokenization(engine, names, model_path, chat)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    for exc_class, handler in EXCEPTION_HANDLERS.items():
+        app.add_exception_handler(exc_class, handler)
+    app.include_router(router)
+    return app
 
 
 class APIKeyMiddleware:
@@ -83,28 +87,38 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+# -- exception handlers: everything becomes an OpenAI-shaped error body ----------------------
 
 
-async def run_unless_disconnected(request: Request, coro):
-    """Run a full (non-streamed) response; if the client goes away first, cancel it, which
-    aborts its requests in the engine. Returns None in that case."""
-    work = asyncio.ensure_future(coro)
-    watch = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in (work, watch):
-            if not task.done():
-                task.cancel()
-    if work.cancelled() or not work.done():
-        await asyncio.gather(work, return_exceptions=True)
-        return None
-    return work.result()
+async def _on_openai_error(request: Request, exc: OpenAIError):
+    return error_response(exc)
+
+
+async def _on_validation_error(request: Request, exc: RequestValidationError):
+    message, param = _validation_message(exc)
+    return error_response(OpenAIError(message, 400, param))
+
+
+async def _on_http_error(request: Request, exc: StarletteHTTPException):
+    return error_response(OpenAIError(str(exc.detail), exc.status_code))
+
+
+async def _on_engine_dead(request: Request, exc: EngineDeadError):
+    return error_response(engine_dead_error(exc))
+
+
+async def _on_unexpected(request: Request, exc: Exception):
+    logger.exception("unhandled error in %s %s", request.method, request.url.path)
+    return error_response(OpenAIError(f"internal error: {type(exc).__name__}", 500))
+
+
+EXCEPTION_HANDLERS = {
+    OpenAIError: _on_openai_error,
+    RequestValidationError: _on_validation_error,
+    StarletteHTTPException: _on_http_error,
+    EngineDeadError: _on_engine_dead,
+    Exception: _on_unexpected,
+}
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -118,135 +132,6 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         param = param or where or None
         parts.append(f"{where}: {error.get('msg')}" if where else str(error.get("msg")))
     return "; ".join(parts) or "invalid request", param
-
-
-def build_app(
-    engine: AsyncLLM,
-    served_model_names: list[str] | None = None,
-    *,
-    api_key: str | None = None,
-) -> FastAPI:
-    model_path = engine.config.model.model
-    names = list(served_model_names or [model_path])
-    prometheus = PrometheusStatLogger(names[0], engine.num_blocks)
-    engine.stat_loggers.append(prometheus)
-    completion = OpenAIServingCompletion(engine, names, model_path)
-    chat = OpenAIServingChat(engine, names, model_path)
-
-    app = FastAPI(title="jengine", version=version())
-    app.state.engine = engine
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
-
-    @app.exception_handler(OpenAIError)
-    async def on_openai_error(request: Request, exc: OpenAIError):
-        return error_response(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(request: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
-        return error_response(OpenAIError(message, 400, param))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, exc: StarletteHTTPException):
-        return error_response(OpenAIError(str(exc.detail), exc.status_code))
-
-    @app.exception_handler(EngineDeadError)
-    async def on_engine_dead(request: Request, exc: EngineDeadError):
-        return error_response(engine_dead_error(exc))
-
-    @app.exception_handler(Exception)
-    async def on_unexpected(request: Request, exc: Exception):
-        logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return error_response(OpenAIError(f"internal error: {type(exc).__name__}", 500))
-
-    # -- generation -----------------------------------------------------------------------
-
-    @app.post("/v1/completions")
-    async def create_completion(body: CompletionRequest, raw_request: Request):
-        prepared = completion.prepare(body)
-        if body.stream:
-            return StreamingResponse(
-                completion.stream(body, *prepared), media_type="text/event-stream"
-            )
-        response = await run_unless_disconnected(raw_request, completion.complete(body, *prepared))
-        return response if response is not None else Response(status_code=499)
-
-    @app.post("/v1/chat/completions")
-    async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request):
-        prepared = chat.prepare(body)
-        if body.stream:
-            return StreamingResponse(chat.stream(body, *prepared), media_type="text/event-stream")
-        response = await run_unless_disconnected(raw_request, chat.complete(body, *prepared))
-        return response if response is not None else Response(status_code=499)
-
-    # -- model info, tokenizer --------------------------------------------------------------
-
-    @app.get("/v1/models")
-    async def show_models() -> ModelList:
-        return ModelList(
-            data=[
-                ModelCard(id=name, root=model_path, max_model_len=engine.max_model_len)
-                for name in names
-            ]
-        )
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        completion.check_model(body.model)
-        completion.require_tokenizer()
-        if (body.prompt is None) == (body.messages is None):
-            raise OpenAIError("give exactly one of prompt and messages", param="prompt")
-        if body.prompt is not None:
-            special = True if body.add_special_tokens is None else body.add_special_tokens
-            tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=special)
-        else:
-            _, tokens = chat.render(
-                chat.messages(body.messages),
-                body.add_generation_prompt,
-                body.continue_final_message,
-                body.chat_template_kwargs,
-                bool(body.add_special_tokens),
-            )
-        return TokenizeResponse(
-            count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens
-        )
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        completion.check_model(body.model)
-        completion.require_tokenizer()
-        bad = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
-        if bad:
-            raise OpenAIError(
-                f"token ids {bad[:5]} are out of vocabulary (the vocabulary has "
-                f"{engine.vocab_size} tokens)",
-                param="tokens",
-            )
-        return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
-
-    # -- operations -------------------------------------------------------------------------
-
-    @app.get("/health")
-    async def health():
-        if engine.errored:
-            return error_response(engine_dead_error(engine.dead_error()))
-        return Response(status_code=200)
-
-    @app.get("/version")
-    async def show_version():
-        return {"version": version()}
-
-    @app.get("/metrics")
-    async def metrics():
-        if not engine.errored:
-            try:
-                prometheus.record_engine_stats(await engine.get_engine_stats(timeout=5.0))
-            except (EngineDeadError, TimeoutError, RuntimeError) as e:
-                logger.warning("could not read engine stats for /metrics: %s", e)
-        return Response(prometheus.render(), media_type=CONTENT_TYPE_LATEST)
-
-    return app
 
 
 # -- running it -------------------------------------------------------------------------------

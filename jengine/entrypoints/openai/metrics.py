@@ -19,8 +19,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from jengine.core.outputs import SchedulerStats
 from jengine.engine.stats import IterationStats, StatLoggerBase
+from jengine.protocol import SchedulerStats
 
 TTFT_BUCKETS = [
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,

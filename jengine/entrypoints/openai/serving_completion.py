@@ -1,10 +1,13 @@
 """`POST /v1/completions`: prompts (text, token ids, or batches of either) -> completions,
 as one JSON body or as server-sent events.
 
-Where it sits: api_server.py routes here; everything is validated (model, sampling fields,
-prompt + max_tokens against max_model_len, token ids, logprob counts) before a request
-reaches AsyncLLM, so errors are plain 400/404 bodies and never half a stream. Choice
-`index` is prompt_index * n + sequence_index, as in OpenAI's API.
+Where it sits: routes.py calls `prepare`, then `complete` or `stream` (serving_engine.py's
+skeleton, which runs one engine request per prompt); this class adds only what is
+completion-specific: batches of prompts, `echo` of the prompt, and OpenAI's legacy logprob
+shape. Everything is validated (model, sampling fields, prompt + max_tokens against
+max_model_len, token ids, logprob counts) before a request reaches AsyncLLM, so errors are
+plain 400/404 bodies and never half a stream. Choice `index` is
+prompt_index * n + sequence_index, as in OpenAI's API.
 """
 
 from collections.abc import AsyncIterator
@@ -17,34 +20,32 @@ from jengine.entrypoints.openai.protocol import (
     CompletionResponseChoice,
     CompletionStreamResponse,
     OpenAIError,
-    random_id,
 )
 from jengine.entrypoints.openai.serving_engine import (
+    EnginePrompt,
     OpenAIServing,
+    PreparedRequest,
+    StreamUsage,
     clamp_logprob,
-    merge_async_iterators,
-    sse,
-    sse_error,
-    stream_error,
-    top_k_of,
     usage,
 )
-from jengine.outputs import Logprob, RequestOutput
+from jengine.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    def prepare(self, request: CompletionRequest):
-        """Validate; returns (request id, [(prompt text, token ids)], [SamplingParams])."""
-        self.check_model(request.model)
-        self.check_engine()
-        self.check_stream_options(request)
+    chunk_type = CompletionStreamResponse
+    request_id_prefix = "cmpl"
+
+    def prepare(self, request: CompletionRequest) -> PreparedRequest:
+        """Validate; one EnginePrompt (engine id `<id>-<i>`) per prompt of the batch."""
+        self.check_request(request)
         if request.suffix:
             raise OpenAIError("suffix is not supported", param="suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise OpenAIError("best_of is not supported (use n)", param="best_of")
-        prompts = self._tokenize(request)
-        all_params = []
-        for _, token_ids in prompts:
+        request_id = self.response_id(request)
+        prompts = []
+        for index, (text, token_ids) in enumerate(self._tokenize(request)):
             max_tokens = self.max_tokens_for(request.max_tokens, len(token_ids), "prompt")
             prompt_logprobs = request.prompt_logprobs
             if request.echo and request.logprobs is not None:
@@ -56,8 +57,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompt_logprobs=prompt_logprobs,
             )
             self.validate_prompt(token_ids, params)
-            all_params.append(params)
-        return request.request_id or random_id("cmpl"), prompts, all_params
+            prompts.append(EnginePrompt(text, token_ids, params, f"{request_id}-{index}"))
+        return PreparedRequest(request_id, prompts)
 
     def _tokenize(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
         prompt = request.prompt
@@ -77,63 +78,42 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompts.append((None, list(item)))
         return prompts
 
-    def _generators(self, request, request_id, prompts, all_params, kind):
-        return [
-            self.engine.generate(
-                {"prompt_token_ids": ids, "prompt": text},
-                params,
-                f"{request_id}-{i}",
-                priority=request.priority,
-                output_kind=kind,
-            )
-            for i, ((text, ids), params) in enumerate(zip(prompts, all_params, strict=True))
-        ]
+    def _prompt_text(self, prompt: EnginePrompt) -> str:
+        if prompt.text is not None:
+            return prompt.text
+        return self.tokenizer.decode(prompt.token_ids) if self.tokenizer is not None else ""
 
-    def _prompt_text(self, text: str | None, token_ids: list[int]) -> str:
-        if text is not None:
-            return text
-        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
+    def _with_prompt_logprobs(self, prompt: EnginePrompt, output: RequestOutput, ids, rows):
+        """Echo: the prompt's tokens and logprob rows (None for the first) before the reply's."""
+        prompt_rows = output.prompt_logprobs or [None] * len(prompt.token_ids)
+        return list(prompt.token_ids) + ids, list(prompt_rows) + rows
 
     # -- full response --------------------------------------------------------------------
 
-    async def complete(self, request: CompletionRequest, request_id, prompts, all_params):
-        finals: list[RequestOutput | None] = [None] * len(prompts)
-        generators = self._generators(
-            request, request_id, prompts, all_params, RequestOutputKind.FINAL_ONLY
-        )
-        try:
-            async for i, output in merge_async_iterators(*generators):
-                finals[i] = output
-        except ValueError as e:  # e.g. a client-chosen request_id already in use
-            raise OpenAIError(str(e)) from None
+    def response(
+        self,
+        request: CompletionRequest,
+        prepared: PreparedRequest,
+        finals: list[RequestOutput],
+    ) -> CompletionResponse:
         choices = []
         num_prompt_tokens = num_generated = 0
-        for i, output in enumerate(finals):
-            text, token_ids = prompts[i]
+        for i, (prompt, output) in enumerate(zip(prepared.prompts, finals, strict=True)):
             num_prompt_tokens += len(output.prompt_token_ids)
             for seq in output.outputs:
                 num_generated += len(seq.token_ids)
                 body, logprobs = seq.text, None
                 if request.echo:
-                    body = self._prompt_text(text, token_ids) + body
+                    body = self._prompt_text(prompt) + body
                 if request.logprobs is not None:
                     ids, rows = list(seq.token_ids), list(seq.logprobs or [])
                     if request.echo:
-                        ids = list(token_ids) + ids
-                        rows = list(output.prompt_logprobs or [None] * len(token_ids)) + rows
+                        ids, rows = self._with_prompt_logprobs(prompt, output, ids, rows)
                     logprobs = self._logprobs(ids, rows, request.logprobs, 0)
-                choices.append(
-                    CompletionResponseChoice(
-                        index=i * request.n + seq.index,
-                        text=body,
-                        logprobs=logprobs,
-                        finish_reason=seq.finish_reason,
-                        stop_reason=seq.stop_reason,
-                    )
-                )
+                choices.append(self._choice(i * request.n + seq.index, seq, body, logprobs))
         choices.sort(key=lambda c: c.index)
         return CompletionResponse(
-            id=request_id,
+            id=prepared.request_id,
             model=self.model_name,
             choices=choices,
             usage=usage(num_prompt_tokens, num_generated),
@@ -141,68 +121,47 @@ class OpenAIServingCompletion(OpenAIServing):
 
     # -- streaming ------------------------------------------------------------------------
 
-    async def stream(
-        self, request: CompletionRequest, request_id, prompts, all_params
-    ) -> AsyncIterator[str]:
+    async def stream_chunks(
+        self, request: CompletionRequest, prepared: PreparedRequest, counts: StreamUsage
+    ) -> AsyncIterator[CompletionStreamResponse]:
         n = request.n
-        num_choices = len(prompts) * n
-        completion_tokens = [0] * num_choices
-        offsets = [0] * num_choices
-        echoed = [False] * num_choices
-        num_prompt_tokens = sum(len(ids) for _, ids in prompts)
-        options = request.stream_options
-        include_usage = bool(options and options.include_usage)
-        continuous_usage = include_usage and bool(options.continuous_usage_stats)
-        try:
-            generators = self._generators(
-                request, request_id, prompts, all_params, RequestOutputKind.DELTA
-            )
-            async for prompt_index, output in merge_async_iterators(*generators):
-                text, token_ids = prompts[prompt_index]
-                for seq in output.outputs:
-                    i = prompt_index * n + seq.index
-                    body, ids, rows = seq.text, list(seq.token_ids), list(seq.logprobs or [])
-                    completion_tokens[i] += len(ids)
-                    if request.echo and not echoed[i] and (ids or seq.finish_reason):
-                        echoed[i] = True
-                        body = self._prompt_text(text, token_ids) + body
-                        if request.logprobs is not None:
-                            prompt_rows = output.prompt_logprobs or [None] * len(token_ids)
-                            ids, rows = list(token_ids) + ids, list(prompt_rows) + rows
-                    wants_logprobs = request.logprobs is not None and ids
-                    if not body and seq.finish_reason is None and not wants_logprobs:
-                        continue
-                    logprobs = None
+        offsets = [0] * (len(prepared.prompts) * n)
+        echoed = [False] * (len(prepared.prompts) * n)
+        async for prompt_index, output in self.generate(request, prepared, RequestOutputKind.DELTA):
+            prompt = prepared.prompts[prompt_index]
+            for seq in output.outputs:
+                i = prompt_index * n + seq.index
+                body, ids, rows = seq.text, list(seq.token_ids), list(seq.logprobs or [])
+                counts.completion_tokens += len(ids)
+                if request.echo and not echoed[i] and (ids or seq.finish_reason):
+                    echoed[i] = True
+                    body = self._prompt_text(prompt) + body
                     if request.logprobs is not None:
-                        logprobs = self._logprobs(ids, rows, request.logprobs, offsets[i])
-                        offsets[i] += sum(len(t) for t in logprobs.tokens)
-                    chunk = CompletionStreamResponse(
-                        id=request_id,
-                        model=self.model_name,
-                        choices=[
-                            CompletionResponseChoice(
-                                index=i,
-                                text=body,
-                                logprobs=logprobs,
-                                finish_reason=seq.finish_reason,
-                                stop_reason=seq.stop_reason,
-                            )
-                        ],
-                    )
-                    if continuous_usage:
-                        chunk.usage = usage(num_prompt_tokens, sum(completion_tokens))
-                    yield sse(chunk.model_dump_json())
-            if include_usage:
-                final = CompletionStreamResponse(
-                    id=request_id,
+                        ids, rows = self._with_prompt_logprobs(prompt, output, ids, rows)
+                wants_logprobs = request.logprobs is not None and ids
+                if not body and seq.finish_reason is None and not wants_logprobs:
+                    continue
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = self._logprobs(ids, rows, request.logprobs, offsets[i])
+                    offsets[i] += sum(len(t) for t in logprobs.tokens)
+                yield CompletionStreamResponse(
+                    id=prepared.request_id,
                     model=self.model_name,
-                    choices=[],
-                    usage=usage(num_prompt_tokens, sum(completion_tokens)),
+                    choices=[self._choice(i, seq, body, logprobs)],
                 )
-                yield sse(final.model_dump_json())
-        except Exception as e:
-            yield sse_error(stream_error(e))
-        yield "data: [DONE]\n\n"
+
+    @staticmethod
+    def _choice(
+        index: int, seq: CompletionOutput, text: str, logprobs: CompletionLogProbs | None
+    ) -> CompletionResponseChoice:
+        return CompletionResponseChoice(
+            index=index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
 
     # -- logprobs -------------------------------------------------------------------------
 
@@ -227,9 +186,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 continue
             out.token_logprobs.append(clamp_logprob(chosen.logprob))
             top = {token: clamp_logprob(chosen.logprob)}
-            for candidate_id, candidate in top_k_of(row, num):
-                top.setdefault(
-                    self.token_str(candidate_id, candidate), clamp_logprob(candidate.logprob)
-                )
+            for candidate, logprob in self.top_logprobs(row, num):
+                top.setdefault(candidate, logprob)
             out.top_logprobs.append(top)
         return out

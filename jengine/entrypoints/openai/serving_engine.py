@@ -1,29 +1,82 @@
-"""What the completion and chat serving layers share: model-name checks, request ->
-SamplingParams, context-length checks, logprob formatting, streaming helpers.
+"""What every serving layer shares: the opening checks, request -> SamplingParams, context
+length checks, the run to AsyncLLM, and the skeleton of a response (a full JSON body, or
+server-sent events). Exceptions become OpenAI errors in errors.py.
 
-Where it sits: between the FastAPI routes (api_server.py) and AsyncLLM. Every problem
-with a request surfaces here as an `OpenAIError` (400/404/503) before any text is
-streamed, so a bad request never reaches the engine and never produces a 500.
+Where it sits: between the FastAPI routes (routes.py) and AsyncLLM. A subclass
+(serving_completion, serving_chat) turns its request into a `PreparedRequest` in
+`prepare`, then says how engine outputs become its response (`response`) and its stream
+chunks (`stream_chunks`); this class runs the engine and frames the stream.
+
+Promises: every problem with a request surfaces as an `OpenAIError` (400/404/503) from
+`prepare`, before any text is streamed, so a bad request never reaches the engine and
+never produces a 500. A stream always ends with `data: [DONE]`; an error after it started
+comes as one OpenAI-shaped error event just before that; with
+`stream_options.include_usage` a chunk with no choices and the request's usage comes last
+(and every chunk carries the usage so far with `continuous_usage_stats`).
 """
 
 import asyncio
 import math
-import re
 from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
 
-from jengine.engine.client import EngineDeadError
+from pydantic import BaseModel
+
+from jengine.engine.output_processor import RequestOutputKind
+from jengine.entrypoints.openai.errors import engine_dead_error, param_of, to_openai_error
 from jengine.entrypoints.openai.protocol import (
+    ModelCard,
+    ModelList,
     OpenAIError,
     SamplingRequest,
     UsageInfo,
+    random_id,
 )
-from jengine.outputs import Logprob
+from jengine.outputs import Logprob, RequestOutput
 from jengine.sampling_params import SamplingParams
 
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI clamps biases to [-100, 100]
+SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class EnginePrompt:
+    """One prompt as the engine gets it, with its own SamplingParams and engine request id
+    (the response id itself, or `<id>-<i>` for the i-th prompt of a completion batch)."""
+
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    request_id: str
+
+
+@dataclass
+class PreparedRequest:
+    """A request that passed every check: what `prepare` hands to `complete`/`stream`."""
+
+    request_id: str  # the response's `id`
+    prompts: list[EnginePrompt]
+    messages: list[dict] | None = None  # chat: the conversation, as the template got it
+
+
+@dataclass
+class StreamUsage:
+    """Token counts of a stream so far; `stream_chunks` adds completion tokens."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+
+    def info(self) -> UsageInfo:
+        return usage(self.prompt_tokens, self.completion_tokens)
 
 
 class OpenAIServing:
+    # Set by the generation subclasses: the stream chunk model of their API (for the final
+    # usage chunk) and the prefix of the response ids they make up.
+    chunk_type: type[BaseModel]
+    request_id_prefix: str
+
     def __init__(self, engine, served_model_names: list[str], model_path: str | None):
         self.engine = engine
         self.served_model_names = served_model_names
@@ -35,6 +88,23 @@ class OpenAIServing:
     def model_name(self) -> str:
         return self.served_model_names[0]
 
+    def model_list(self) -> ModelList:
+        return ModelList(
+            data=[
+                ModelCard(id=name, root=self.model_path, max_model_len=self.max_model_len)
+                for name in self.served_model_names
+            ]
+        )
+
+    # -- opening checks -------------------------------------------------------------------
+
+    def check_request(self, request: SamplingRequest) -> None:
+        """What every generation request is checked for first: model, engine, stream_options."""
+        self.check_model(request.model)
+        self.check_engine()
+        if request.stream_options is not None and not request.stream:
+            raise OpenAIError("stream_options needs stream=true", param="stream_options")
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
@@ -43,13 +113,13 @@ class OpenAIServing:
         if self.engine.errored:
             raise engine_dead_error(self.engine.dead_error())
 
-    def check_stream_options(self, request: SamplingRequest) -> None:
-        if request.stream_options is not None and not request.stream:
-            raise OpenAIError("stream_options needs stream=true", param="stream_options")
-
     def require_tokenizer(self) -> None:
         if self.tokenizer is None:
             raise OpenAIError("this model has no tokenizer; only token-id prompts work")
+
+    def response_id(self, request: SamplingRequest) -> str:
+        """The client's request_id, or a fresh `<prefix>-<hex>`."""
+        return request.request_id or random_id(self.request_id_prefix)
 
     # -- sampling parameters --------------------------------------------------------------
 
@@ -61,19 +131,7 @@ class OpenAIServing:
         logprobs: int | None,
         prompt_logprobs: int | None,
     ) -> SamplingParams:
-        bias = None
-        if request.logit_bias:
-            bias = {}
-            for key, value in request.logit_bias.items():
-                try:
-                    token_id = int(key)
-                except ValueError:
-                    raise OpenAIError(
-                        f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
-                    ) from None
-                if not math.isnan(value):
-                    value = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, value))
-                bias[token_id] = value
+        bias = _logit_bias(request.logit_bias)
         try:
             return SamplingParams(
                 n=request.n,
@@ -98,7 +156,7 @@ class OpenAIServing:
                 spaces_between_special_tokens=request.spaces_between_special_tokens,
             )
         except (ValueError, TypeError) as e:
-            raise OpenAIError(str(e), param=_param_of(str(e))) from None
+            raise to_openai_error(e, param_of(str(e)), bad_input=(ValueError, TypeError)) from None
 
     def max_tokens_for(self, requested: int | None, prompt_len: int, what: str) -> int:
         """Check prompt + completion against max_model_len; None means all that is left."""
@@ -127,7 +185,77 @@ class OpenAIServing:
         try:
             self.engine.input_processor.validate(token_ids, params)
         except ValueError as e:
-            raise OpenAIError(str(e), param=_param_of(str(e)) or "prompt") from None
+            raise to_openai_error(e, param_of(str(e)) or "prompt") from None
+
+    # -- running the engine ---------------------------------------------------------------
+
+    def generate(
+        self, request: SamplingRequest, prepared: PreparedRequest, kind: RequestOutputKind
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) of every prompt's engine request, as they arrive; closing
+        it aborts the requests still running."""
+        generators = [
+            self.engine.generate(
+                {"prompt_token_ids": prompt.token_ids, "prompt": prompt.text},
+                prompt.params,
+                prompt.request_id,
+                priority=request.priority,
+                output_kind=kind,
+            )
+            for prompt in prepared.prompts
+        ]
+        return merge_async_iterators(*generators)
+
+    async def complete(self, request: SamplingRequest, prepared: PreparedRequest) -> BaseModel:
+        """The full (non-streamed) response."""
+        finals: list[RequestOutput | None] = [None] * len(prepared.prompts)
+        try:
+            async for index, output in self.generate(
+                request, prepared, RequestOutputKind.FINAL_ONLY
+            ):
+                finals[index] = output
+        except ValueError as e:  # e.g. a client-chosen request_id already in use
+            raise to_openai_error(e) from None
+        return self.response(request, prepared, finals)
+
+    def response(
+        self, request: SamplingRequest, prepared: PreparedRequest, finals: list[RequestOutput]
+    ) -> BaseModel:
+        """The subclass's full response from the final output of every prompt."""
+        raise NotImplementedError
+
+    async def stream(
+        self, request: SamplingRequest, prepared: PreparedRequest
+    ) -> AsyncIterator[str]:
+        """The SSE body: `stream_chunks` framed as events, then the usage chunk (with
+        stream_options.include_usage), an error event if anything failed, and `[DONE]`.
+        Closing it (the client went away) closes `stream_chunks`, which aborts the engine
+        requests still running."""
+        options = request.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous_usage = include_usage and bool(options.continuous_usage_stats)
+        counts = StreamUsage(sum(len(prompt.token_ids) for prompt in prepared.prompts))
+        try:
+            async with aclosing(self.stream_chunks(request, prepared, counts)) as chunks:
+                async for chunk in chunks:
+                    if continuous_usage:
+                        chunk.usage = counts.info()
+                    yield sse(chunk.model_dump_json())
+            if include_usage:
+                final = self.chunk_type(
+                    id=prepared.request_id, model=self.model_name, choices=[], usage=counts.info()
+                )
+                yield sse(final.model_dump_json())
+        except Exception as e:
+            yield sse(to_openai_error(e).to_response().model_dump_json())
+        yield SSE_DONE
+
+    def stream_chunks(
+        self, request: SamplingRequest, prepared: PreparedRequest, counts: StreamUsage
+    ) -> AsyncIterator[BaseModel]:
+        """The subclass's stream chunks, in order; adds each delta's tokens to `counts`
+        before yielding the chunk that carries them."""
+        raise NotImplementedError
 
     # -- logprobs -------------------------------------------------------------------------
 
@@ -137,6 +265,16 @@ class OpenAIServing:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
+
+    def top_logprobs(self, row: dict[int, Logprob], num: int) -> list[tuple[str, float]]:
+        """The `num` most likely candidates of one position as (token text, logprob)."""
+        return [
+            (self.token_str(candidate_id, candidate), clamp_logprob(candidate.logprob))
+            for candidate_id, candidate in top_k_of(row, num)
+        ]
+
+
+# -- small helpers ----------------------------------------------------------------------------
 
 
 def top_k_of(row: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
@@ -159,27 +297,8 @@ def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
     )
 
 
-def engine_dead_error(error: BaseException | None = None) -> OpenAIError:
-    detail = f": {error}" if error else ""
-    return OpenAIError(f"The engine is not available{detail}", 503)
-
-
 def sse(data: str) -> str:
     return f"data: {data}\n\n"
-
-
-def sse_error(error: OpenAIError) -> str:
-    return sse(error.to_response().model_dump_json())
-
-
-def stream_error(e: BaseException) -> OpenAIError:
-    if isinstance(e, OpenAIError):
-        return e
-    if isinstance(e, EngineDeadError):
-        return engine_dead_error(e)
-    if isinstance(e, ValueError):
-        return OpenAIError(str(e))
-    return OpenAIError(f"internal error: {type(e).__name__}: {e}", 500)
 
 
 async def merge_async_iterators(*iterators: AsyncIterator) -> AsyncIterator[tuple[int, object]]:
@@ -222,31 +341,23 @@ async def merge_async_iterators(*iterators: AsyncIterator) -> AsyncIterator[tupl
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """Keys to token ids, values clamped to OpenAI's range."""
+    if not logit_bias:
+        return None
+    bias = {}
+    for key, value in logit_bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise OpenAIError(
+                f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+            ) from None
+        if not math.isnan(value):
+            value = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, value))
+        bias[token_id] = value
+    return bias
+
+
 def _default(value, default):
     return default if value is None else value
-
-
-_PARAM_NAMES = {
-    "n",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "max_tokens",
-    "min_tokens",
-    "logprobs",
-    "prompt_logprobs",
-    "logit_bias",
-}
-
-
-def _param_of(message: str) -> str | None:
-    """SamplingParams errors start with the field name ("top_p must be ...")."""
-    match = re.match(r"[a-z_]+", message)
-    return match.group(0) if match and match.group(0) in _PARAM_NAMES else None

@@ -3,7 +3,7 @@
 import msgspec
 import pytest
 
-from jengine.sampling_params import SamplingParams, SamplingType
+from jengine.sampling_params import SamplingParams
 
 
 def test_defaults_match_vllm():
@@ -13,7 +13,7 @@ def test_defaults_match_vllm():
     assert (p.max_tokens, p.min_tokens, p.logprobs, p.prompt_logprobs) == (16, 0, None, None)
     assert p.stop == [] and p.stop_token_ids == [] and p.seed is None
     assert not p.ignore_eos and p.skip_special_tokens and p.detokenize
-    assert p.sampling_type == SamplingType.RANDOM and not p.is_greedy
+    assert not p.is_greedy
 
 
 def test_normalization():
@@ -22,9 +22,8 @@ def test_normalization():
     assert SamplingParams(top_k=-1).top_k == 0
     assert SamplingParams(logit_bias={"5": 1}).logit_bias == {5: 1.0}
     greedy = SamplingParams(temperature=0.0, top_p=0.5, top_k=5, min_p=0.2)
-    assert greedy.is_greedy and greedy.sampling_type == SamplingType.GREEDY
+    assert greedy.is_greedy
     assert (greedy.top_p, greedy.top_k, greedy.min_p) == (1.0, 0, 0.0)
-    assert SamplingParams(seed=3).sampling_type == SamplingType.RANDOM_SEED
     assert SamplingParams(max_tokens=None).max_tokens is None
 
 

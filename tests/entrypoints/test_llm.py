@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from jengine import LLM, SamplingParams
-from tests.engine.conftest import ENGINE_KWARGS, hf_greedy, random_prompts
+from tests.engine.engine_helpers import ENGINE_KWARGS, hf_greedy, random_prompts
 
 MAX_TOKENS = 10
 

@@ -1,23 +1,15 @@
-"""Shared fixtures for the offline engine tests: one random-weight checkpoint and its HF oracle."""
+"""Shared by the offline engine tests: their engine shapes, prompts and the HF oracle."""
 
 import numpy as np
-import pytest
 import torch
 
-from tests.models.checkpoints import VOCAB, make_checkpoint
+from tests.models.checkpoints import VOCAB
 
 # Small enough that warmup compiles few shapes (and the persistent XLA cache makes every
 # engine after the first start quickly); chunked prefill is forced by the 32-token budget.
 ENGINE_KWARGS = dict(
     max_model_len=96, max_num_seqs=8, max_num_batched_tokens=32, block_size=4, dtype="float32"
 )
-
-
-@pytest.fixture(scope="session")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama3_engine")
-    hf_model = make_checkpoint("llama3", str(path))
-    return str(path), hf_model
 
 
 def random_prompts(n: int, seed: int = 0, low: int = 3, high: int = 60) -> list[list[int]]:
@@ -34,10 +26,3 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
             do_sample=False,
         )
     return out[0, len(prompt) :].tolist()
-
-
-@pytest.fixture(scope="session")
-def llm(checkpoint):
-    from jengine import LLM
-
-    return LLM(checkpoint[0], **ENGINE_KWARGS)

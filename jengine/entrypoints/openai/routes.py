@@ -1,0 +1,144 @@
+"""The HTTP routes of the OpenAI-compatible server, on one FastAPI `APIRouter`.
+
+Where it sits: api_server.py's `build_app` puts the serving objects and the engine on
+`app.state` and includes `router`; each route here only finds its serving object there and
+hands the validated body on. Generation routes share `generation_response`: a stream
+becomes a `text/event-stream` response; a full response is awaited unless the client hangs
+up first, which aborts its requests and answers 499.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
+POST /detokenize, GET /health, GET /version, GET /metrics (Prometheus).
+"""
+
+import asyncio
+import importlib.metadata
+import logging
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from jengine.engine.client import EngineDeadError
+from jengine.entrypoints.openai.metrics import CONTENT_TYPE_LATEST
+from jengine.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelList,
+    OpenAIError,
+    SamplingRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from jengine.entrypoints.openai.serving_engine import OpenAIServing, engine_dead_error
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter()
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("jengine")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.0.0"
+
+
+def error_response(error: OpenAIError) -> JSONResponse:
+    return JSONResponse(error.to_response().model_dump(), status_code=error.status_code)
+
+
+# -- generation -------------------------------------------------------------------------------
+
+
+async def generation_response(
+    serving: OpenAIServing, body: SamplingRequest, raw_request: Request
+) -> Response:
+    """Validate (errors raise before any byte is sent), then stream or answer in full."""
+    prepared = serving.prepare(body)
+    if body.stream:
+        return StreamingResponse(serving.stream(body, prepared), media_type="text/event-stream")
+    response = await run_unless_disconnected(raw_request, serving.complete(body, prepared))
+    return response if response is not None else Response(status_code=499)
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, raw_request: Request):
+    serving = raw_request.app.state.serving_completion
+    return await generation_response(serving, body, raw_request)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request):
+    serving = raw_request.app.state.serving_chat
+    return await generation_response(serving, body, raw_request)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_unless_disconnected(request: Request, coro):
+    """Run a full (non-streamed) response; if the client goes away first, cancel it, which
+    aborts its requests in the engine. Returns None in that case."""
+    work = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work, watch):
+            if not task.done():
+                task.cancel()
+    if work.cancelled() or not work.done():
+        await asyncio.gather(work, return_exceptions=True)
+        return None
+    return work.result()
+
+
+# -- model info, tokenizer --------------------------------------------------------------------
+
+
+@router.get("/v1/models")
+async def show_models(raw_request: Request) -> ModelList:
+    return raw_request.app.state.serving_tokenization.model_list()
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, raw_request: Request) -> TokenizeResponse:
+    return raw_request.app.state.serving_tokenization.tokenize(body)
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, raw_request: Request) -> DetokenizeResponse:
+    return raw_request.app.state.serving_tokenization.detokenize(body)
+
+
+# -- operations -------------------------------------------------------------------------------
+
+
+@router.get("/health")
+async def health(raw_request: Request):
+    engine = raw_request.app.state.engine
+    if engine.errored:
+        return error_response(engine_dead_error(engine.dead_error()))
+    return Response(status_code=200)
+
+
+@router.get("/version")
+async def show_version():
+    return {"version": version()}
+
+
+@router.get("/metrics")
+async def metrics(raw_request: Request):
+    engine = raw_request.app.state.engine
+    prometheus = raw_request.app.state.prometheus
+    if not engine.errored:
+        try:
+            prometheus.record_engine_stats(await engine.get_engine_stats(timeout=5.0))
+        except (EngineDeadError, TimeoutError, RuntimeError) as e:
+            logger.warning("could not read engine stats for /metrics: %s", e)
+    return Response(prometheus.render(), media_type=CONTENT_TYPE_LATEST)

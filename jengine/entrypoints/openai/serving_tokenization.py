@@ -1,0 +1,61 @@
+"""`POST /tokenize` and `POST /detokenize` (vLLM's extra routes): text or chat messages ->
+token ids, and token ids -> text, with the server's own tokenizer and chat template.
+
+Where it sits: routes.py calls it; it never reaches the engine, so it keeps working after
+the engine process died. Messages go through the chat serving layer's own conversion and
+template (`OpenAIServingChat.convert_messages` / `render`), so `/tokenize` counts exactly
+the prompt tokens a chat request with the same messages would use.
+"""
+
+from jengine.entrypoints.openai.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    OpenAIError,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from jengine.entrypoints.openai.serving_chat import OpenAIServingChat
+from jengine.entrypoints.openai.serving_engine import OpenAIServing
+
+
+class OpenAIServingTokenization(OpenAIServing):
+    def __init__(
+        self,
+        engine,
+        served_model_names: list[str],
+        model_path: str | None,
+        chat: OpenAIServingChat,
+    ):
+        super().__init__(engine, served_model_names, model_path)
+        self.chat = chat
+
+    def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        self.check_model(request.model)
+        self.require_tokenizer()
+        if (request.prompt is None) == (request.messages is None):
+            raise OpenAIError("give exactly one of prompt and messages", param="prompt")
+        if request.prompt is not None:
+            special = True if request.add_special_tokens is None else request.add_special_tokens
+            tokens = self.tokenizer.encode(request.prompt, add_special_tokens=special)
+        else:
+            _, tokens = self.chat.render(
+                self.chat.convert_messages(request.messages),
+                request.add_generation_prompt,
+                request.continue_final_message,
+                request.chat_template_kwargs,
+                bool(request.add_special_tokens),
+            )
+        return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len, tokens=tokens)
+
+    def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(request.model)
+        self.require_tokenizer()
+        vocab_size = self.engine.vocab_size
+        bad = [t for t in request.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise OpenAIError(
+                f"token ids {bad[:5]} are out of vocabulary (the vocabulary has "
+                f"{vocab_size} tokens)",
+                param="tokens",
+            )
+        return DetokenizeResponse(prompt=self.tokenizer.decode(request.tokens))

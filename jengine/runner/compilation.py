@@ -1,0 +1,80 @@
+"""Compilation: the persistent cache, the compile counter and ahead-of-time warmup compiles.
+
+Where it sits: `EngineCore` calls `enable_compilation_cache` before building the runner
+when its config names a cache directory. `ModelRunner` owns a `CompileCounter` and wraps
+every `execute` in `counter.counting()`; `ModelRunner.warmup` hands its programs to
+`compile_ahead_of_time` before running the dummy steps that load them.
+
+Promises:
+- `enable_compilation_cache(path)` is process-wide (jax has one setting) and caches every
+  executable, however small or fast to compile;
+- `CompileCounter.count` is the number of XLA compiles that happened inside `counting()`
+  (after warmup, that should stay 0); compiles elsewhere in the process are not counted.
+  jax keeps its listeners forever, so the listener holds the counter weakly: a dropped
+  engine is not kept alive by it;
+- `compile_ahead_of_time` only fills the persistent cache: without one it does nothing,
+  since an executable compiled ahead of time is not reused by a later jitted call.
+"""
+
+import logging
+import os
+import weakref
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def enable_compilation_cache(path: str) -> str:
+    """Persist compiled executables on disk so a second start is fast. Process-wide (jax
+    has one setting), so the engine calls it only when its config asks for it."""
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+class CompileCounter:
+    """Counts the XLA compiles that happen inside `counting()`."""
+
+    def __init__(self):
+        self.count = 0
+        self._active = False
+        # jax keeps listeners forever: hold the counter weakly so it (and whoever owns it)
+        # can be freed.
+        on_event = weakref.WeakMethod(self._on_event)
+        jax.monitoring.register_event_duration_secs_listener(
+            lambda *args, **kwargs: (method := on_event()) and method(*args, **kwargs)
+        )
+
+    @contextmanager
+    def counting(self) -> Iterator[None]:
+        self._active = True
+        try:
+            yield
+        finally:
+            self._active = False
+
+    def _on_event(self, event: str, duration: float, **kwargs) -> None:
+        # The listener is process-wide: count only compiles inside `counting()`.
+        if self._active and event == COMPILE_EVENT:
+            self.count += 1
+            logger.warning("XLA compile after warmup (%.2fs)", duration)
+
+
+def compile_ahead_of_time(programs: Sequence[tuple]) -> None:
+    """Compile `(jitted_fn, *args)` programs on a thread pool into the persistent cache.
+
+    XLA compiles outside the GIL, one program per core; the sequential dummy steps of
+    warmup then only load the executables. Does nothing without a persistent cache.
+    """
+    if not jax.config.jax_compilation_cache_dir:
+        return
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        list(pool.map(lambda p: p[0].lower(*p[1:]).compile(), programs))

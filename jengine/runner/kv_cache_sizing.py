@@ -1,0 +1,93 @@
+"""How many KV cache blocks fit in a memory budget, and the capacity line the engine logs.
+
+Where it sits: `ModelRunner.__init__` builds a `KVCacheSizing` from the model's KV cache
+shape, picks a budget (`kv_cache_memory_bytes`, else `default_kv_budget`) unless the
+config fixed `num_gpu_blocks`, allocates `blocks_from_budget(budget)` blocks and reports
+`capacity_report(num_blocks)`; `EngineCore` logs that line and hands it to the front end.
+The scheduler's block pool then has exactly that many blocks. No jax arrays are made here.
+
+Promises:
+- a block is one page of every layer's K and V: `bytes_per_block` is the size of
+  `kv_cache_shape(1, block_size)` in the cache dtype;
+- a budget too small for one request of `max_model_len` plus the null block 0 is an error
+  that says which knob to turn, never a cache that cannot serve a single request;
+- on CPU the default budget is `CPU_DEFAULT_KV_BYTES`; on an accelerator it is
+  `gpu_memory_utilization` of the device's memory limit minus the weights and headroom for
+  the largest step's activations (also `CPU_DEFAULT_KV_BYTES` when the device reports no
+  limit);
+- the report counts usable blocks (the null block excluded) as tokens and as how many
+  requests of `max_model_len` fit at once.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class KVCacheSizing:
+    block_size: int
+    bytes_per_block: int
+    max_model_len: int
+    max_pages: int  # pages of one request of max_model_len
+
+    @classmethod
+    def create(
+        cls,
+        kv_cache_shape: Callable[[int, int], tuple[int, ...]],
+        dtype,
+        *,
+        block_size: int,
+        max_model_len: int,
+        max_pages: int,
+    ) -> "KVCacheSizing":
+        """`kv_cache_shape(num_blocks, block_size)` is the model's cache shape."""
+        shape = kv_cache_shape(1, block_size)
+        bytes_per_block = int(np.prod(shape)) * jnp.dtype(dtype).itemsize
+        return cls(block_size, bytes_per_block, max_model_len, max_pages)
+
+    def blocks_from_budget(self, kv_cache_memory_bytes: int) -> int:
+        num_blocks = kv_cache_memory_bytes // self.bytes_per_block
+        pages = self.max_pages
+        if num_blocks < pages + 1:
+            raise ValueError(
+                f"a KV cache budget of {kv_cache_memory_bytes} bytes holds {num_blocks} "
+                f"blocks; one request of max_model_len={self.max_model_len} needs {pages} "
+                "plus the null block: raise kv_cache_memory_bytes or lower max_model_len"
+            )
+        return int(num_blocks)
+
+    def capacity_report(self, num_blocks: int) -> str:
+        tokens = (num_blocks - 1) * self.block_size
+        gib = num_blocks * self.bytes_per_block / (1 << 30)
+        return (
+            f"KV cache: {num_blocks - 1} blocks x {self.block_size} tokens = {tokens} "
+            f"tokens ({gib:.3f} GiB); max concurrency at max_model_len={self.max_model_len}: "
+            f"{tokens / self.max_model_len:.2f}x"
+        )
+
+
+def default_kv_budget(
+    device: jax.Device,
+    params,
+    *,
+    max_num_batched_tokens: int,
+    vocab_size: int,
+    gpu_memory_utilization: float,
+) -> int:
+    """Bytes for the KV cache when the config names none (see the module promises)."""
+    if device.platform == "cpu":
+        return CPU_DEFAULT_KV_BYTES
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:
+        return CPU_DEFAULT_KV_BYTES
+    weights = sum(x.nbytes for x in jax.tree.leaves(params))
+    # Headroom for the largest step's activations, dominated by its f32 logits.
+    activations = 4 * max_num_batched_tokens * vocab_size * 4
+    return max(0, int(limit * gpu_memory_utilization) - weights - activations)

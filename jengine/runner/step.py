@@ -1,0 +1,107 @@
+"""The step as pure functions over pytrees, and the pytrees they hand each other.
+
+Where it sits: `ModelRunner` jits these three functions once (binding the graphdef and
+the attention implementation) and calls them every step: `ForwardInputs.from_prepared`
+turns the numpy `PreparedStep` of `input_batch.py` into the model's inputs, `forward_step`
+runs the model, `sample_step` samples one token per request from the logits of its last
+token, and `prompt_logprobs_step` (only for requests that asked for prompt logprobs)
+scores every scheduled position. Nothing here holds state or touches the host.
+
+Promises:
+- `forward_step` is `(params, kv_cache, inputs) -> (kv_cache, logits, hidden)`; the
+  runner donates the KV cache, so it is updated in place;
+- `sample_step` is `(sampling_state, logits, meta, want_logprobs) -> (sampling_state,
+  SampleOutputs)`; the runner donates the sampling state; the top-logprob work runs only
+  when `want_logprobs` is true (a `lax.cond`), else zeros come back;
+- logprobs are [R, MAX_LOGPROBS + 1] (the sampled or target token first), whatever a
+  request asked for: the host slices what it wants.
+
+Axis letters: T tokens, R requests, k MAX_LOGPROBS.
+"""
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jengine.models import AttentionMetadata
+from jengine.runner.input_batch import PreparedStep
+from jengine.runner.sampler import SamplingMetadata, sample, top_logprobs
+from jengine.sampling_params import MAX_LOGPROBS
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class ForwardInputs:
+    input_ids: jax.Array  # [T]
+    positions: jax.Array  # [T]
+    attention: AttentionMetadata
+    logits_indices: jax.Array  # [R]
+
+    @classmethod
+    def from_prepared(cls, prepared: PreparedStep) -> "ForwardInputs":
+        return cls(
+            input_ids=prepared.input_ids,
+            positions=prepared.positions,
+            attention=AttentionMetadata(
+                slot_mapping=prepared.slot_mapping,
+                kv_lens=prepared.kv_lens,
+                block_tables=prepared.block_tables,
+                query_start_loc=prepared.query_start_loc,
+                q_block_size=prepared.shape.q_block_size,
+            ),
+            logits_indices=prepared.logits_indices,
+        )
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SampleOutputs:
+    sampled: jax.Array  # [R]
+    logprob_ids: jax.Array  # [R, k+1]
+    logprobs: jax.Array  # [R, k+1]
+    ranks: jax.Array  # [R]
+
+
+# The step is three jitted pure functions rather than one so that each compiles per the
+# bucket axes it depends on: the model per (T, R, P, Bq), sampling per R, prompt logprobs
+# per T. Warmup then compiles far fewer programs; a step pays two extra dispatches.
+
+
+def forward_step(graphdef, attention_impl, params, kv_cache, inputs: ForwardInputs):
+    """Run the model over the step's tokens: (kv_cache, [R, V] logits, [T, D] hidden)."""
+    model = nnx.merge(graphdef, params)
+    hidden, kv_cache = model(
+        inputs.input_ids,
+        inputs.positions,
+        kv_cache,
+        inputs.attention,
+        attention_impl=attention_impl,
+    )
+    return kv_cache, model.compute_logits(hidden[inputs.logits_indices]), hidden
+
+
+def sample_step(sampling_state, logits, meta: SamplingMetadata, want_logprobs):
+    """Sample one token per request, with its top logprobs when `want_logprobs`."""
+    sampled, sampling_state = sample(logits, meta, sampling_state)
+
+    def compute(_):
+        return top_logprobs(logits, sampled, MAX_LOGPROBS)
+
+    def skip(_):  # the branch not taken costs nothing
+        rows = logits.shape[0]
+        return (
+            jnp.zeros((rows, MAX_LOGPROBS + 1), jnp.int32),
+            jnp.zeros((rows, MAX_LOGPROBS + 1), jnp.float32),
+            jnp.zeros((rows,), jnp.int32),
+        )
+
+    logprobs = jax.lax.cond(want_logprobs, compute, skip, None)
+    return sampling_state, SampleOutputs(sampled, *logprobs)
+
+
+def prompt_logprobs_step(graphdef, params, hidden, targets):
+    """Logprobs of each position's next prompt token: logits for all T rows, [T, k+1]."""
+    model = nnx.merge(graphdef, params)
+    return top_logprobs(model.compute_logits(hidden), targets, MAX_LOGPROBS)

@@ -1,0 +1,113 @@
+"""Shared by the serving tests: a real `jengine serve` subprocess on 127.0.0.1, its flags,
+SSE and /metrics helpers.
+
+Every server here uses the same engine shapes (`tiny_model.ENGINE_ARGS`, as the flags in
+SERVER_ARGS), so after the first start the persistent XLA cache makes each further start
+(and the in-process LLM of the fidelity test) take seconds.
+"""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx2
+
+from tests.entrypoints.tiny_model import ENGINE_ARGS
+
+API_KEY = "test-key"
+MODEL_NAME = "tiny"
+# ENGINE_ARGS as `jengine serve` flags (see module docstring).
+ENGINE_FLAGS = [
+    arg
+    for name, value in ENGINE_ARGS.items()
+    for arg in (f"--{name.replace('_', '-')}", str(value))
+]
+SERVER_ARGS = [
+    *ENGINE_FLAGS,
+    "--served-model-name", MODEL_NAME, "tiny-alias",
+    "--disable-uvicorn-access-log",
+]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RemoteServer:
+    """`python -m jengine.entrypoints.cli serve MODEL ...` on 127.0.0.1, log to a file."""
+
+    def __init__(self, model: str, args: list[str], startup_timeout: float = 900.0):
+        self.port = free_port()
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives as long as the server)
+            "w+", prefix="jengine-serve-", suffix=".log"
+        )
+        cmd = [
+            sys.executable, "-m", "jengine.entrypoints.cli", "serve", model,
+            "--host", "127.0.0.1", "--port", str(self.port), *args,
+        ]  # fmt: skip
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self._wait_ready(startup_timeout)
+
+    def url_for(self, *parts: str) -> str:
+        return "/".join([f"http://127.0.0.1:{self.port}", *parts])
+
+    def log_text(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited during start-up:\n{self.log_text()[-5000:]}")
+            try:
+                if httpx2.get(self.url_for("health"), timeout=2).status_code == 200:
+                    return
+            except httpx2.TransportError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log_text()[-5000:]}")
+
+    @property
+    def engine_pid(self) -> int:
+        match = re.search(r"started the engine-core process \(pid (\d+)\)", self.log_text())
+        assert match, "no engine pid in the server log"
+        return int(match.group(1))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def sse_data(response) -> list[str]:
+    """The `data:` payloads of a streamed httpx response, in order."""
+    return [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def metric(text: str, name: str) -> float:
+    """Value of the first sample of `name` in Prometheus text."""
+    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
+    assert match, f"metric {name} not found"
+    return float(match.group(1))

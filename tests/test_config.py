@@ -1,0 +1,82 @@
+"""Configs validate on construction, are frozen, and hold the engine's only defaults."""
+
+import dataclasses
+
+import pytest
+
+from jengine.config import CacheConfig, CompilationConfig, ModelConfig, SchedulerConfig
+from jengine.engine.arg_utils import EngineArgs
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"block_size": 0}, "block_size"),
+        ({"block_size": 12}, "block_size"),
+        ({"num_gpu_blocks": 1}, "num_gpu_blocks"),
+        ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes"),
+        ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
+        ({"gpu_memory_utilization": 1.1}, "gpu_memory_utilization"),
+    ],
+)
+def test_cache_config_validation(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field} "):
+        CacheConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"max_num_batched_tokens": 8, "max_num_seqs": 16}, "max_num_batched_tokens"),
+        ({"max_model_len": 0}, "max_model_len"),
+        ({"policy": "lifo"}, "policy"),
+        ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold"),
+    ],
+)
+def test_scheduler_config_validation(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field} "):
+        SchedulerConfig(**kwargs)
+
+
+def test_configs_are_frozen():
+    cfg = CacheConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.block_size = 32
+    assert SchedulerConfig(policy="priority").policy == "priority"
+
+
+def test_engine_args_defaults_are_the_configs():
+    """EngineArgs, and so LLM and every CLI flag, take their defaults from jengine.config."""
+    args = EngineArgs()
+    assert args.max_num_seqs == SchedulerConfig().max_num_seqs
+    assert args.long_prefill_token_threshold == SchedulerConfig().long_prefill_token_threshold
+    assert args.scheduling_policy == SchedulerConfig().policy
+    cache = CacheConfig()
+    assert (args.block_size, args.enable_prefix_caching) == (
+        cache.block_size,
+        cache.enable_prefix_caching,
+    )
+    assert args.gpu_memory_utilization == cache.gpu_memory_utilization
+    model = ModelConfig()
+    assert (args.dtype, args.seed, args.attention_impl) == (
+        model.dtype,
+        model.seed,
+        model.attention_impl,
+    )
+    assert args.compilation_cache_dir == CompilationConfig().cache_dir
+
+
+def test_engine_args_build_the_config(tmp_path):
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 300}')
+    config = EngineArgs(
+        model=str(tmp_path), long_prefill_token_threshold=32, compilation_cache_dir=None
+    ).create_engine_config()
+    assert config.scheduler.max_model_len == 300
+    assert config.scheduler.max_num_batched_tokens == SchedulerConfig().max_num_batched_tokens
+    assert config.scheduler.long_prefill_token_threshold == 32
+    assert config.compilation.cache_dir is None
+    # The token budget grows to max_num_seqs when that is larger (one token per request).
+    wide = EngineArgs(model=str(tmp_path), max_num_seqs=4096).create_engine_config()
+    assert wide.scheduler.max_num_batched_tokens == 4096
