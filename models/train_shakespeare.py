@@ -30,7 +30,8 @@ core as below. The defaults (800 steps of 8 x 256 tokens, ~1.6M tokens: one epoc
 about 40 minutes on one core of the 2-core development CPU (2.5-3 s a step):
 
     XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" \\
-    OMP_NUM_THREADS=1 taskset -c 1 python -m models.train_shakespeare --out models/shakespeare-llama
+    OMP_NUM_THREADS=1 taskset -c 1 \\
+    python -m jengine.models.train_shakespeare --out models/shakespeare-llama
 """
 
 import argparse

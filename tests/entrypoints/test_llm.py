@@ -2,6 +2,9 @@
 batching, chunked prefill, prefix caching (on and off) and preemption; and no compile
 after warmup."""
 
+import subprocess
+import sys
+
 import numpy as np
 import torch
 
@@ -152,3 +155,32 @@ def test_varied_workload_compiles_nothing_after_warmup(llm):
     assert outputs[5].outputs[0].token_ids == [5, 5, 5]  # a +100 logit bias wins
     assert llm.engine_core.compiles_after_warmup() == 0
     assert llm.engine_core.num_free_blocks() == llm.engine_core.runner.num_blocks - 1
+
+
+def test_compilation_cache_setting_is_left_to_research_code(checkpoint, tmp_path):
+    """compilation_cache_dir=None leaves jax's process-wide persistent cache setting as the
+    caller set it; a directory turns jengine's cache on there (fresh processes, since jax
+    keeps one setting per process)."""
+    code = """
+import sys, jax
+from jengine import LLM, SamplingParams
+jax.config.update("jax_compilation_cache_dir", sys.argv[2] or None)
+llm = LLM(sys.argv[1], compilation_cache_dir=sys.argv[3] or None, max_model_len=32,
+          max_num_seqs=2, max_num_batched_tokens=16, block_size=16, dtype="float32")
+llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+print("cache_dir:", jax.config.jax_compilation_cache_dir)
+"""
+    ours, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
+    for their_setting, our_setting, expected in [
+        ("", "", "None"),  # nobody asked for a cache: none
+        (theirs, "", theirs),  # the caller's own cache stays theirs
+        ("", ours, ours),
+    ]:
+        result = subprocess.run(
+            [sys.executable, "-c", code, checkpoint[0], their_setting, our_setting],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout.strip().splitlines()[-1] == f"cache_dir: {expected}"

@@ -28,12 +28,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jengine.engine.async_llm import AsyncLLM
 from jengine.engine.client import EngineDeadError
+from jengine.entrypoints.openai.errors import engine_dead_error, error_response
 from jengine.entrypoints.openai.metrics import PrometheusStatLogger
 from jengine.entrypoints.openai.protocol import OpenAIError
-from jengine.entrypoints.openai.routes import error_response, router, version
+from jengine.entrypoints.openai.routes import router, version
 from jengine.entrypoints.openai.serving_chat import OpenAIServingChat
 from jengine.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from jengine.entrypoints.openai.serving_engine import engine_dead_error
 from jengine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)

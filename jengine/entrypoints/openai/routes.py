@@ -15,9 +15,10 @@ import importlib.metadata
 import logging
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from jengine.engine.client import EngineDeadError
+from jengine.entrypoints.openai.errors import engine_dead_error, error_response
 from jengine.entrypoints.openai.metrics import CONTENT_TYPE_LATEST
 from jengine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -25,12 +26,11 @@ from jengine.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ModelList,
-    OpenAIError,
     SamplingRequest,
     TokenizeRequest,
     TokenizeResponse,
 )
-from jengine.entrypoints.openai.serving_engine import OpenAIServing, engine_dead_error
+from jengine.entrypoints.openai.serving_engine import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +42,6 @@ def version() -> str:
         return importlib.metadata.version("jengine")
     except importlib.metadata.PackageNotFoundError:
         return "0.0.0"
-
-
-def error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.to_response().model_dump(), status_code=error.status_code)
 
 
 # -- generation -------------------------------------------------------------------------------
