@@ -1,9 +1,10 @@
 """Session fixtures shared across test packages: one random-weight Llama checkpoint with
-its transformers twin (the fidelity oracle), and an `LLM` over it."""
+its transformers twin (the fidelity oracle), and `LLM`s over it under each attention setup
+of the equality suite."""
 
 import pytest
 
-from tests.engine.engine_helpers import ENGINE_KWARGS
+from tests.engine.engine_helpers import ATTENTION_SETUPS, make_llm
 from tests.models.checkpoints import make_checkpoint
 
 
@@ -14,8 +15,12 @@ def checkpoint(tmp_path_factory):
     return str(path), hf_model
 
 
-@pytest.fixture(scope="session")
-def llm(checkpoint):
-    from jengine import LLM
+@pytest.fixture(scope="session", params=list(ATTENTION_SETUPS))
+def attention_setup(request) -> str:
+    """Runs a test once per attention setup (see ATTENTION_SETUPS)."""
+    return request.param
 
-    return LLM(checkpoint[0], **ENGINE_KWARGS)
+
+@pytest.fixture(scope="session")
+def llm(checkpoint, attention_setup):
+    return make_llm(checkpoint[0], attention_setup)

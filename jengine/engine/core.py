@@ -146,6 +146,7 @@ class EngineCore:
             "kv_cache_usage": scheduler.kv_cache_manager.usage,
             "num_preemptions": self.num_preemptions,
             "compiles_after_warmup": self.compiles_after_warmup(),
+            "attention_impl": self.runner.attention_impl,
         }
 
 

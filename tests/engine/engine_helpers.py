@@ -1,5 +1,9 @@
-"""Shared by the offline engine tests: their engine shapes, prompts and the HF oracle."""
+"""Shared by the offline engine tests: their engine shapes, the attention setups the
+equality suite runs under, prompts and the HF oracle."""
 
+import os
+
+import jax
 import numpy as np
 import torch
 
@@ -7,9 +11,37 @@ from tests.models.checkpoints import VOCAB
 
 # Small enough that warmup compiles few shapes (and the persistent XLA cache makes every
 # engine after the first start quickly); chunked prefill is forced by the 32-token budget.
-ENGINE_KWARGS = dict(
-    max_model_len=96, max_num_seqs=8, max_num_batched_tokens=32, block_size=4, dtype="float32"
-)
+# The block size comes from the attention setup.
+ENGINE_KWARGS = dict(max_model_len=96, max_num_seqs=8, max_num_batched_tokens=32, dtype="float32")
+
+
+def _default_attention() -> str:
+    """What serves by default here: the backend's kernel (the fused C++ kernel on CPU)."""
+    forced = os.environ.get("JENGINE_ATTENTION_IMPL")
+    return forced or {"cpu": "cpu", "gpu": "gpu", "tpu": "tpu"}[jax.default_backend()]
+
+
+# The equality suite runs under both: the engine's default attention at the default block
+# size 16 (the production path: the CPU kernel on this machine), and block size 4, which the
+# CPU kernel refuses, so the XLA reference serves. Each names the attention it must get.
+ATTENTION_SETUPS = {
+    "default-bs16": dict(block_size=16, expected_attention=_default_attention()),
+    "reference-bs4": dict(block_size=4, expected_attention="reference"),
+}
+
+
+def make_llm(path: str, setup: str, **kwargs):
+    """An LLM over `path` in one of ATTENTION_SETUPS; fails if another attention resolved
+    (e.g. the CPU kernel did not build and the reference silently took over)."""
+    from jengine import LLM
+
+    block_size = ATTENTION_SETUPS[setup]["block_size"]
+    expected = ATTENTION_SETUPS[setup]["expected_attention"]
+    llm = LLM(path, **{**ENGINE_KWARGS, "block_size": block_size, **kwargs})
+    resolved = llm.engine_core.runner.attention_impl
+    if resolved != expected:
+        raise AssertionError(f"attention fell back: {setup} expects {expected}, got {resolved}")
+    return llm
 
 
 def random_prompts(n: int, seed: int = 0, low: int = 3, high: int = 60) -> list[list[int]]:

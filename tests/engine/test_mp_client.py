@@ -17,6 +17,7 @@ from jengine.engine.client import EngineDeadError, SyncMPClient
 from jengine.engine.llm_engine import LLMEngine
 from jengine.protocol import EngineCoreReady, UtilityOutput, UtilityRequest
 from jengine.sampling_params import SamplingParams
+from tests.engine.engine_helpers import ATTENTION_SETUPS
 from tests.entrypoints.tiny_model import ENGINE_ARGS, make_tiny_model
 
 
@@ -90,6 +91,7 @@ def test_utilities(engine):
     assert client.call_utility("has_unfinished_requests") is False
     stats = client.call_utility("get_stats")
     assert stats["num_blocks"] == 256 and stats["num_running_reqs"] == 0
+    assert stats["attention_impl"] == ATTENTION_SETUPS["default-bs16"]["expected_attention"]
     assert client.ready.vocab_size == 384
     with pytest.raises(ValueError):
         client.call_utility("update_weights", {})  # in-process only

@@ -2,18 +2,18 @@
 
 from flax import nnx
 
-from jengine import LLM, SamplingParams
+from jengine import SamplingParams
 from jengine.models import load_model
-from tests.engine.engine_helpers import ENGINE_KWARGS, hf_greedy, random_prompts
+from tests.engine.engine_helpers import hf_greedy, make_llm, random_prompts
 from tests.models.checkpoints import make_checkpoint
 
 
-def test_params_pytree_and_update_weights(checkpoint, tmp_path):
+def test_params_pytree_and_update_weights(checkpoint, attention_setup, tmp_path):
     path_a, hf_a = checkpoint
     hf_b = make_checkpoint("llama3", str(tmp_path), seed=1)
     # Weights of B as a plain nested dict of arrays, as a training loop would hold them.
     params_b = nnx.to_pure_dict(nnx.state(load_model(str(tmp_path), "float32"), nnx.Param))
-    llm = LLM(path_a, params=params_b, **ENGINE_KWARGS)
+    llm = make_llm(path_a, attention_setup, params=params_b)
     prompts = random_prompts(3, seed=21)
     greedy = SamplingParams(temperature=0, max_tokens=8)
 

@@ -2,16 +2,25 @@
 batching, chunked prefill, prefix caching (on and off) and preemption; and no compile
 after warmup."""
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from jengine import LLM, SamplingParams
-from tests.engine.engine_helpers import ENGINE_KWARGS, hf_greedy, random_prompts
+from jengine import SamplingParams
+from tests.engine.engine_helpers import (
+    ATTENTION_SETUPS,
+    ENGINE_KWARGS,
+    hf_greedy,
+    make_llm,
+    random_prompts,
+)
 
 MAX_TOKENS = 10
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _assert_matches_hf(llm, hf_model, prompts):
@@ -39,8 +48,9 @@ def test_prefix_caching_hits_and_matches(llm, checkpoint):
     shared = random_prompts(1, seed=2, low=30, high=31)[0]
     prompts = [shared + p for p in random_prompts(16, seed=3, low=1, high=20)]
     outputs = _assert_matches_hf(llm, checkpoint[1], prompts)
-    # Requests after the first wave find the shared prefix in the cache.
-    assert max(o.num_cached_tokens for o in outputs) >= 28
+    # Requests after the first wave find the shared prefix's full blocks in the cache.
+    block_size = llm.engine_core.config.cache.block_size
+    assert max(o.num_cached_tokens for o in outputs) == len(shared) // block_size * block_size
 
 
 def test_reset_prefix_cache_forgets_cached_prompts(llm):
@@ -48,7 +58,9 @@ def test_reset_prefix_cache_forgets_cached_prompts(llm):
     params = SamplingParams(temperature=0, max_tokens=2)
     first = llm.generate(prompt, params, use_tqdm=False)[0]
     again = llm.generate(prompt, params, use_tqdm=False)[0]
-    assert again.num_cached_tokens >= 20  # the whole blocks of the prompt
+    # The prompt's full blocks, short of its last token (whose logits sampling needs).
+    block_size = llm.engine_core.config.cache.block_size
+    assert again.num_cached_tokens == (24 - 1) // block_size * block_size
     assert llm.reset_prefix_cache()
     after_reset = llm.generate(prompt, params, use_tqdm=False)[0]
     assert after_reset.num_cached_tokens == 0
@@ -62,21 +74,23 @@ def test_reset_prefix_cache_forgets_cached_prompts(llm):
     assert llm.reset_prefix_cache()
 
 
-def test_prefix_caching_off_matches(checkpoint):
-    llm = LLM(checkpoint[0], enable_prefix_caching=False, **ENGINE_KWARGS)
+def test_prefix_caching_off_matches(checkpoint, attention_setup):
+    llm = make_llm(checkpoint[0], attention_setup, enable_prefix_caching=False)
     shared = random_prompts(1, seed=2, low=30, high=31)[0]
     prompts = [shared + p for p in random_prompts(16, seed=3, low=1, high=20)]
     outputs = _assert_matches_hf(llm, checkpoint[1], prompts)
     assert all(o.num_cached_tokens == 0 for o in outputs)
 
 
-def test_preemption_keeps_outputs_identical(checkpoint):
-    # 26 usable blocks of 4 tokens: 8 running requests of up to ~70 tokens cannot all fit.
-    llm = LLM(checkpoint[0], num_gpu_blocks_override=27, **ENGINE_KWARGS)
+def test_preemption_keeps_outputs_identical(checkpoint, attention_setup):
+    # About 104 tokens of KV blocks (26 of 4, or 6 of 16, the least max_model_len allows):
+    # 8 running requests of up to ~70 tokens cannot all fit.
+    num_blocks = 1 + 104 // ATTENTION_SETUPS[attention_setup]["block_size"]
+    llm = make_llm(checkpoint[0], attention_setup, num_gpu_blocks_override=num_blocks)
     prompts = random_prompts(16, seed=4, low=20, high=60)
     _assert_matches_hf(llm, checkpoint[1], prompts)
     assert llm.engine_core.num_preemptions > 0
-    assert llm.engine_core.num_free_blocks() == 26  # nothing leaked
+    assert llm.engine_core.num_free_blocks() == num_blocks - 1  # nothing leaked
     assert llm.engine_core.compiles_after_warmup() == 0
 
 
@@ -184,3 +198,25 @@ print("cache_dir:", jax.config.jax_compilation_cache_dir)
         )
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout.strip().splitlines()[-1] == f"cache_dir: {expected}"
+
+
+def test_a_kernel_fallback_fails_the_equality_suite(checkpoint, tmp_path):
+    """Without a C++ compiler (and nothing cached) the CPU kernel cannot build and the
+    reference takes over with a warning; the suite's default setup must then refuse to run,
+    not pass on the wrong attention."""
+    env = dict(os.environ, CXX="no-such-compiler", JENGINE_KERNEL_CACHE=str(tmp_path))
+    env.pop("JENGINE_ATTENTION_IMPL", None)
+    code = (
+        "import sys; from tests.engine.engine_helpers import make_llm; "
+        "make_llm(sys.argv[1], 'default-bs16')"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, checkpoint[0]],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode != 0
+    assert "attention fell back: default-bs16 expects cpu, got reference" in result.stderr
