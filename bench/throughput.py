@@ -1,196 +1,294 @@
-"""Offline throughput, workload A (bench/README.md): jengine vs Hugging Face transformers.
+"""Offline throughput, workload A: jengine against the peers a CPU user would pick.
 
-Both run the same 56M-parameter random Llama (float32) on the same 128 prompts in one
-process run, greedy, exactly 128 output tokens each:
-- jengine: `LLM.generate` on all prompts (continuous batching, chunked prefill);
-- transformers: `generate` in static batches of 32, left-padded, greedy, KV cache on.
+Workload A (bench/workloads.py): 128 requests, prompts of 64-256 tokens, exactly 128
+greedy output tokens each, on the 56M-parameter random Llama (float32). In one run:
+- jengine `LLM.generate` (engine defaults; prefix cache reset before every pass);
+- `jengine serve` (prefix caching off), every request sent at once over HTTP;
+- Hugging Face transformers `generate`, prompts sorted by length, one pass per batch size
+  (default 16, 32, 64), its best pass being its figure;
+- llama.cpp's `llama-server` (if built: bench/peers/build_llama_cpp.sh), one pass per
+  `-np` (default 16, 64), its best being its figure.
+Passes alternate between the engines so all meet the same spells of machine noise. EOS
+is masked the same way everywhere (min_tokens / min_new_tokens / ignore_eos), every pass
+is checked to make 128 x 128 tokens, and the greedy outputs are compared between every
+pair of engines. The compute roofline is the workload's model FLOPs over this machine's
+measured matmul rate.
 
-Each engine is set up and warmed once, then timed over the whole workload in `--rounds`
-rounds that alternate between the engines (jengine, transformers, jengine, ...), so both
-see the same spells of machine noise. Every round is reported; the headline rate of an
-engine is its best round (what it does undisturbed, as `timeit` reports a minimum), and
-the ratio is of those. Written to JSON with the per-round figures.
-
-    python -m bench.throughput [--rounds 2] [--out bench/results/throughput.json]
+    jengine bench throughput [--rounds 2] [--skip-llama-cpp] [--out bench/results/throughput.json]
 """
 
 import argparse
-import json
+import asyncio
 import os
 import statistics
 import time
 
-import torch
+from .common import (
+    add_common_args,
+    add_llama_cpp_args,
+    compare_outputs,
+    package_versions,
+    print_header,
+    write_result,
+)
+from .http_client import JengineServer, complete_all
+from .roofline import matmul_gflops, workload_flops
+from .workloads import make_bench_model, workload_a
 
-from bench.workloads import make_bench_model, workload_a
+MAX_MODEL_LEN = 512
 
 
-class JengineRun:
-    """`LLM.generate` over the whole workload; the engine is built once."""
-
+class JengineOffline:
     name = "jengine"
 
-    def __init__(self, path: str, prompts, max_tokens: int, args):
+    def __init__(self, path: str, args):
         from jengine import LLM, SamplingParams
 
-        started = time.perf_counter()
         limits = dict(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
         )
         self.llm = LLM(
             path,
             dtype="float32",
-            max_model_len=512,
+            max_model_len=MAX_MODEL_LEN,
             kv_cache_memory_bytes=args.kv_cache_gib << 30,
             **{name: value for name, value in limits.items() if value is not None},
         )
-        self.startup_s = time.perf_counter() - started
-        self.params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        self.prompts = [{"prompt_token_ids": p} for p in prompts]
-        self.llm.generate(self.prompts[:1], self.params, use_tqdm=False)  # first-run costs
+        self.sampling_params = SamplingParams
+        self.configs = ["defaults"] * args.rounds
 
-    def run(self) -> int:
-        # Every round computes every prompt: nothing may be served from the blocks the
-        # previous round (or the warm-up request) left in the prefix cache.
+    def run(self, config, prompts, max_tokens):
+        # Every pass computes every prompt: nothing may come from the prefix cache.
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("the prefix cache could not be reset: requests still running")
-        outputs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
-        assert not any(o.num_cached_tokens for o in outputs)
-        return sum(len(o.outputs[0].token_ids) for o in outputs)
+        params = self.sampling_params(temperature=0, max_tokens=max_tokens, min_tokens=max_tokens)
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+        )
+        if any(o.num_cached_tokens for o in outputs):
+            raise RuntimeError("a prompt was served from the prefix cache")
+        return [list(o.outputs[0].token_ids) for o in outputs]
 
     def details(self) -> dict:
-        return dict(
-            startup_s=self.startup_s,
-            compiles_after_warmup=self.llm.engine_core.compiles_after_warmup(),
-        )
+        return dict(compiles_after_warmup=self.llm.engine_core.compiles_after_warmup())
+
+    def close(self) -> None:
+        pass
 
 
-class TransformersRun:
-    """`generate` in static, left-padded batches; the model is loaded once."""
+class JengineServe:
+    name = "jengine serve"
 
+    def __init__(self, path: str, args):
+        flags = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+                 "--kv-cache-memory-bytes", str(args.kv_cache_gib << 30),
+                 "--no-enable-prefix-caching"]  # fmt: skip
+        self.server = JengineServer(path, flags)
+        self.configs = ["defaults"] * args.rounds
+
+    def run(self, config, prompts, max_tokens):
+        tokens = asyncio.run(complete_all(self.server.base_url, prompts, max_tokens))
+        return tokens  # the server path reports counts only
+
+    def details(self) -> dict:
+        return dict(startup_s=self.server.startup_s)
+
+    def close(self) -> None:
+        self.server.stop()
+
+
+class Transformers:
     name = "transformers"
 
-    def __init__(self, path: str, prompts, max_tokens: int, batch_size: int):
-        import transformers
+    def __init__(self, path: str, args):
+        from .peers.transformers_peer import TransformersPeer
 
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32
-        ).eval()
-        self.model.generation_config.pad_token_id = 0
-        self.prompts, self.max_tokens, self.batch_size = prompts, max_tokens, batch_size
-        self._generate(prompts[:2])  # first-run costs
+        self.peer = TransformersPeer(path, args.threads)
+        self.peer.generate([[5, 6, 7]] * 2, 2, 2)  # first-run costs
+        self.configs = [int(size) for size in args.hf_batch_sizes.split(",")]
 
-    def _generate(self, batch) -> int:
-        width = max(map(len, batch))
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for row, prompt in enumerate(batch):  # left padding
-            ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            mask[row, width - len(prompt) :] = 1
-        with torch.inference_mode():
-            out = self.model.generate(
-                ids,
-                attention_mask=mask,
-                max_new_tokens=self.max_tokens,
-                min_new_tokens=self.max_tokens,
-                do_sample=False,
-            )
-        return (out.shape[1] - width) * len(batch)
-
-    def run(self) -> int:
-        size = self.batch_size
-        return sum(
-            self._generate(self.prompts[i : i + size]) for i in range(0, len(self.prompts), size)
-        )
+    def run(self, batch_size, prompts, max_tokens):
+        return self.peer.generate(prompts, max_tokens, batch_size)
 
     def details(self) -> dict:
-        return dict(batch_size=self.batch_size)
+        return {}
+
+    def close(self) -> None:
+        pass
 
 
-def timed_round(engine, expected_tokens: int) -> dict:
-    started = time.perf_counter()
-    tokens = engine.run()
-    elapsed = time.perf_counter() - started
-    assert tokens == expected_tokens, (engine.name, tokens, expected_tokens)
-    return dict(elapsed_s=elapsed, output_tok_per_s=tokens / elapsed)
+class LlamaCpp:
+    name = "llama.cpp"
+
+    def __init__(self, path: str, args, llama_cpp):
+        from .peers.llama_cpp import convert_to_gguf
+
+        self.llama_cpp = llama_cpp
+        self.gguf = convert_to_gguf(llama_cpp, path)
+        self.threads = args.threads
+        self.configs = [int(n) for n in args.llama_np.split(",")]
+
+    def before(self, parallel) -> None:
+        """Start llama-server with `parallel` slots (not timed)."""
+        from .peers.llama_cpp import LlamaServer
+
+        # Each slot holds one request of at most MAX_MODEL_LEN tokens.
+        self.server = LlamaServer(
+            self.llama_cpp,
+            self.gguf,
+            parallel=parallel,
+            ctx_size=parallel * MAX_MODEL_LEN,
+            threads=self.threads,
+        ).__enter__()
+
+    def run(self, parallel, prompts, max_tokens):
+        return asyncio.run(self.server.complete_all(prompts, max_tokens))
+
+    def after(self) -> None:
+        self.server.__exit__(None, None, None)
+
+    def details(self) -> dict:
+        return dict(version=self.llama_cpp.version())
+
+    def close(self) -> None:
+        pass
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--model-dir", default=os.path.expanduser("~/.cache/jengine/bench-llama-56m")
+def build_engines(path: str, args) -> list:
+    engines = [JengineOffline(path, args)]
+    if not args.skip_serve:
+        engines.append(JengineServe(path, args))
+    if not args.skip_transformers:
+        engines.append(Transformers(path, args))
+    if not args.skip_llama_cpp:
+        from .peers.llama_cpp import find_llama_cpp
+
+        llama_cpp = find_llama_cpp(args.llama_cpp_dir)
+        if llama_cpp is None:
+            print("llama.cpp: not found (bench/peers/build_llama_cpp.sh builds it); skipped")
+        else:
+            engines.append(LlamaCpp(path, args, llama_cpp))
+    return engines
+
+
+def timed_pass(engine, config, prompts, max_tokens) -> tuple[dict, list | None]:
+    """One pass over the workload; set-up an engine needs per configuration (starting a
+    server) happens in `before`, outside the timing."""
+    getattr(engine, "before", lambda config: None)(config)
+    try:
+        started = time.perf_counter()
+        result = engine.run(config, prompts, max_tokens)
+        elapsed = time.perf_counter() - started
+    finally:
+        getattr(engine, "after", lambda: None)()
+    tokens, outputs = (result, None) if isinstance(result, int) else (sum(map(len, result)), result)
+    expected = max_tokens * len(prompts)
+    if tokens != expected:
+        raise RuntimeError(f"{engine.name} made {tokens} tokens, expected {expected}")
+    return dict(config=config, elapsed_s=elapsed, output_tok_per_s=tokens / elapsed), outputs
+
+
+def run_passes(engines, prompts, max_tokens) -> tuple[dict, dict]:
+    """Every engine's passes, alternating between the engines; the outputs of each engine's
+    best pass."""
+    passes = {engine.name: [] for engine in engines}
+    outputs = {engine.name: None for engine in engines}
+    best = {engine.name: 0.0 for engine in engines}
+    for index in range(max(len(engine.configs) for engine in engines)):
+        for engine in engines:
+            if index >= len(engine.configs):
+                continue
+            result, out = timed_pass(engine, engine.configs[index], prompts, max_tokens)
+            passes[engine.name].append(result)
+            if result["output_tok_per_s"] > best[engine.name]:
+                best[engine.name], outputs[engine.name] = result["output_tok_per_s"], out
+            print(
+                f"{engine.name:>14} [{result['config']}]: {result['output_tok_per_s']:8.1f} "
+                f"output tok/s ({result['elapsed_s']:.1f} s)",
+                flush=True,
+            )
+    return passes, outputs
+
+
+def summarize(engines, passes, roofline_tok_per_s) -> tuple[list, dict]:
+    results = []
+    for engine in engines:
+        rates = [p["output_tok_per_s"] for p in passes[engine.name]]
+        best = max(passes[engine.name], key=lambda p: p["output_tok_per_s"])
+        results.append(
+            dict(
+                engine=engine.name,
+                output_tok_per_s=best["output_tok_per_s"],
+                best_config=best["config"],
+                median_output_tok_per_s=statistics.median(rates),
+                passes=passes[engine.name],
+                **engine.details(),
+            )
+        )
+    by_name = {r["engine"]: r["output_tok_per_s"] for r in results}
+    ratios = {}
+    for ours in ("jengine", "jengine serve"):
+        for peer in ("transformers", "llama.cpp"):
+            if ours in by_name and peer in by_name:
+                ratios[f"{ours} / {peer}"] = by_name[ours] / by_name[peer]
+    ratios["jengine / compute roofline"] = by_name["jengine"] / roofline_tok_per_s
+    return results, ratios
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="jengine bench throughput", description=__doc__.splitlines()[0]
     )
+    add_common_args(parser, "throughput")
+    add_llama_cpp_args(parser)
     parser.add_argument("--num-requests", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="passes of each jengine engine")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     # Unset: the engine's defaults (128 sequences, a 2048-token budget).
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--kv-cache-gib", type=int, default=1)
-    parser.add_argument("--hf-batch-size", type=int, default=32)
+    parser.add_argument("--hf-batch-sizes", default="16,32,64")
+    parser.add_argument("--llama-np", default="16,64", help="llama-server -np values to try")
     parser.add_argument("--skip-transformers", action="store_true")
-    parser.add_argument("--out", default="bench/results/throughput.json")
-    args = parser.parse_args()
+    parser.add_argument("--skip-serve", action="store_true")
+    args = parser.parse_args(argv)
 
+    versions = package_versions("transformers", "torch")
+    print_header("throughput", args, versions)
     path = make_bench_model(args.model_dir)
     prompts, max_tokens = workload_a(num_requests=args.num_requests)
-    expected_tokens = max_tokens * len(prompts)
-    engines = [JengineRun(path, prompts, max_tokens, args)]
-    if not args.skip_transformers:
-        engines.append(TransformersRun(path, prompts, max_tokens, args.hf_batch_size))
-    rounds = {engine.name: [] for engine in engines}
-    for number in range(1, args.rounds + 1):
-        for engine in engines:
-            result = timed_round(engine, expected_tokens)
-            rounds[engine.name].append(result)
-            print(
-                f"round {number} {engine.name:>12}: {result['output_tok_per_s']:8.1f} "
-                f"output tok/s ({result['elapsed_s']:.1f} s)",
-                flush=True,
-            )
+    gflops = matmul_gflops()
+    flops = workload_flops([len(p) for p in prompts], max_tokens)
+    roofline = max_tokens * len(prompts) / (flops / (gflops * 1e9))
+    print(f"matmul {gflops:.0f} GFLOP/s; workload {flops / 1e12:.2f} TFLOP; "
+          f"compute roofline {roofline:.0f} output tok/s")  # fmt: skip
 
-    results = []
-    for engine in engines:
-        rates = [r["output_tok_per_s"] for r in rounds[engine.name]]
-        results.append(
-            dict(
-                engine=engine.name,
-                output_tokens=expected_tokens,
-                output_tok_per_s=max(rates),  # the best round
-                median_output_tok_per_s=statistics.median(rates),
-                rounds=rounds[engine.name],
-                **engine.details(),
-            )
-        )
-    report = dict(
-        workload="A",
-        num_requests=len(prompts),
-        output_len=max_tokens,
-        rounds=args.rounds,
-        results=results,
+    engines = build_engines(path, args)
+    try:
+        passes, outputs = run_passes(engines, prompts, max_tokens)
+    finally:
+        for engine in engines:
+            engine.close()
+    results, ratios = summarize(engines, passes, roofline)
+    for name, ratio in ratios.items():
+        print(f"{name} = {ratio:.2f}x")
+    write_result(
+        "throughput",
+        args,
+        versions,
+        dict(
+            workload="A",
+            num_requests=len(prompts),
+            output_len=max_tokens,
+            matmul_gflops=gflops,
+            workload_tflop=flops / 1e12,
+            compute_roofline_tok_per_s=roofline,
+            results=results,
+            ratios=ratios,
+            output_match=compare_outputs(outputs),
+        ),
     )
-    for r in results:
-        print(
-            f"{r['engine']:>12}: best {r['output_tok_per_s']:8.1f}, "
-            f"median {r['median_output_tok_per_s']:8.1f} output tok/s"
-        )
-    if len(results) == 2:
-        jengine, hf = results
-        report["ratio"] = jengine["output_tok_per_s"] / hf["output_tok_per_s"]
-        report["ratio_of_medians"] = (
-            jengine["median_output_tok_per_s"] / hf["median_output_tok_per_s"]
-        )
-        report["ratio_per_round"] = [
-            j["output_tok_per_s"] / h["output_tok_per_s"]
-            for j, h in zip(jengine["rounds"], hf["rounds"], strict=True)
-        ]
-        print(
-            f"jengine / transformers = {report['ratio']:.2f}x (best rounds), "
-            f"{report['ratio_of_medians']:.2f}x (medians), per round "
-            + ", ".join(f"{x:.2f}x" for x in report["ratio_per_round"])
-        )
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
 
 
 if __name__ == "__main__":

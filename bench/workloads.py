@@ -46,3 +46,12 @@ def make_bench_model(path: str, seed: int = 0) -> str:
     config = transformers.LlamaConfig(**BENCH_MODEL)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     return path
+
+
+def workload_prefix(seed: int = 0, num_requests: int = 64, shared_len: int = 1024):
+    """Prefix: `num_requests` requests sharing a `shared_len`-token system prompt, each
+    with its own 32-token question and 16 output tokens."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(100, 31000, size=shared_len).tolist()
+    prompts = [shared + rng.integers(100, 31000, size=32).tolist() for _ in range(num_requests)]
+    return prompts, 16

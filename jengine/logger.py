@@ -15,8 +15,9 @@ PyTorch is missing, which the engine does not need (it uses transformers' tokeni
 import logging
 import os
 
-# Libraries whose INFO lines say nothing a jengine user must act on.
-_QUIET_LOGGERS = ("jax", "absl")
+# Libraries whose INFO lines say nothing a jengine user must act on (httpx logs every
+# request the benchmarks send).
+_QUIET_LOGGERS = ("jax", "absl", "httpx", "httpx2")
 
 
 def init_logging(prefix: str = "") -> None:

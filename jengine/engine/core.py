@@ -82,11 +82,13 @@ class EngineCore:
         logger.info(self.capacity_report)
         self.scheduler = Scheduler(scheduler_config, config.cache, self.runner.num_blocks)
         self.num_preemptions = 0  # since start, for tests and metrics
+        warmup_started = time.perf_counter()
         num_shapes = self.runner.warmup()
         self.startup_seconds = time.perf_counter() - started
         logger.info(
-            "warmup compiled %d step shapes; engine ready in %.1fs",
+            "warmup compiled %d step shapes in %.1fs; engine ready in %.1fs",
             num_shapes,
+            time.perf_counter() - warmup_started,
             self.startup_seconds,
         )
 

@@ -17,7 +17,11 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 def load_tokenizer(config: EngineConfig):
     """The HF tokenizer of the model folder, or None when it ships none (token ids only)."""
-    path = config.model.tokenizer or config.model.model
+    return load_tokenizer_from(config.model.tokenizer or config.model.model)
+
+
+def load_tokenizer_from(path: str | None):
+    """The HF tokenizer in `path`, or None when there is none there."""
     if path is None:
         return None
     if os.path.isdir(path) and not any(

@@ -1,5 +1,6 @@
-"""The `jengine` command: `jengine serve [MODEL] ...` (OpenAI-compatible server) and
-`jengine generate "PROMPT" ...` (one offline completion through `LLM`).
+"""The `jengine` command: `jengine serve [MODEL] ...` (OpenAI-compatible server),
+`jengine generate "PROMPT" ...` (one offline completion through `LLM`) and
+`jengine bench NAME ...` (the benchmarks of bench/, installed as jengine.bench).
 
 Where it sits: the outermost entry point. Flags keep vLLM's names (`--max-model-len`,
 `--max-num-seqs`, `--served-model-name`, `--api-key`, ...). With no model, both use the
@@ -9,6 +10,7 @@ does); `generate` runs the engine in-process.
 
 import argparse
 import contextlib
+import importlib
 import os
 import sys
 from dataclasses import fields
@@ -16,6 +18,9 @@ from dataclasses import fields
 from jengine.engine.arg_utils import EngineArgs
 from jengine.logger import init_logging
 from jengine.models.default import DEFAULT_MODEL_PATH
+
+# `jengine bench NAME`: vLLM's names where vLLM has one.
+BENCHMARKS = ("throughput", "latency", "serve", "prefix", "overhead", "startup")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -59,6 +64,13 @@ def make_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=0)
     generate.add_argument("--stream", action="store_true", help="print tokens as they come")
     EngineArgs.add_cli_args(generate)
+
+    bench = commands.add_parser(
+        "bench",
+        help="race jengine against its peers (transformers, llama.cpp); see bench/README.md",
+    )
+    bench.add_argument("benchmark", choices=BENCHMARKS)
+    bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own flags")
     return parser
 
 
@@ -102,14 +114,16 @@ def cmd_generate(args: argparse.Namespace) -> None:
     sys.stdout.write("\n")
 
 
+def cmd_bench(args: argparse.Namespace) -> None:
+    # The benchmarks ship as jengine.bench (the repository's bench/ folder).
+    importlib.import_module(f"jengine.bench.{args.benchmark}").main(args.options)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = make_parser().parse_args(argv)
     init_logging()
     try:
-        if args.command == "serve":
-            cmd_serve(args)
-        else:
-            cmd_generate(args)
+        {"serve": cmd_serve, "generate": cmd_generate, "bench": cmd_bench}[args.command](args)
     except ValueError as e:  # bad flags / config: one line, not a traceback
         raise SystemExit(f"error: {e}") from None
 

@@ -1,0 +1,136 @@
+"""What every benchmark shares: the machine and versions it ran on, its settings, the
+JSON it writes under bench/results/, and the output comparison between engines.
+
+Where it sits: each `bench/<name>.py` (run as `jengine bench <name>` or
+`python -m bench.<name>`) builds its engines, times them, and hands a payload to
+`write_result`, which prints and stores it with the machine, the versions and the
+settings; `bench/report.py` builds the README table and plots from those files.
+
+What it promises: a result file says everything needed to judge it — the CPU, cores and
+memory, every engine's version, the settings (all command-line values), and, where engines
+produced text, how often their greedy tokens agree (random weights make near-ties, so a
+mismatch is reported, never hidden).
+"""
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+DEFAULT_MODEL_DIR = os.path.expanduser("~/.cache/jengine/bench-llama-56m")
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        memory_gib = None
+    return dict(
+        cpu=cpu,
+        cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        memory_gib=round(memory_gib, 1) if memory_gib else None,
+        system=f"{platform.system()} {platform.release()}",
+        python=platform.python_version(),
+    )
+
+
+def package_versions(*names: str) -> dict:
+    versions = {}
+    for name in ("jengine", "jax", "jaxlib", *names):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def add_common_args(parser: argparse.ArgumentParser, name: str) -> None:
+    parser.add_argument("--model-dir", default=DEFAULT_MODEL_DIR, help="benchmark model folder")
+    parser.add_argument(
+        "--out", default=str(RESULTS_DIR / f"{name}.json"), help="where the JSON goes"
+    )
+
+
+def add_llama_cpp_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--llama-cpp-dir",
+        default=None,
+        help="folder with llama-server / llama-bench (default: PATH, then the build cache of "
+        "bench/peers/build_llama_cpp.sh)",
+    )
+    parser.add_argument("--skip-llama-cpp", action="store_true")
+
+
+def print_header(name: str, args: argparse.Namespace, versions: dict) -> None:
+    machine = machine_info()
+    print(f"== jengine bench {name} ==")
+    print(
+        f"machine: {machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB, "
+        f"{machine['system']}, Python {machine['python']}"
+    )
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v))
+    print("settings: " + ", ".join(f"{k}={v}" for k, v in sorted(vars(args).items())))
+
+
+def write_result(name: str, args: argparse.Namespace, versions: dict, payload: dict) -> dict:
+    report = dict(
+        benchmark=name,
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        machine=machine_info(),
+        versions=versions,
+        settings={k: v for k, v in sorted(vars(args).items())},
+        **payload,
+    )
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+    print(f"wrote {args.out}")
+    return report
+
+
+def token_match(a: list[list[int]], b: list[list[int]]) -> dict:
+    """How two engines' greedy outputs agree: identical sequences, and tokens equal up to
+    each sequence's first difference (after a difference, the contexts differ)."""
+    same_sequences = sum(x == y for x, y in zip(a, b, strict=True))
+    prefix_tokens = total = 0
+    for x, y in zip(a, b, strict=True):
+        total += max(len(x), len(y))
+        for tx, ty in zip(x, y, strict=False):
+            if tx != ty:
+                break
+            prefix_tokens += 1
+    return dict(
+        identical_sequences=same_sequences,
+        sequences=len(a),
+        sequence_match_rate=same_sequences / max(1, len(a)),
+        token_match_rate=prefix_tokens / max(1, total),
+    )
+
+
+def compare_outputs(outputs: dict[str, list[list[int]]]) -> dict[str, dict]:
+    """`token_match` between every pair of engines that returned outputs."""
+    names = [n for n, o in outputs.items() if o is not None]
+    pairs = {}
+    for i, first in enumerate(names):
+        for second in names[i + 1 :]:
+            match = token_match(outputs[first], outputs[second])
+            pairs[f"{first} vs {second}"] = match
+            print(
+                f"greedy outputs {first} vs {second}: {match['identical_sequences']}/"
+                f"{match['sequences']} sequences identical, "
+                f"{100 * match['token_match_rate']:.1f}% of tokens before the first difference"
+            )
+    return pairs

@@ -1,0 +1,157 @@
+"""Single-stream latency, workload C: time to first token and decode tokens/s of one
+request, jengine against transformers and llama.cpp, with this machine's bandwidth
+roofline.
+
+Workload C (bench/workloads.py): one request, a 128-token prompt, 256 greedy output tokens
+(EOS masked on every side). In one run:
+- jengine: the request through `LLMEngine` with per-token timestamps (TTFT = the first
+  token's arrival, decode rate = the rest over the time they took), best of `--repeats`;
+- transformers `generate`: TTFT = a 1-token generate, decode rate from a 256-token one;
+- llama.cpp `llama-bench` (if built): pp128 (TTFT = 128 / its prompt rate) and tg256.
+The roofline of a decode step is the weight bytes it must read over the measured memory
+bandwidth (a multi-threaded read of 1 GiB through XLA).
+
+    jengine bench latency [--repeats 5] [--skip-llama-cpp]
+"""
+
+import argparse
+import os
+import time
+
+from .common import (
+    add_common_args,
+    add_llama_cpp_args,
+    package_versions,
+    print_header,
+    write_result,
+)
+from .roofline import read_bandwidth_gbs, weight_bytes
+from .workloads import make_bench_model, workload_c
+
+
+def jengine_latency(path: str, prompt: list[int], max_tokens: int, repeats: int) -> dict:
+    from jengine import LLM, SamplingParams
+    from jengine.engine.output_processor import RequestOutputKind
+
+    llm = LLM(path, dtype="float32", max_model_len=512)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, min_tokens=max_tokens)
+    runs = []
+    for repeat in range(repeats + 1):  # the first run pays first-use costs
+        llm.reset_prefix_cache()
+        started = time.perf_counter()
+        engine.add_request(
+            f"latency-{repeat}",
+            {"prompt_token_ids": prompt},
+            params,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        arrivals = []
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                arrivals += [time.perf_counter()] * len(output.outputs[0].token_ids)
+        assert len(arrivals) == max_tokens, len(arrivals)
+        runs.append(
+            dict(
+                ttft_s=arrivals[0] - started,
+                decode_tok_per_s=(max_tokens - 1) / (arrivals[-1] - arrivals[0]),
+            )
+        )
+    runs = runs[1:]
+    return dict(
+        ttft_s=min(r["ttft_s"] for r in runs),
+        decode_tok_per_s=max(r["decode_tok_per_s"] for r in runs),
+        runs=runs,
+        compiles_after_warmup=llm.engine_core.compiles_after_warmup(),
+    )
+
+
+def llama_cpp_latency(args, path: str, prompt_len: int, max_tokens: int) -> dict | None:
+    from .peers.llama_cpp import convert_to_gguf, find_llama_cpp, run_llama_bench
+
+    llama_cpp = find_llama_cpp(args.llama_cpp_dir)
+    if llama_cpp is None:
+        print("llama.cpp: not found (bench/peers/build_llama_cpp.sh builds it); skipped")
+        return None
+    result = run_llama_bench(
+        llama_cpp,
+        convert_to_gguf(llama_cpp, path),
+        n_prompt=prompt_len,
+        n_gen=max_tokens,
+        threads=args.threads,
+        repetitions=args.repeats,
+    )
+    return dict(
+        ttft_s=prompt_len / result["pp_tok_per_s"],
+        decode_tok_per_s=result["tg_tok_per_s"],
+        llama_bench=result,
+        version=llama_cpp.version(),
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="jengine bench latency", description=__doc__.split("\n")[0]
+    )
+    add_common_args(parser, "latency")
+    add_llama_cpp_args(parser)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--skip-transformers", action="store_true")
+    args = parser.parse_args(argv)
+
+    versions = package_versions("transformers", "torch")
+    print_header("latency", args, versions)
+    path = make_bench_model(args.model_dir)
+    (prompt,), max_tokens = workload_c()
+    bandwidth = read_bandwidth_gbs()
+    roofline = bandwidth * 1e9 / weight_bytes()
+    print(f"memory bandwidth {bandwidth:.1f} GB/s; weights {weight_bytes() / 1e6:.0f} MB "
+          f"per decode step; roofline {roofline:.0f} tok/s")  # fmt: skip
+
+    results = {"jengine": jengine_latency(path, prompt, max_tokens, args.repeats)}
+    if not args.skip_transformers:
+        from .peers.transformers_peer import TransformersPeer
+
+        peer = TransformersPeer(path, args.threads)
+        runs = [peer.latency(prompt, max_tokens) for _ in range(max(1, args.repeats // 2))]
+        results["transformers"] = dict(
+            ttft_s=min(r["ttft_s"] for r in runs),
+            decode_tok_per_s=max(r["decode_tok_per_s"] for r in runs),
+            runs=runs,
+        )
+    if not args.skip_llama_cpp:
+        results["llama.cpp"] = llama_cpp_latency(args, path, len(prompt), max_tokens)
+    results = {name: r for name, r in results.items() if r is not None}
+    for name, r in results.items():
+        print(f"{name:>12}: TTFT {1000 * r['ttft_s']:6.1f} ms, decode "
+              f"{r['decode_tok_per_s']:6.1f} tok/s")  # fmt: skip
+    ours = results["jengine"]
+    ratios = {"jengine decode / bandwidth roofline": ours["decode_tok_per_s"] / roofline}
+    for peer in ("transformers", "llama.cpp"):
+        if peer in results:
+            ratios[f"jengine decode / {peer}"] = (
+                ours["decode_tok_per_s"] / results[peer]["decode_tok_per_s"]
+            )
+            ratios[f"jengine TTFT / {peer}"] = ours["ttft_s"] / results[peer]["ttft_s"]
+    for name, ratio in ratios.items():
+        print(f"{name} = {ratio:.2f}x")
+    write_result(
+        "latency",
+        args,
+        versions,
+        dict(
+            workload="C",
+            prompt_len=len(prompt),
+            output_len=max_tokens,
+            memory_bandwidth_gbs=bandwidth,
+            weight_bytes=weight_bytes(),
+            bandwidth_roofline_tok_per_s=roofline,
+            results=results,
+            ratios=ratios,
+        ),
+    )
+
+
+if __name__ == "__main__":
+    main()

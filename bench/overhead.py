@@ -1,0 +1,145 @@
+"""Host overhead per engine step: what the Python host spends around the device step
+(schedule, input preparation, output conversion, scheduler update, output processing) at
+1, 64 and 256 running requests, with the device step replaced by a no-op.
+
+Where it sits: the same objects the engine uses — `Scheduler`, the runner's `InputBatch`
+and its output conversion, `OutputProcessor` with the benchmark model's tokenizer (when
+the folder has one) — driven by the loop `EngineCore.step` + `LLMEngine.step` run. Only
+the jitted model and sampler are replaced: every request "samples" a fixed token. Each
+request has a 128-token prompt and never finishes while the steps are timed; timing
+starts once every request is decoding.
+
+    jengine bench overhead [--num-running 1,64,256] [--steps 200]
+"""
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from jengine.config import CacheConfig, SchedulerConfig
+from jengine.core.outputs import ModelRunnerOutput
+from jengine.core.scheduler import Scheduler
+from jengine.engine.output_processor import OutputProcessor, RequestOutputKind
+from jengine.protocol import EngineCoreRequest
+from jengine.request import Request
+from jengine.runner.buckets import BucketSpec
+from jengine.runner.input_batch import InputBatch
+from jengine.runner.model_runner import ModelRunner
+from jengine.runner.step import SampleOutputs
+from jengine.sampling_params import MAX_LOGPROBS, SamplingParams
+
+from .common import add_common_args, package_versions, print_header, write_result
+from .workloads import make_bench_model
+
+PROMPT_LEN = 128
+BLOCK_SIZE = 16
+SAMPLED_TOKEN = 1000
+
+
+class NoOpRunner:
+    """The runner's host side with the device step replaced by a constant sample."""
+
+    def __init__(self, buckets: BucketSpec):
+        self.input_batch = InputBatch(buckets, BLOCK_SIZE)
+
+    def execute(self, scheduler_output) -> ModelRunnerOutput:
+        self.input_batch.update(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        prepared = self.input_batch.prepare(scheduler_output)
+        rows = prepared.shape.num_reqs
+        sampled = SampleOutputs(
+            sampled=np.full(rows, SAMPLED_TOKEN, np.int32),
+            logprob_ids=np.zeros((rows, MAX_LOGPROBS + 1), np.int32),
+            logprobs=np.zeros((rows, MAX_LOGPROBS + 1), np.float32),
+            ranks=np.zeros(rows, np.int32),
+        )
+        # The real runner's conversion of device outputs into a ModelRunnerOutput.
+        return ModelRunner._to_runner_output(self, prepared, sampled, None)
+
+
+def step_times(num_running: int, steps: int, tokenizer) -> dict:
+    max_model_len = PROMPT_LEN + steps + 64
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=num_running,
+        max_num_batched_tokens=max(2048, num_running),
+        max_model_len=max_model_len,
+    )
+    pages = -(-max_model_len // BLOCK_SIZE)
+    scheduler = Scheduler(
+        scheduler_config, CacheConfig(block_size=BLOCK_SIZE), num_running * pages + 1
+    )
+    runner = NoOpRunner(
+        BucketSpec.create(num_running, max(2048, num_running), max_model_len, BLOCK_SIZE)
+    )
+    output_processor = OutputProcessor(tokenizer)
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0, max_tokens=max_model_len, ignore_eos=True)
+    for index in range(num_running):
+        prompt = rng.integers(100, 31000, size=PROMPT_LEN).tolist()
+        request = EngineCoreRequest(str(index), prompt, params)
+        output_processor.add_request(request, None, RequestOutputKind.DELTA)
+        scheduler.add_request(Request(str(index), prompt, params))
+
+    parts = {"schedule": [], "runner": [], "update": [], "output_processing": []}
+    decoding = False
+    while len(parts["schedule"]) < steps:
+        t0 = time.perf_counter()
+        scheduler_output = scheduler.schedule()
+        t1 = time.perf_counter()
+        runner_output = runner.execute(scheduler_output)
+        t2 = time.perf_counter()
+        engine_outputs = scheduler.update_from_output(scheduler_output, runner_output)
+        t3 = time.perf_counter()
+        output_processor.process_outputs(engine_outputs.outputs)
+        t4 = time.perf_counter()
+        # Time steady decoding only: every request running, one token each.
+        if decoding:
+            for name, seconds in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+                parts[name].append(seconds)
+        decoding = scheduler_output.total_num_scheduled_tokens == num_running
+    totals = [sum(step) for step in zip(*parts.values(), strict=True)]
+    return dict(
+        num_running=num_running,
+        steps=steps,
+        median_ms=1000 * statistics.median(totals),
+        mean_ms=1000 * statistics.fmean(totals),
+        parts_median_ms={name: 1000 * statistics.median(t) for name, t in parts.items()},
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="jengine bench overhead", description=__doc__.split("\n")[0]
+    )
+    add_common_args(parser, "overhead")
+    parser.add_argument("--num-running", default="1,64,256")
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args(argv)
+
+    versions = package_versions("transformers")
+    print_header("overhead", args, versions)
+    from jengine.engine.tokenizer import load_tokenizer_from
+
+    tokenizer = load_tokenizer_from(make_bench_model(args.model_dir))
+    results = []
+    for num_running in (int(n) for n in args.num_running.split(",")):
+        result = step_times(num_running, args.steps, tokenizer)
+        results.append(result)
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in result["parts_median_ms"].items())
+        print(
+            f"{num_running:4d} running: {result['median_ms']:.3f} ms per step "
+            f"(median; mean {result['mean_ms']:.3f}): {parts}"
+        )
+    write_result(
+        "overhead",
+        args,
+        versions,
+        dict(detokenized=tokenizer is not None, prompt_len=PROMPT_LEN, results=results),
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Peers jengine is raced against in bench/: transformers and llama.cpp drivers."""

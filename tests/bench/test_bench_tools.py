@@ -1,0 +1,71 @@
+"""The benchmarks' own arithmetic and plumbing, without timing anything: output
+comparison, the roofline model, the host-overhead loop, the README table, the CLI."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jengine.bench import common, overhead, report, roofline
+from jengine.bench.workloads import BENCH_MODEL
+
+
+def test_token_match_counts_up_to_the_first_difference():
+    match = common.token_match([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6]])
+    assert match["identical_sequences"] == 1 and match["sequences"] == 2
+    assert match["token_match_rate"] == pytest.approx((2 + 2) / (4 + 2))
+
+
+def test_workload_flops_counts_layers_attention_and_sampled_logits():
+    params = roofline.layer_params(BENCH_MODEL)
+    assert params == 8 * (512 * 512 * 2 + 512 * 256 * 2 + 3 * 512 * 1408)
+    lm_head = 512 * 32000
+    one_token = roofline.workload_flops([1], 0)
+    assert one_token == 2 * params + 4 * 8 * 512 * 1
+    assert roofline.workload_flops([1], 1) == pytest.approx(
+        2 * params * 2 + 4 * 8 * 512 * 3 + 2 * lm_head
+    )
+    assert roofline.weight_bytes(BENCH_MODEL) == (params + lm_head) * 4
+
+
+def test_overhead_loop_runs_the_engine_host_path():
+    result = overhead.step_times(num_running=8, steps=6, tokenizer=None)
+    assert result["num_running"] == 8 and result["median_ms"] > 0
+    assert set(result["parts_median_ms"]) == {"schedule", "runner", "update", "output_processing"}
+
+
+def test_report_table_from_results(tmp_path, monkeypatch):
+    (tmp_path / "throughput.json").write_text(
+        json.dumps(
+            {
+                "results": [
+                    {"engine": "jengine", "output_tok_per_s": 900.0},
+                    {"engine": "jengine serve", "output_tok_per_s": 800.0},
+                    {"engine": "transformers", "output_tok_per_s": 300.0},
+                    {"engine": "llama.cpp", "output_tok_per_s": 450.0},
+                ]
+            }
+        )
+    )
+    monkeypatch.setattr(report, "RESULTS_DIR", tmp_path)
+    readme = tmp_path / "README.md"
+    readme.write_text("# title\n")
+    report.update_readme(readme)
+    report.update_readme(readme)  # idempotent: the block is replaced, not appended
+    text = readme.read_text()
+    assert text.count(report.START) == 1
+    assert "| llama.cpp | 450 (jengine 2.00x) | 450 (jengine 1.78x) |" in text
+    assert "| transformers | 300 (jengine 3.00x) |" in text
+
+
+def test_cli_lists_every_benchmark():
+    result = subprocess.run(
+        [sys.executable, "-m", "jengine.entrypoints.cli", "bench", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0
+    for name in ("throughput", "latency", "serve", "prefix", "overhead", "startup"):
+        assert name in result.stdout
