@@ -10,8 +10,13 @@
 // intra-op thread pool.
 //
 // Layouts (row-major): q [T, N, H]; kv_cache [L, 2, K, num_blocks, S, H];
-// kv_lens [R]; block_tables [R, P]; query_start_loc [R + 1]; out [T, N, H].
-// Requirements checked by cpu.py before it calls: H and S multiples of 8, N a multiple of K.
+// kv_lens [R]; block_tables [R', P] with R' >= R; query_start_loc [R + 1]; out [T, N, H].
+// Kernel requirements (cpu.py routes other shapes to the reference): H and S multiples of
+// 8, N a multiple of K, N / K at most 64.
+//
+// No input makes it read outside a buffer: the handler rejects shapes it cannot index by
+// and metadata that would send a walk outside its request (cpu.py rejects bad shapes at
+// trace time already), and page ids are clamped into the cache as the reference's are.
 
 #include <algorithm>
 #include <atomic>
@@ -20,6 +25,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -34,6 +40,15 @@ namespace {
 using v8 = float __attribute__((vector_size(32)));
 using i8 = int32_t __attribute__((vector_size(32)));
 constexpr int kLanes = 8;
+
+// Two-vector shuffle, constant lanes: Clang lacks GCC's __builtin_shuffle, GCC < 12 lacks
+// __builtin_shufflevector; both give the same instructions.
+#if defined(__clang__) || __GNUC__ >= 12
+#define JENGINE_SHUFFLE(x, y, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
+#else
+#define JENGINE_SHUFFLE(x, y, ...) __builtin_shuffle(x, y, i8{__VA_ARGS__})
+#endif
+
 // Query rows (tokens x q heads of one kv head) one work item serves.
 constexpr int64_t kMaxRows = 64;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -56,16 +71,16 @@ inline v8 TransposeSum(const v8 in[kLanes]) {
   v8 quads[4], pairs[2];
   for (int i = 0; i < 4; ++i) {
     const v8 x = in[2 * i], y = in[2 * i + 1];
-    quads[i] = __builtin_shuffle(x, y, i8{0, 1, 2, 3, 8, 9, 10, 11}) +
-               __builtin_shuffle(x, y, i8{4, 5, 6, 7, 12, 13, 14, 15});
+    quads[i] = JENGINE_SHUFFLE(x, y, 0, 1, 2, 3, 8, 9, 10, 11) +
+               JENGINE_SHUFFLE(x, y, 4, 5, 6, 7, 12, 13, 14, 15);
   }
   for (int i = 0; i < 2; ++i) {
     const v8 x = quads[2 * i], y = quads[2 * i + 1];
-    pairs[i] = __builtin_shuffle(x, y, i8{0, 1, 4, 5, 8, 9, 12, 13}) +
-               __builtin_shuffle(x, y, i8{2, 3, 6, 7, 10, 11, 14, 15});
+    pairs[i] = JENGINE_SHUFFLE(x, y, 0, 1, 4, 5, 8, 9, 12, 13) +
+               JENGINE_SHUFFLE(x, y, 2, 3, 6, 7, 10, 11, 14, 15);
   }
-  return __builtin_shuffle(pairs[0], pairs[1], i8{0, 2, 4, 6, 8, 10, 12, 14}) +
-         __builtin_shuffle(pairs[0], pairs[1], i8{1, 3, 5, 7, 9, 11, 13, 15});
+  return JENGINE_SHUFFLE(pairs[0], pairs[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         JENGINE_SHUFFLE(pairs[0], pairs[1], 1, 3, 5, 7, 9, 11, 13, 15);
 }
 
 // exp(x) for x <= 0, Cephes' expf polynomial (about 1 ulp); lanes below -87 give 0.
@@ -90,16 +105,12 @@ inline v8 ExpNonPositive(v8 x) {
 }
 
 struct Problem {
-  const float* q;
-  const float* kv_cache;
+  const float *q, *kv_cache;
   float* out;
-  const int32_t* kv_lens;
-  const int32_t* block_tables;
-  const int32_t* query_start_loc;
-  int64_t num_q_heads, num_kv_heads, head_dim, num_blocks, block_size;
-  int64_t layer, pages_per_request;
+  const int32_t *kv_lens, *block_tables, *query_start_loc;
+  int64_t num_q_heads, num_kv_heads, head_dim, num_blocks, block_size, layer, pages_per_request;
   float sm_scale;
-  int32_t sliding_window;  // 0: none
+  int64_t sliding_window;  // 0: none
 };
 
 struct WorkItem {
@@ -110,7 +121,7 @@ struct WorkItem {
 // rows x block_size scores.
 struct Scratch {
   std::vector<float> q, acc, scores, row_max, denom;
-  std::vector<int32_t> row_pos;
+  std::vector<int64_t> row_pos;
   explicit Scratch(const Problem& p)
       : q(kMaxRows * p.head_dim),
         acc(kMaxRows * p.head_dim),
@@ -129,6 +140,57 @@ inline void Prefetch(const float* page, int64_t num_floats) {
     __builtin_prefetch(page + i, /*rw=*/0, /*locality=*/2);
 }
 
+// One page of a work item's walk: scores of its rows against the page's keys, then the
+// online-softmax update of the rows that see any of them.
+inline void AttendPage(const Problem& p, Scratch& scratch, int64_t rows, int64_t kv_len,
+                       const float* k, const float* v, int64_t page_start) {
+  const int64_t H = p.head_dim, S = p.block_size;
+  const float* q = scratch.q.data();
+
+  // Scores of every row against all keys of the page, eight keys at a time. Keys a row
+  // must not see (unused slots may hold NaN) are left out below, never multiplied in.
+  for (int64_t row = 0; row < rows; ++row) {
+    for (int64_t s0 = 0; s0 < S; s0 += kLanes) {
+      v8 partial[kLanes];
+      for (int j = 0; j < kLanes; ++j) {
+        const float* key = k + (s0 + j) * H;
+        v8 sum{};
+        for (int64_t h = 0; h < H; h += kLanes) sum += Load(q + row * H + h) * Load(key + h);
+        partial[j] = sum;
+      }
+      Store(scratch.scores.data() + row * S + s0, TransposeSum(partial));
+    }
+  }
+
+  for (int64_t row = 0; row < rows; ++row) {
+    // The keys a row sees form one run of this page: [s_begin, s_end).
+    const int64_t pos = scratch.row_pos[row];
+    const int64_t lowest = p.sliding_window > 0 ? pos - p.sliding_window + 1 : 0;
+    const int64_t s_begin = std::max<int64_t>(0, lowest - page_start);
+    const int64_t s_end =
+        std::min<int64_t>(S, std::min<int64_t>(pos, kv_len - 1) - page_start + 1);
+    if (s_end <= s_begin) continue;
+    float* scores = scratch.scores.data() + row * S;
+    float page_max = kNegInf;
+    for (int64_t s = s_begin; s < s_end; ++s) page_max = std::max(page_max, scores[s]);
+    const float old_max = scratch.row_max[row];
+    const float new_max = std::max(old_max, page_max);
+    for (int64_t s0 = 0; s0 < S; s0 += kLanes)
+      Store(scores + s0, ExpNonPositive(Load(scores + s0) - new_max));
+    float page_sum = 0.0f;
+    for (int64_t s = s_begin; s < s_end; ++s) page_sum += scores[s];
+    const float correction = old_max == kNegInf ? 0.0f : std::exp(old_max - new_max);
+    scratch.denom[row] = scratch.denom[row] * correction + page_sum;
+    scratch.row_max[row] = new_max;
+    float* a = scratch.acc.data() + row * H;
+    for (int64_t h = 0; h < H; h += kLanes) {
+      v8 sum = Load(a + h) * correction;
+      for (int64_t s = s_begin; s < s_end; ++s) sum += scores[s] * Load(v + s * H + h);
+      Store(a + h, sum);
+    }
+  }
+}
+
 void Attend(const Problem& p, const WorkItem& item, Scratch& scratch) {
   const int64_t H = p.head_dim, S = p.block_size;
   const int64_t group = p.num_q_heads / p.num_kv_heads;
@@ -136,9 +198,10 @@ void Attend(const Problem& p, const WorkItem& item, Scratch& scratch) {
   const int32_t request_start = p.query_start_loc[item.request];
   const int32_t q_len = p.query_start_loc[item.request + 1] - request_start;
   const int32_t kv_len = p.kv_lens[item.request];
-  // The first new token of a request sits at context position kv_len - q_len.
-  const int32_t first_pos = kv_len - q_len + (item.first_token - request_start);
-  const int32_t last_visible = std::min(first_pos + item.num_tokens - 1, kv_len - 1);
+  // The first new token of a request sits at context position kv_len - q_len. Positions
+  // are 64-bit: a window as wide as int32 allows must not overflow `pos - window`.
+  const int64_t first_pos = int64_t(kv_len) - q_len + (item.first_token - request_start);
+  const int64_t last_visible = std::min<int64_t>(first_pos + item.num_tokens - 1, kv_len - 1);
 
   float* q = scratch.q.data();
   float* acc = scratch.acc.data();
@@ -151,7 +214,7 @@ void Attend(const Problem& p, const WorkItem& item, Scratch& scratch) {
       std::fill(acc + row * H, acc + (row + 1) * H, 0.0f);
       scratch.row_max[row] = kNegInf;
       scratch.denom[row] = 0.0f;
-      scratch.row_pos[row] = first_pos + int32_t(t);
+      scratch.row_pos[row] = first_pos + t;
     }
   }
 
@@ -165,10 +228,13 @@ void Attend(const Problem& p, const WorkItem& item, Scratch& scratch) {
   auto page_at = [&](int64_t index) {
     return std::clamp<int64_t>(pages[index], 0, p.num_blocks - 1) * page_floats;
   };
-  const int32_t first_visible =
-      p.sliding_window > 0 ? std::max(0, first_pos - p.sliding_window + 1) : 0;
+  const int64_t first_visible =
+      p.sliding_window > 0 ? std::max<int64_t>(0, first_pos - p.sliding_window + 1) : 0;
+  // Inside the request's table row: kv_len <= P * S, and tokens before position 0 see nothing.
   const int64_t first_page = first_visible / S;
-  const int64_t end_page = std::min<int64_t>(last_visible / S + 1, p.pages_per_request);
+  const int64_t end_page = last_visible < first_visible
+                               ? first_page
+                               : std::min(last_visible / S + 1, p.pages_per_request);
 
   // Pages are scattered over the cache, so the hardware prefetcher cannot guess the next
   // one: the walk asks for the keys and values kPrefetchPages ahead of the page it uses.
@@ -185,49 +251,7 @@ void Attend(const Problem& p, const WorkItem& item, Scratch& scratch) {
     }
     const float* k = keys + page_at(page_index);
     const float* v = values + page_at(page_index);
-    const int32_t page_start = int32_t(page_index * S);
-
-    // Scores of every row against all keys of the page, eight keys at a time. Keys a row
-    // must not see (unused slots may hold NaN) are left out below, never multiplied in.
-    for (int64_t row = 0; row < rows; ++row) {
-      for (int64_t s0 = 0; s0 < S; s0 += kLanes) {
-        v8 partial[kLanes];
-        for (int j = 0; j < kLanes; ++j) {
-          const float* key = k + (s0 + j) * H;
-          v8 sum{};
-          for (int64_t h = 0; h < H; h += kLanes) sum += Load(q + row * H + h) * Load(key + h);
-          partial[j] = sum;
-        }
-        Store(scratch.scores.data() + row * S + s0, TransposeSum(partial));
-      }
-    }
-
-    for (int64_t row = 0; row < rows; ++row) {
-      // The keys a row sees form one run of this page: [s_begin, s_end).
-      const int32_t pos = scratch.row_pos[row];
-      const int32_t lowest = p.sliding_window > 0 ? pos - p.sliding_window + 1 : 0;
-      const int64_t s_begin = std::max<int64_t>(0, lowest - page_start);
-      const int64_t s_end = std::min<int64_t>(S, std::min(pos, kv_len - 1) - page_start + 1);
-      if (s_end <= s_begin) continue;
-      float* scores = scratch.scores.data() + row * S;
-      float page_max = kNegInf;
-      for (int64_t s = s_begin; s < s_end; ++s) page_max = std::max(page_max, scores[s]);
-      const float old_max = scratch.row_max[row];
-      const float new_max = std::max(old_max, page_max);
-      for (int64_t s0 = 0; s0 < S; s0 += kLanes)
-        Store(scores + s0, ExpNonPositive(Load(scores + s0) - new_max));
-      float page_sum = 0.0f;
-      for (int64_t s = s_begin; s < s_end; ++s) page_sum += scores[s];
-      const float correction = old_max == kNegInf ? 0.0f : std::exp(old_max - new_max);
-      scratch.denom[row] = scratch.denom[row] * correction + page_sum;
-      scratch.row_max[row] = new_max;
-      float* a = acc + row * H;
-      for (int64_t h = 0; h < H; h += kLanes) {
-        v8 sum = Load(a + h) * correction;
-        for (int64_t s = s_begin; s < s_end; ++s) sum += scores[s] * Load(v + s * H + h);
-        Store(a + h, sum);
-      }
-    }
+    AttendPage(p, scratch, rows, kv_len, k, v, page_index * S);
   }
 
   for (int64_t t = 0; t < item.num_tokens; ++t) {
@@ -261,47 +285,88 @@ void Drain(Work& work) {
   }
 }
 
+using Dims = ffi::Span<const int64_t>;
+
+std::string Shape(Dims dims) {
+  std::string text = "[";
+  for (size_t i = 0; i < dims.size(); ++i) text += (i ? ", " : "") + std::to_string(dims[i]);
+  return text + "]";
+}
+
+// What is wrong with the shapes, if anything: every shape the walk indexes by. cpu.py
+// raises the same complaints at trace time.
+const char* ShapeProblem(Dims q, Dims cache, Dims kv_lens, Dims tables, Dims starts, Dims out,
+                         size_t layer_values) {
+  if (q.size() != 3 || !(out == q)) return "q and out must be [tokens, q heads, head dim]";
+  if (cache.size() != 6 || cache[1] != 2)
+    return "kv_cache must be [layers, 2 (k and v), kv heads, pages, page size, head dim]";
+  if (kv_lens.size() != 1 || tables.size() != 2 || starts.size() != 1 || layer_values != 1)
+    return "kv_lens must be [R], block_tables [R, P], query_start_loc [R + 1], layer [1]";
+  if (q[2] != cache[5]) return "q's head dim must equal kv_cache's";
+  if (cache[2] < 1 || q[1] < 1 || q[1] % cache[2])
+    return "q heads must be a multiple of kv_cache's kv heads";
+  if (q[1] / cache[2] > kMaxRows) return "at most 64 q heads per kv head";
+  if (q[2] % kLanes || cache[4] % kLanes) return "head dim and page size must be multiples of 8";
+  if (cache[3] < 1) return "kv_cache must hold a page";
+  if (tables[0] < kv_lens[0]) return "block_tables needs a row for every request of kv_lens";
+  if (starts[0] != kv_lens[0] + 1) return "query_start_loc needs one entry more than kv_lens";
+  return nullptr;
+}
+
+// What is wrong with the metadata that steers the walks, if anything: any of it wrong
+// would send a walk outside its request's tokens or row of the table. Page ids are not
+// checked: the walk clamps them, as the reference does.
+std::string MetadataProblem(const Problem& p, int64_t num_requests, int64_t num_tokens,
+                            int64_t num_layers) {
+  auto str = [](int64_t x) { return std::to_string(x); };
+  if (p.layer < 0 || p.layer >= num_layers)
+    return "layer " + str(p.layer) + " is outside the cache's " + str(num_layers) + " layers";
+  const int64_t max_kv_len = p.pages_per_request * p.block_size;
+  for (int64_t r = 0; r <= num_requests; ++r) {
+    const int64_t start = p.query_start_loc[r], previous = r ? p.query_start_loc[r - 1] : 0;
+    if (start < previous || start > num_tokens)
+      return "query_start_loc must rise from >= 0 to <= " + str(num_tokens) +
+             " (q's tokens); entry " + str(r) + " is " + str(start) + " after " + str(previous);
+    if (r < num_requests && (p.kv_lens[r] < 0 || p.kv_lens[r] > max_kv_len))
+      return "kv_lens[" + str(r) + "] = " + str(p.kv_lens[r]) + " is outside [0, " +
+             str(max_kv_len) + "] (block_tables' pages per request x page size)";
+  }
+  return "";
+}
+
 ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                 ffi::Buffer<ffi::F32> kv_cache, ffi::Buffer<ffi::S32> layer,
-                                ffi::Buffer<ffi::S32> kv_lens,
-                                ffi::Buffer<ffi::S32> block_tables,
+                                ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> block_tables,
                                 ffi::Buffer<ffi::S32> query_start_loc,
                                 ffi::ResultBuffer<ffi::F32> out, float sm_scale,
                                 int32_t sliding_window) {
-  const auto q_dims = q.dimensions();
-  const auto cache_dims = kv_cache.dimensions();
-  if (q_dims.size() != 3 || cache_dims.size() != 6 || block_tables.dimensions().size() != 2)
-    return ffi::Error::InvalidArgument("ragged paged attention: unexpected operand ranks");
+  const Dims q_dims = q.dimensions(), cache_dims = kv_cache.dimensions();
+  const Dims lens_dims = kv_lens.dimensions(), table_dims = block_tables.dimensions(),
+             start_dims = query_start_loc.dimensions();
+  if (const char* problem = ShapeProblem(q_dims, cache_dims, lens_dims, table_dims, start_dims,
+                                         out->dimensions(), layer.element_count()))
+    return ffi::Error::InvalidArgument(
+        "ragged paged attention: " + std::string(problem) + "; got q " + Shape(q_dims) +
+        ", kv_cache " + Shape(cache_dims) + ", kv_lens " + Shape(lens_dims) + ", block_tables " +
+        Shape(table_dims) + ", query_start_loc " + Shape(start_dims));
   auto work = std::make_shared<Work>();
   Problem& p = work->problem;
-  const int64_t num_tokens = q_dims[0];
-  const int64_t num_requests = kv_lens.dimensions()[0];
-  p.q = q.typed_data();
-  p.kv_cache = kv_cache.typed_data();
-  p.out = out->typed_data();
-  p.kv_lens = kv_lens.typed_data();
-  p.block_tables = block_tables.typed_data();
-  p.query_start_loc = query_start_loc.typed_data();
-  p.num_q_heads = q_dims[1];
-  p.head_dim = q_dims[2];
-  p.num_kv_heads = cache_dims[2];
-  p.num_blocks = cache_dims[3];
-  p.block_size = cache_dims[4];
-  p.layer = std::clamp<int64_t>(layer.typed_data()[0], 0, cache_dims[0] - 1);
-  p.pages_per_request = block_tables.dimensions()[1];
-  p.sm_scale = sm_scale;
-  p.sliding_window = std::max(0, sliding_window);
-  const int64_t group = p.num_q_heads / p.num_kv_heads;
-  if (p.head_dim % kLanes || p.block_size % kLanes || p.num_q_heads % p.num_kv_heads ||
-      group > kMaxRows || cache_dims[5] != p.head_dim)
-    return ffi::Error::InvalidArgument("ragged paged attention: unsupported shapes");
+  p = {q.typed_data(), kv_cache.typed_data(), out->typed_data(), kv_lens.typed_data(),
+       block_tables.typed_data(), query_start_loc.typed_data(),
+       /*num_q_heads=*/q_dims[1], /*num_kv_heads=*/cache_dims[2], /*head_dim=*/q_dims[2],
+       /*num_blocks=*/cache_dims[3], /*block_size=*/cache_dims[4],
+       /*layer=*/layer.typed_data()[0], /*pages_per_request=*/table_dims[1],
+       sm_scale, /*sliding_window=*/std::max(0, sliding_window)};
+  const int64_t num_tokens = q_dims[0], num_requests = lens_dims[0];
+  if (std::string problem = MetadataProblem(p, num_requests, num_tokens, cache_dims[0]);
+      !problem.empty())
+    return ffi::Error::InvalidArgument("ragged paged attention: " + problem);
 
   // Padding tokens (past query_start_loc[R]) and rows that see nothing come back as zeros.
   std::memset(p.out, 0, sizeof(float) * num_tokens * p.num_q_heads * p.head_dim);
-  const int64_t tile_tokens = kMaxRows / group;
+  const int64_t tile_tokens = kMaxRows / (p.num_q_heads / p.num_kv_heads);
   for (int64_t r = 0; r < num_requests; ++r) {
-    const int64_t start = p.query_start_loc[r];
-    const int64_t end = std::min<int64_t>(p.query_start_loc[r + 1], num_tokens);
+    const int64_t start = p.query_start_loc[r], end = p.query_start_loc[r + 1];
     if (end <= start || p.kv_lens[r] <= 0) continue;
     for (int64_t t = start; t < end; t += tile_tokens)
       for (int64_t k = 0; k < p.num_kv_heads; ++k)

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from jengine.pallas_kernels.ragged_paged_attention.metadata import (
@@ -69,8 +70,12 @@ def _kernel(
     q_len = q_len_ref[block]
     q_pos = q_pos_ref[block]
     kv_len = kv_lens_ref[request]
-    layer = layer_ref[0]
-    block_size = kv_ref.shape[4]
+    num_layers, _, _, num_pages, block_size, _ = kv_ref.shape
+    pages_per_request = block_tables_ref.shape[1]
+    # Nothing bounds indexing on a GPU but these clamps (tpu.py's `_visible_page` and the
+    # reference's gather clamp alike): a stray layer or page id must not leave the cache,
+    # nor a kv_len longer than P pages leave the request's row of the table.
+    layer = jnp.clip(layer_ref[0], 0, num_layers - 1)
     rows, head_dim = q_ref.shape
 
     q = q_ref[...]
@@ -78,7 +83,8 @@ def _kernel(
 
     def body(page_index, carry):
         acc, m_prev, l_prev = carry
-        page = block_tables_ref[request, page_index]
+        page = block_tables_ref[request, jnp.minimum(page_index, pages_per_request - 1)]
+        page = jnp.clip(page, 0, num_pages - 1)
         return online_softmax_update(
             q,
             kv_ref[layer, 0, kv_head, page],  # [S, H]
@@ -105,9 +111,22 @@ def _kernel(
     o_ref[...] = finalize(acc, l, o_ref.dtype)
 
 
-def _check_pow2(name: str, value: int) -> None:
-    if value < 16 or value & (value - 1):
-        raise ValueError(f"the GPU kernel needs {name} to be a power of two >= 16, got {value}")
+def _check_shapes(kv_lens, block_tables, query_start_loc, block_size: int, head_dim: int):
+    for name, value in (("block_size", block_size), ("head_dim", head_dim)):
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"the GPU kernel needs {name} to be a power of two >= 16, got {value}")
+    # Every block reads its request's row of the table and its kv_len.
+    num_requests = kv_lens.shape[0]
+    if block_tables.shape[0] < num_requests or block_tables.shape[1] < 1:
+        raise ValueError(
+            f"block_tables {block_tables.shape} needs a row of pages for each of the "
+            f"{num_requests} requests of kv_lens"
+        )
+    if query_start_loc.shape != (num_requests + 1,):
+        raise ValueError(
+            f"query_start_loc {query_start_loc.shape} needs one entry more than kv_lens "
+            f"{kv_lens.shape}"
+        )
 
 
 @functools.partial(
@@ -125,18 +144,19 @@ def ragged_paged_attention_gpu(
     sm_scale: float,
     q_block_size: int = 16,
     sliding_window: int | None = None,
-    interpret: bool = False,
+    interpret: bool | pltpu.InterpretParams = False,
     num_warps: int = 4,
 ) -> jax.Array:
     """Same arguments and result as `ragged_paged_attention_reference`.
 
     `q_block_size` is rounded up to a power of two; `interpret=True` runs the kernel in the
-    Pallas interpreter (any backend, used by the CPU tests).
+    Pallas interpreter (any backend, used by the CPU tests), `interpret=pltpu.InterpretParams()`
+    in the TPU interpreter, which can raise on every read outside an operand: on a GPU nothing
+    would.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, num_kv_heads, _, block_size, _ = kv_cache.shape
-    _check_pow2("block_size", block_size)
-    _check_pow2("head_dim", head_dim)
+    _check_shapes(kv_lens, block_tables, query_start_loc, block_size, head_dim)
     layout = row_layout(num_q_heads, num_kv_heads, q_block_size)
 
     kv_lens = kv_lens.astype(jnp.int32)
@@ -162,7 +182,11 @@ def ragged_paged_attention_gpu(
         in_specs=[whole] * 6 + [row_spec, whole],
         out_specs=row_spec,
         out_shape=jax.ShapeDtypeStruct(rows.shape, q.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
+        compiler_params=(
+            pltriton.CompilerParams(num_warps=num_warps, num_stages=2)
+            if isinstance(interpret, bool)
+            else pltpu.CompilerParams()  # what the TPU interpreter takes
+        ),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
     )(

@@ -5,6 +5,8 @@ sizes 64 and 128, page sizes 16 and 32, q blocks of 1 to 16 tokens, sliding wind
 batches mixing prefill chunks, decodes, padding requests and padding tokens. The batches
 (`conftest.build_batch`) fill every slot a kernel must not read with NaN. It is a chosen
 grid, not the full product: interpret mode is slow, and each case stresses something else.
+Out-of-range page ids and layers must give the reference's result (both clamp them); the
+GPU kernel also runs in the TPU interpreter, which raises on any read outside an operand.
 """
 
 import functools
@@ -138,3 +140,60 @@ def test_entry_point_dispatches_to_kernel(make_batch, impl):
     out = ragged_paged_attention(*batch.args, sm_scale=0.125, impl=impl, interpret=True)
     expected = reference(*batch.args, sm_scale=0.125)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+INT32_MAX = np.iinfo(np.int32).max
+BAD_IDS = np.int32([-1, -7, 10_000, INT32_MAX, -INT32_MAX - 1])
+
+
+def _with_bad_ids_in_unused_slots(batch):
+    tables = batch.block_tables.copy()
+    for r, kv_len in enumerate(batch.kv_lens):
+        used = -(-int(kv_len) // batch.kv_cache.shape[4])
+        tables[r, used:] = np.resize(BAD_IDS, tables.shape[1] - used)
+    return batch._replace(block_tables=tables)
+
+
+@pytest.mark.parametrize("impl", sorted(KERNELS))
+def test_out_of_range_page_ids_in_unused_slots(make_batch, impl):
+    batch = make_batch(
+        8,
+        [9, 1, 20, 1, 0],
+        [9, 40, 52, 3, 0],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        pad_tokens=3,
+        extra_pages=3,
+    )
+    batch = _with_bad_ids_in_unused_slots(batch)
+    for sliding_window in (None, 20):
+        kwargs = dict(sm_scale=0.125, q_block_size=16, sliding_window=sliding_window)
+        out = np.asarray(KERNELS[impl](*batch.args, **kwargs))
+        assert np.isfinite(out).all()
+        np.testing.assert_allclose(out, reference(*batch.args, **kwargs), rtol=1e-5, atol=1e-5)
+
+
+def test_gpu_kernel_reads_nothing_outside_its_operands(make_batch):
+    """In the TPU interpreter, which raises on any read outside an operand (on a GPU such a
+    read goes unnoticed): page ids out of range in used slots, a layer past the cache (both
+    clamped, as the reference clamps them) and a kv_len longer than the table."""
+    batch = make_batch(
+        9, [9, 1, 1, 0], [9, 40, 33, 0], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16
+    )
+    kv_cache = np.nan_to_num(batch.kv_cache)  # clamped ids read pages the batch does not own
+    tables = batch.block_tables.copy()
+    tables[0, 0], tables[1, 1], tables[2, 2] = -5, kv_cache.shape[3] + 9, INT32_MAX
+    batch = batch._replace(kv_cache=kv_cache, block_tables=tables, layer=5)
+    params = pltpu.InterpretParams(out_of_bounds_reads="raise")
+    kernel = functools.partial(ragged_paged_attention_gpu, interpret=params)
+    kwargs = dict(sm_scale=0.125, q_block_size=16)
+    out = kernel(*batch.args, **kwargs)
+    np.testing.assert_allclose(out, reference(*batch.args, **kwargs), rtol=1e-5, atol=1e-5)
+
+    kv_lens = batch.kv_lens.copy()
+    kv_lens[1] = tables.shape[1] * 16 + 40  # past the table: no reference result to match
+    args = list(batch.args)
+    args[3] = jnp.asarray(kv_lens)
+    jax.block_until_ready(kernel(*args, **kwargs))

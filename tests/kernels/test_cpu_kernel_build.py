@@ -1,0 +1,133 @@
+"""How the CPU kernel gets built and loaded (`cpu.py`): with every C++ compiler on PATH
+(GCC and Clang both), with a `$CXX` that carries arguments, by two threads at once (one
+build, one registration), and past a build timeout (the reference takes over, saying why).
+
+Each case runs in a fresh interpreter: a process loads and registers the kernel once, and
+this one already has. Builds go to a temporary `JENGINE_KERNEL_CACHE`, so every compiler
+really compiles; `apt-get install clang` adds the Clang case on Debian.
+"""
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Builds the kernel and checks it against the reference on a small batch with NaN traps.
+CHECK_BUILD = """
+import numpy as np
+from jengine.pallas_kernels.ragged_paged_attention import cpu, ragged_paged_attention_reference
+from tests.kernels.conftest import build_batch
+assert cpu.load() is None, cpu.load()
+batch = build_batch(0, [5, 1, 20, 0], [5, 30, 40, 0], num_q_heads=4, num_kv_heads=2,
+                    head_dim=32, block_size=16, pad_tokens=2)
+out = cpu.ragged_paged_attention_cpu(*batch.args, sm_scale=0.2, sliding_window=25)
+expected = ragged_paged_attention_reference(*batch.args, sm_scale=0.2, sliding_window=25)
+np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+assert np.isfinite(out).all()
+print("kernel ok")
+"""
+
+
+def _compilers() -> dict[str, str]:
+    """The C++ compilers on PATH (and `$CXX`), one per distinct executable."""
+    found, seen = {}, set()
+    for command in ("g++", "clang++", "c++", os.environ.get("CXX", "")):
+        words = shlex.split(command)
+        path = shutil.which(words[0]) if words else None
+        if path and (key := (os.path.realpath(path), *words[1:])) not in seen:
+            seen.add(key)
+            found[command] = command
+    return found
+
+
+def _run(code: str, cache: Path, timeout: float = 300, **env) -> subprocess.CompletedProcess:
+    environ = dict(os.environ, JENGINE_KERNEL_CACHE=str(cache), **env)
+    environ.pop("JENGINE_ATTENTION_IMPL", None)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=environ,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize("cxx", sorted(_compilers()))
+def test_every_compiler_on_path_builds_a_correct_kernel(tmp_path, cxx):
+    result = _run(CHECK_BUILD, tmp_path, CXX=cxx)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "kernel ok" in result.stdout
+    assert len(list(tmp_path.glob("*.so"))) == 1, "built into the given cache"
+
+
+def test_cxx_with_arguments(tmp_path):
+    """`CXX="ccache g++"` style: a launcher word before the compiler."""
+    result = _run(CHECK_BUILD, tmp_path, CXX="env g++")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "kernel ok" in result.stdout
+
+
+def test_two_threads_loading_at_once_build_and_register_once():
+    code = """
+import threading, time
+import jax
+from jengine.pallas_kernels.ragged_paged_attention import cpu
+calls = {"build": 0, "register": 0}
+build, register = cpu._build, jax.ffi.register_ffi_target
+
+def slow_build(compiler):
+    calls["build"] += 1
+    time.sleep(1.0)  # the other thread is in load() by now
+    return build(compiler)
+
+def counting_register(*args, **kwargs):
+    calls["register"] += 1
+    return register(*args, **kwargs)
+
+cpu._build, jax.ffi.register_ffi_target = slow_build, counting_register
+barrier, results = threading.Barrier(2), []
+
+def start():
+    barrier.wait()
+    results.append(cpu.load())
+
+threads = [threading.Thread(target=start) for _ in range(2)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print(results, calls)
+assert results == [None, None] and calls == {"build": 1, "register": 1}
+"""
+    # The session's own cache (the kernel is built there already): the race is the point.
+    cache = os.environ.get("JENGINE_KERNEL_CACHE", os.path.expanduser("~/.cache/jengine/kernels"))
+    result = _run(code, Path(cache))
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+
+
+def test_a_build_past_the_timeout_leaves_the_reference_in_charge(tmp_path):
+    """A compiler that hangs (here a driver whose child sleeps: the child holds the pipes)
+    is killed with its process group after BUILD_TIMEOUT_S, and the reference serves."""
+    compiler = tmp_path / "hanging-c++"
+    compiler.write_text('#!/bin/sh\n[ "$1" = --version ] && echo hanging 1.0 && exit 0\nsleep 60\n')
+    compiler.chmod(0o755)
+    code = """
+from jengine.pallas_kernels.ragged_paged_attention import cpu, default_impl
+cpu.BUILD_TIMEOUT_S = 1
+print(default_impl())
+"""
+    start = time.monotonic()
+    result = _run(code, tmp_path / "cache", timeout=50, CXX=str(compiler))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "reference"
+    assert "did not finish within 1 s" in result.stderr
+    assert time.monotonic() - start < 45
+    assert not list((tmp_path / "cache").glob("*.so"))
