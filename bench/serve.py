@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
             args.max_seconds,
         )
     if not args.skip_llama_cpp:
-        from .peers.llama_cpp import LlamaServer, convert_to_gguf, find_llama_cpp
+        from .peers.llama_cpp import convert_to_gguf, find_llama_cpp
+        from .peers.llama_server import LlamaServer
 
         llama_cpp = find_llama_cpp(args.llama_cpp_dir)
         if llama_cpp is None:

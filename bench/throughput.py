@@ -130,7 +130,7 @@ class LlamaCpp:
 
     def before(self, parallel) -> None:
         """Start llama-server with `parallel` slots (not timed)."""
-        from .peers.llama_cpp import LlamaServer
+        from .peers.llama_server import LlamaServer
 
         # Each slot holds one request of at most MAX_MODEL_LEN tokens.
         self.server = LlamaServer(

@@ -7,6 +7,8 @@ import os
 
 import numpy as np
 
+from .tokenizer import write_bench_tokenizer
+
 # The CPU benchmark model: a random-weight Llama of about 56M parameters, float32.
 BENCH_MODEL = dict(
     vocab_size=32000,
@@ -36,15 +38,17 @@ def workload_c(seed: int = 0):
 
 
 def make_bench_model(path: str, seed: int = 0) -> str:
-    """Write the random-weight benchmark Llama (HF format) to `path` once."""
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
-    import torch
-    import transformers
+    """Write the random-weight benchmark Llama (HF format) to `path` once, with its
+    tokenizer (bench/tokenizer.py: every token streams as text)."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        import torch
+        import transformers
 
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**BENCH_MODEL)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
+        torch.manual_seed(seed)
+        config = transformers.LlamaConfig(**BENCH_MODEL)
+        transformers.LlamaForCausalLM(config).save_pretrained(path)
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        write_bench_tokenizer(path)
     return path
 
 
