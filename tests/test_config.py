@@ -80,3 +80,6 @@ def test_engine_args_build_the_config(tmp_path):
     # The token budget grows to max_num_seqs when that is larger (one token per request).
     wide = EngineArgs(model=str(tmp_path), max_num_seqs=4096).create_engine_config()
     assert wide.scheduler.max_num_batched_tokens == 4096
+    # ... and shrinks to what max_num_seqs requests of max_model_len can use (fewer shapes).
+    single = EngineArgs(model=str(tmp_path), max_num_seqs=1).create_engine_config()
+    assert single.scheduler.max_num_batched_tokens == 300

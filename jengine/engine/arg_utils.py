@@ -42,7 +42,8 @@ class EngineArgs:
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None
     max_num_seqs: int = SchedulerConfig.max_num_seqs
-    # None: SchedulerConfig's budget, raised to max_num_seqs if that is larger.
+    # None: SchedulerConfig's budget, raised to max_num_seqs if that is larger, capped at
+    # max_num_seqs * max_model_len.
     max_num_batched_tokens: int | None = None
     long_prefill_token_threshold: int = SchedulerConfig.long_prefill_token_threshold
     block_size: int = CacheConfig.block_size
@@ -68,8 +69,12 @@ class EngineArgs:
             max_model_len = hf_config.get("max_position_embeddings", SchedulerConfig.max_model_len)
         else:
             read_model_config(self.model)  # fail here, not in the engine process
+        # The default budget, raised to max_num_seqs (one token each) and capped at what
+        # max_num_seqs requests of max_model_len can use: a larger budget only adds
+        # step shapes to compile.
         max_num_batched_tokens = self.max_num_batched_tokens or max(
-            SchedulerConfig.max_num_batched_tokens, self.max_num_seqs
+            self.max_num_seqs,
+            min(SchedulerConfig.max_num_batched_tokens, self.max_num_seqs * max_model_len),
         )
         return EngineConfig(
             model=ModelConfig(

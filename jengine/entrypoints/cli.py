@@ -64,6 +64,8 @@ def make_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=0)
     generate.add_argument("--stream", action="store_true", help="print tokens as they come")
     EngineArgs.add_cli_args(generate)
+    # One prompt runs at a time: compile the shapes of one request only (start-up time).
+    generate.set_defaults(max_num_seqs=1)
 
     bench = commands.add_parser(
         "bench",
