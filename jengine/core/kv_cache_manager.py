@@ -122,6 +122,8 @@ class KVCacheManager:
         """
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be > 0, got {num_new_tokens}")
+        if not new_computed_blocks and self._fits(request, num_new_tokens):
+            return []
         new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
@@ -158,6 +160,20 @@ class KVCacheManager:
                 )
                 self.num_cached_blocks[request.request_id] = num_full
         return new_blocks
+
+    def _fits(self, request: Request, num_new_tokens: int) -> bool:
+        """True when the request's blocks already hold the new tokens and no block becomes
+        full: then allocate_slots has nothing to do (most decode steps)."""
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        if req_blocks is None:
+            return False
+        end = request.num_computed_tokens + num_new_tokens
+        if min(end, self.max_model_len) > len(req_blocks) * self.block_size:
+            return False
+        if not self.enable_caching:
+            return True
+        num_full = min(end, len(request.all_token_ids)) // self.block_size
+        return num_full <= self.num_cached_blocks.get(request.request_id, 0)
 
     def free(self, request: Request) -> None:
         """Release all blocks of a finished or preempted request (cached ones stay findable)."""
