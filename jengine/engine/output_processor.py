@@ -29,7 +29,7 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2
 
 
-@dataclass
+@dataclass(slots=True)
 class ParentRequest:
     """A user request fanned out into n sequences; its output lists all of them."""
 
@@ -41,10 +41,14 @@ class ParentRequest:
     metrics: RequestMetrics | None = None
 
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.children.values())
+        # A loop, not all(<generator>): this runs for every output of every step.
+        for child in self.children.values():  # noqa: SIM110
+            if child.finish_reason is None:
+                return False
+        return True
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestState:
     request_id: str  # the engine core's id (the child's, for n > 1)
     index: int  # which of the parent's n sequences
@@ -66,9 +70,11 @@ class RequestState:
         finished = self.finish_reason is not None
         if delta:
             tokens = self.output_token_ids[self.sent_tokens :]
-            logprobs = self.logprobs[self.sent_logprobs :] if self.logprobs is not None else None
             self.sent_tokens = len(self.output_token_ids)
-            self.sent_logprobs = len(self.logprobs or [])
+            logprobs = None
+            if self.logprobs is not None:
+                logprobs = self.logprobs[self.sent_logprobs :]
+                self.sent_logprobs = len(self.logprobs)
             text = self.detokenizer.text_delta(finished)
         else:
             tokens, logprobs, text = (
@@ -160,9 +166,12 @@ class OutputProcessor:
         now = time.time()
         request_outputs: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
+        # Parents to look at after the loop: every non-DELTA one that got an output, and
+        # DELTA ones that may just have finished (only a finishing child can finish one).
         touched: dict[str, ParentRequest] = {}
+        request_states = self.request_states
         for output in outputs:
-            state = self.request_states.get(output.request_id)
+            state = request_states.get(output.request_id)
             if state is None:  # aborted meanwhile
                 continue
             self._update(state, output)
@@ -182,15 +191,20 @@ class OutputProcessor:
                     reqs_to_abort.append(state.request_id)
             else:
                 state.detokenizer.update(new_token_ids)
-            metrics = state.parent.metrics
+            parent = state.parent
+            metrics = parent.metrics
             if metrics is not None and output.new_token_ids:
                 metrics.first_token_time = metrics.first_token_time or now
                 metrics.last_token_time = now
-            if state.finish_reason is not None:
-                del self.request_states[state.request_id]
-            touched[state.parent.request_id] = state.parent
-            if state.parent.output_kind == RequestOutputKind.DELTA:
-                request_outputs.append(self._make_output(state.parent, [state]))
+            finished = state.finish_reason is not None
+            if finished:
+                del request_states[state.request_id]
+            if parent.output_kind != RequestOutputKind.DELTA:
+                touched[parent.request_id] = parent
+            else:
+                request_outputs.append(self._make_output(parent, [state]))
+                if finished:
+                    touched[parent.request_id] = parent
         for parent in touched.values():
             finished = parent.finished()
             if finished:
