@@ -83,13 +83,13 @@ class RequestState:
                 self.detokenizer.text,
             )
         return CompletionOutput(
-            index=self.index,
-            text=text,
-            token_ids=tokens,
-            cumulative_logprob=self.cumulative_logprob,
-            logprobs=logprobs,
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
+            self.index,
+            text,
+            tokens,
+            self.cumulative_logprob,
+            logprobs,
+            self.finish_reason,
+            self.stop_reason,
         )
 
 
@@ -174,23 +174,7 @@ class OutputProcessor:
             state = request_states.get(output.request_id)
             if state is None:  # aborted meanwhile
                 continue
-            self._update(state, output)
-            new_token_ids = output.new_token_ids
-            # EOS or a stop token ended it: as vLLM, its text is not part of the output
-            # (the id stays in token_ids) unless include_stop_str_in_output.
-            if (
-                output.finish_reason == FinishReason.STOP
-                and new_token_ids
-                and not state.detokenizer.params.include_stop_str_in_output
-            ):
-                new_token_ids = new_token_ids[:-1]
-            if state.finish_reason is None:
-                stop = state.detokenizer.update(new_token_ids)
-                if stop is not None:
-                    state.finish_reason, state.stop_reason = "stop", stop
-                    reqs_to_abort.append(state.request_id)
-            else:
-                state.detokenizer.update(new_token_ids)
+            self._update(state, output, reqs_to_abort)
             parent = state.parent
             metrics = parent.metrics
             if metrics is not None and output.new_token_ids:
@@ -202,7 +186,18 @@ class OutputProcessor:
             if parent.output_kind != RequestOutputKind.DELTA:
                 touched[parent.request_id] = parent
             else:
-                request_outputs.append(self._make_output(parent, [state]))
+                request_outputs.append(
+                    RequestOutput(
+                        parent.request_id,
+                        parent.prompt,
+                        parent.prompt_token_ids,
+                        state.prompt_logprobs,
+                        [state.completion(True)],
+                        finished if len(parent.children) == 1 else parent.finished(),
+                        state.num_cached_tokens,
+                        parent.metrics,
+                    )
+                )
                 if finished:
                     touched[parent.request_id] = parent
         for parent in touched.values():
@@ -218,8 +213,11 @@ class OutputProcessor:
                 request_outputs.append(self._make_output(parent, children))
         return request_outputs, reqs_to_abort
 
-    def _update(self, state: RequestState, output: EngineCoreOutput) -> None:
-        state.output_token_ids.extend(output.new_token_ids)
+    def _update(self, state: RequestState, output: EngineCoreOutput, reqs_to_abort: list[str]):
+        """Take one engine-core output into the state: tokens, logprobs, finish, text (a
+        stop string found in the text finishes the state and lands in reqs_to_abort)."""
+        new_token_ids = output.new_token_ids
+        state.output_token_ids.extend(new_token_ids)
         state.num_cached_tokens = output.num_cached_tokens
         if output.new_logprobs is not None and state.logprobs is not None:
             for row in self._logprob_dicts(output.new_logprobs, state.num_logprobs or 0):
@@ -234,6 +232,21 @@ class OutputProcessor:
         if output.finish_reason is not None and state.finish_reason is None:
             state.finish_reason = str(FinishReason(output.finish_reason))
             state.stop_reason = output.stop_reason
+        # EOS or a stop token ended it: as vLLM, its text is not part of the output (the
+        # id stays in token_ids) unless include_stop_str_in_output.
+        if (
+            output.finish_reason == FinishReason.STOP
+            and new_token_ids
+            and not state.detokenizer.params.include_stop_str_in_output
+        ):
+            new_token_ids = new_token_ids[:-1]
+        if state.finish_reason is None:
+            stop = state.detokenizer.update(new_token_ids)
+            if stop is not None:
+                state.finish_reason, state.stop_reason = "stop", stop
+                reqs_to_abort.append(state.request_id)
+        else:
+            state.detokenizer.update(new_token_ids)
 
     def _logprob_dicts(self, lists: LogprobsLists, num: int) -> list[dict[int, Logprob]]:
         decode = self.tokenizer.decode if self.tokenizer is not None else (lambda ids: None)

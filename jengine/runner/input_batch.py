@@ -130,10 +130,10 @@ class InputBatch:
         self.min_tokens = np.zeros(S, np.int32)
         self.num_logprobs = np.full(S, -1, np.int32)  # -1: no logprobs
         self.wants_prompt_logprobs = np.zeros(S, bool)
-        # The slots of the last step's request order: steady decoding repeats the order,
-        # so the per-request lookup is skipped. Reset whenever membership changes.
-        self._order: list[str] | None = None
-        self._order_slots = np.zeros(0, np.int32)
+        # What the last step's request order allowed to precompute: steady decoding
+        # repeats the order. Reset whenever membership changes.
+        self._order: _Order | None = None
+        self._arange = np.arange(S + 1, dtype=np.int32)
 
     # -- following the scheduler ---------------------------------------------------------
 
@@ -222,80 +222,73 @@ class InputBatch:
     def record_sampled_rows(self, prepared: PreparedStep, sampled: np.ndarray) -> None:
         """Append `sampled[i]` to request i of `prepared` wherever its sample mask is set."""
         num = len(prepared.req_ids)
+        slots = prepared.sampling["slots"][:num]
         mask = prepared.sample_mask[:num]
-        slots = prepared.sampling["slots"][:num][mask]
-        self.token_ids[slots, self.num_tokens[slots]] = sampled[:num][mask]
+        sampled = sampled[:num]
+        if not mask.all():
+            slots, sampled = slots[mask], sampled[mask]
+        self.token_ids[slots, self.num_tokens[slots]] = sampled
         self.num_tokens[slots] += 1
 
     # -- building the padded step --------------------------------------------------------
 
-    def _slots_of(self, req_ids: list[str]) -> np.ndarray:
-        if req_ids != self._order:
-            requests = self.requests
-            self._order_slots = np.array([requests[r].slot for r in req_ids], np.int32)
-            self._order = req_ids
-        return self._order_slots
+    def _order_of(self, req_ids: list[str]) -> "_Order":
+        order = self._order
+        if order is None or req_ids != order.req_ids:
+            slots = np.array([self.requests[r].slot for r in req_ids], np.int32)
+            order = self._order = _Order(
+                req_ids=req_ids,
+                slots=slots,
+                num_logprobs=[None if k < 0 else k for k in self.num_logprobs[slots].tolist()],
+                any_prompt_logprobs=bool(self.wants_prompt_logprobs[slots].any()),
+                any_min_tokens=bool((self.min_tokens[slots] > 0).any()),
+            )
+        return order
 
     def prepare(self, scheduler_output: SchedulerOutput) -> PreparedStep:
         num_scheduled = scheduler_output.num_scheduled_tokens
         req_ids = list(num_scheduled)
-        n = len(req_ids)
-        slots = self._slots_of(req_ids)
+        order = self._order_of(req_ids)
+        slots, n = order.slots, len(req_ids)
         counts = np.fromiter(num_scheduled.values(), np.int32, n)
         starts = self.num_computed_tokens[slots]
         kv_lens = starts + counts
         total = int(counts.sum())
-        max_pages = cdiv(int(kv_lens.max()), self.block_size)
-        shape = self.buckets.shape_for(total, n, max_pages)
+        shape = self.buckets.shape_for(total, n, cdiv(int(kv_lens.max()), self.block_size))
         T, R, P = shape.num_tokens, shape.num_reqs, shape.num_pages
-
-        query_start_loc = np.empty(R + 1, np.int32)
-        query_start_loc[0] = 0
-        query_start_loc[1 : n + 1] = np.cumsum(counts, dtype=np.int32)
-        query_start_loc[n + 1 :] = total
         if total == n:  # one token per request: the common decode step
-            token_slots, positions_used = slots, starts
+            token_slots, positions = slots, starts
+            query_start_loc = np.minimum(self._arange[: R + 1], n)
         else:
+            query_start_loc = np.empty(R + 1, np.int32)
+            query_start_loc[0] = 0
+            query_start_loc[1 : n + 1] = np.cumsum(counts, dtype=np.int32)
+            query_start_loc[n + 1 :] = total
             token_slots = np.repeat(slots, counts)
             offsets = np.repeat(query_start_loc[:n] - starts, counts)
-            positions_used = np.arange(total, dtype=np.int32) - offsets
-        input_ids = np.zeros(T, np.int32)
-        input_ids[:total] = self.token_ids[token_slots, positions_used]
-        positions = np.zeros(T, np.int32)
-        positions[:total] = positions_used
-        slot_mapping = np.zeros(T, np.int32)  # padding -> the null page
-        pages = self.block_table[token_slots, positions_used // self.block_size]
-        slot_mapping[:total] = pages * self.block_size + positions_used % self.block_size
-        block_tables = np.zeros((R, P), np.int32)
-        block_tables[:n] = self.block_table[slots, :P]
-        padded_kv_lens = np.zeros(R, np.int32)
-        padded_kv_lens[:n] = kv_lens
+            positions = np.arange(total, dtype=np.int32) - offsets
+        pages, in_page = np.divmod(positions, self.block_size)
+        slot_mapping = self.block_table[token_slots, pages] * self.block_size + in_page
         # A chunk that reaches the last known token yields the next one.
-        sample_mask = np.zeros(R, bool)
-        sample_mask[:n] = kv_lens >= self.num_tokens[slots]
+        sample_mask = kv_lens >= self.num_tokens[slots]
         prompt_logprob_rows, prompt_targets = {}, None
-        if self.wants_prompt_logprobs[slots].any():
+        if order.any_prompt_logprobs:
             prompt_targets = np.zeros(T, np.int32)
             prompt_logprob_rows = self._prompt_targets(
                 req_ids, slots, starts, kv_lens, query_start_loc, prompt_targets
             )
-        logprobs = self.num_logprobs[slots]
-        if (logprobs < 0).all():
-            num_logprobs = [None] * n
-        else:
-            num_logprobs = [None if k < 0 else k for k in logprobs.tolist()]
         return PreparedStep(
             shape=shape,
             req_ids=req_ids,
-            input_ids=input_ids,
-            positions=positions,
-            slot_mapping=slot_mapping,
+            input_ids=_padded(self.token_ids[token_slots, positions], T),
+            positions=_padded(positions, T),
+            slot_mapping=_padded(slot_mapping, T),  # padding -> the null page
             query_start_loc=query_start_loc,
-            kv_lens=padded_kv_lens,
-            block_tables=block_tables,
-            logits_indices=np.maximum(query_start_loc[1:] - 1, 0),
-            sampling=self._sampling_arrays(slots, R, sample_mask),
-            num_logprobs=num_logprobs,
+            kv_lens=_padded(kv_lens, R),
+            block_tables=_padded(self.block_table[slots, :P], R),
+            logits_indices=np.maximum(query_start_loc[1:] - 1, 0).astype(np.int32, copy=False),
+            sampling=self._sampling_arrays(order, R, _padded(sample_mask, R)),
+            num_logprobs=order.num_logprobs.copy(),
             prompt_logprob_rows=prompt_logprob_rows,
             prompt_targets=prompt_targets,
         )
@@ -312,19 +305,47 @@ class InputBatch:
             rows[req_ids[i]] = (begin, begin + num)
         return rows
 
-    def _sampling_arrays(self, slots, R, sample_mask) -> dict[str, np.ndarray]:
-        arrays = neutral_sampling_arrays(R)
-        n = len(slots)
-        arrays["slots"][:n] = slots
-        for name in _PARAM_COLUMNS:
-            arrays[name][:n] = self.params[name][slots]
+    def _sampling_arrays(self, order: "_Order", R: int, sample_mask) -> dict[str, np.ndarray]:
+        slots, n = order.slots, len(order.slots)
+        static = order.columns.get(R)
+        if static is None:
+            static = order.columns[R] = neutral_sampling_arrays(R)
+            static["slots"][:n] = slots
+            for name in _PARAM_COLUMNS:
+                static[name][:n] = self.params[name][slots]
+        arrays = dict(static)  # the request-only columns are shared, never written
         output_index = self.num_tokens[slots] - self.num_prompt_tokens[slots]
-        arrays["output_index"][:n] = output_index
-        # EOS and stop ids stay masked while the request is short of min_tokens.
-        suppressing = output_index < self.min_tokens[slots]
-        if suppressing.any():
-            arrays["suppressed_ids"][:n] = np.where(
+        arrays["output_index"] = _padded(output_index, R)
+        if order.any_min_tokens:
+            # EOS and stop ids stay masked while the request is short of min_tokens.
+            suppressing = output_index < self.min_tokens[slots]
+            suppressed = np.full((R, MAX_SUPPRESSED_IDS), -1, np.int32)
+            suppressed[:n] = np.where(
                 suppressing[:, None], self.params["suppressed_ids"][slots], -1
             )
+            arrays["suppressed_ids"] = suppressed
         arrays["sample_mask"] = sample_mask
         return arrays
+
+
+@dataclass(slots=True)
+class _Order:
+    """What steps that schedule the same requests in the same order share."""
+
+    req_ids: list[str]
+    slots: np.ndarray  # [n] slot of each request
+    num_logprobs: list[int | None]
+    any_prompt_logprobs: bool
+    any_min_tokens: bool
+    # R -> padded sampling columns; only the request-only ones are read from these.
+    columns: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
+
+
+def _padded(values: np.ndarray, rows: int) -> np.ndarray:
+    """`values` with zero rows appended up to `rows` (itself when it has them already:
+    callers pass freshly computed arrays only)."""
+    if len(values) == rows:
+        return values
+    out = np.zeros((rows, *values.shape[1:]), values.dtype)
+    out[: len(values)] = values
+    return out
