@@ -166,36 +166,47 @@ class Scheduler:
     def _schedule_running(self, step: _StepPlan) -> None:
         """Running requests, in order, until the budget is spent; preempt when blocks run
         out. Runs once per running request per step, so the common case is kept inline."""
-        allocate_slots = self.kv_cache_manager.allocate_slots
+        kv_cache_manager = self.kv_cache_manager
+        no_op_limit = kv_cache_manager.no_op_limit
         threshold = self.config.long_prefill_token_threshold
         max_model_len = self.max_model_len
+        running, num_scheduled, cached = self.running, step.num_scheduled, step.cached
+        budget = step.budget
         i = 0
-        while i < len(self.running) and step.budget > 0:
-            request = self.running[i]
+        while i < len(running) and budget > 0:
+            request = running[i]
+            req_id = request.request_id
             num_computed = request.num_computed_tokens
             # As _num_new_tokens.
             n = len(request.all_token_ids) - num_computed
             if 0 < threshold < n:
                 n = threshold
-            n = min(n, step.budget, max_model_len - num_computed)
+            if n > budget:
+                n = budget
+            if n > max_model_len - num_computed:
+                n = max_model_len - num_computed
             if n <= 0:
                 i += 1
                 continue
-            blocks = allocate_slots(request, n)
-            if blocks is None:
-                blocks, i = self._preempt_for(request, n, i, step)
+            if num_computed + n <= no_op_limit.get(req_id, 0):
+                new_block_ids = []  # allocate_slots would change nothing
+            else:
+                blocks = kv_cache_manager.allocate_slots(request, n)
                 if blocks is None:
-                    # The request preempted itself. Under FCFS it was the last one; under
-                    # the priority policy the next one (now at index i) may still fit.
-                    continue
-            req_id = request.request_id
-            step.num_scheduled[req_id] = n
-            step.cached[req_id] = CachedRequestData(
-                req_id, [b.block_id for b in blocks] if blocks else [], num_computed
-            )
+                    step.budget = budget
+                    blocks, i = self._preempt_for(request, n, i, step)
+                    budget = step.budget
+                    if blocks is None:
+                        # The request preempted itself. Under FCFS it was the last one;
+                        # under the priority policy the next one (now at index i) may fit.
+                        continue
+                new_block_ids = [b.block_id for b in blocks]
+            num_scheduled[req_id] = n
+            cached[req_id] = CachedRequestData(req_id, new_block_ids, num_computed)
             request.num_computed_tokens = num_computed + n
-            step.budget -= n
+            budget -= n
             i += 1
+        step.budget = budget
 
     def _preempt_for(self, request: Request, n: int, i: int, step: _StepPlan):
         """Preempt running requests until ``request`` (at index i) gets room for n tokens.
