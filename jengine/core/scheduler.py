@@ -334,16 +334,24 @@ class Scheduler:
         prompt_logprobs = runner_output.prompt_logprobs_dict
         outputs: list[EngineCoreOutput] = []
         any_stopped = False
+        running = RequestStatus.RUNNING
         for req_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(req_id)
             # Aborted (or preempted) while the step ran: its results are void.
-            if request is None or request.status != RequestStatus.RUNNING:
+            if request is None or request.status != running:
                 continue
             sampled = sampled_token_ids[index[req_id]]
-            if not sampled and not prompt_logprobs:
+            if len(sampled) == 1:  # the common case, inline
+                token_id = sampled[0]
+                request.output_token_ids.append(token_id)
+                request.all_token_ids.append(token_id)
+                stopped = self._check_stop(request, token_id)
+                new_token_ids = sampled
+            elif sampled or prompt_logprobs:
+                new_token_ids = self._append_sampled(request, sampled)
+                stopped = request.status != running
+            else:
                 continue  # a prefill chunk that ended mid-prompt: nothing to report
-            new_token_ids = self._append_sampled(request, sampled)
-            stopped = request.status != RequestStatus.RUNNING
 
             params = request.sampling_params
             new_logprobs = None

@@ -170,6 +170,7 @@ class OutputProcessor:
         # DELTA ones that may just have finished (only a finishing child can finish one).
         touched: dict[str, ParentRequest] = {}
         request_states = self.request_states
+        delta = RequestOutputKind.DELTA
         for output in outputs:
             state = request_states.get(output.request_id)
             if state is None:  # aborted meanwhile
@@ -183,7 +184,7 @@ class OutputProcessor:
             finished = state.finish_reason is not None
             if finished:
                 del request_states[state.request_id]
-            if parent.output_kind != RequestOutputKind.DELTA:
+            if parent.output_kind != delta:
                 touched[parent.request_id] = parent
             else:
                 request_outputs.append(
@@ -229,17 +230,19 @@ class OutputProcessor:
             if state.prompt_logprobs is None:
                 state.prompt_logprobs = [None]
             state.prompt_logprobs.extend(rows)
-        if output.finish_reason is not None and state.finish_reason is None:
-            state.finish_reason = str(FinishReason(output.finish_reason))
-            state.stop_reason = output.stop_reason
-        # EOS or a stop token ended it: as vLLM, its text is not part of the output (the
-        # id stays in token_ids) unless include_stop_str_in_output.
-        if (
-            output.finish_reason == FinishReason.STOP
-            and new_token_ids
-            and not state.detokenizer.params.include_stop_str_in_output
-        ):
-            new_token_ids = new_token_ids[:-1]
+        finish_reason = output.finish_reason
+        if finish_reason is not None:
+            if state.finish_reason is None:
+                state.finish_reason = str(FinishReason(finish_reason))
+                state.stop_reason = output.stop_reason
+            # EOS or a stop token ended it: as vLLM, its text is not part of the output
+            # (the id stays in token_ids) unless include_stop_str_in_output.
+            if (
+                finish_reason == FinishReason.STOP
+                and new_token_ids
+                and not state.detokenizer.params.include_stop_str_in_output
+            ):
+                new_token_ids = new_token_ids[:-1]
         if state.finish_reason is None:
             stop = state.detokenizer.update(new_token_ids)
             if stop is not None:
