@@ -318,20 +318,13 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:
-        logprobs = runner_output.logprobs
-        row_start: dict[str, int] = {}
-        if logprobs is not None:
-            row = 0
-            for req_id, sampled in zip(
-                runner_output.req_ids, runner_output.sampled_token_ids, strict=True
-            ):
-                row_start[req_id] = row
-                row += len(sampled)
-
+        any_logprobs = runner_output.logprobs is not None or bool(
+            runner_output.prompt_logprobs_dict
+        )
+        row_start = runner_output.logprob_row_starts()
         requests = self.requests
         index = runner_output.req_id_to_index
         sampled_token_ids = runner_output.sampled_token_ids
-        prompt_logprobs = runner_output.prompt_logprobs_dict
         outputs: list[EngineCoreOutput] = []
         any_stopped = False
         running = RequestStatus.RUNNING
@@ -347,22 +340,17 @@ class Scheduler:
                 request.all_token_ids.append(token_id)
                 stopped = self._check_stop(request, token_id)
                 new_token_ids = sampled
-            elif sampled or prompt_logprobs:
+            elif sampled or any_logprobs:
                 new_token_ids = self._append_sampled(request, sampled)
                 stopped = request.status != running
             else:
                 continue  # a prefill chunk that ended mid-prompt: nothing to report
 
-            params = request.sampling_params
-            new_logprobs = None
-            if logprobs is not None and params.logprobs is not None and new_token_ids:
-                start = row_start[req_id]
-                new_logprobs = logprobs.to_lists(start, start + len(new_token_ids), params.logprobs)
-            new_prompt_logprobs = None
-            prompt_lp = prompt_logprobs.get(req_id) if prompt_logprobs else None
-            if prompt_lp is not None and params.prompt_logprobs is not None:
-                new_prompt_logprobs = prompt_lp.to_lists(0, len(prompt_lp), params.prompt_logprobs)
-
+            new_logprobs = new_prompt_logprobs = None
+            if any_logprobs:
+                new_logprobs, new_prompt_logprobs = runner_output.logprobs_lists(
+                    req_id, len(new_token_ids), row_start, request.sampling_params
+                )
             if stopped:
                 any_stopped = True
                 self._free_request(request)
