@@ -339,7 +339,7 @@ class Scheduler:
                 request.output_token_ids.append(token_id)
                 request.all_token_ids.append(token_id)
                 stopped = self._check_stop(request, token_id)
-                new_token_ids = sampled
+                new_token_ids = sampled  # no copy: nothing writes to the runner's lists
             elif sampled or any_logprobs:
                 new_token_ids = self._append_sampled(request, sampled)
                 stopped = request.status != running

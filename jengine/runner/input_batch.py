@@ -3,15 +3,20 @@ translation of one SchedulerOutput into padded numpy arrays.
 
 Where it sits: `ModelRunner.execute` calls `update` with each SchedulerOutput (drop
 finished, add new, extend block tables), then `prepare` to get a `PreparedStep` of numpy
-arrays in one of the shapes of `buckets.py`, then `record_sampled` with what came back.
-It never touches jax; the runner moves the arrays to the device.
+arrays in one of the shapes of `buckets.py`, then `record_sampled_rows` with what came
+back. It never touches jax; the runner moves the arrays to the device.
 
 Promises:
 - padding tokens write into the null page 0 and belong to no request; padding requests
   have q_len 0 and kv_len 0, so attention ignores them;
 - a request's tokens are prompt + the tokens this runner sampled for it, so the scheduler
   only sends deltas (see jengine/core/sched_output.py);
-- every request keeps one slot (row of the on-device sampling history) while it runs.
+- every request keeps one slot (row of the on-device sampling history) while it runs, and
+  its tokens, block table, counters and sampling parameters live in that row of
+  preallocated per-slot arrays, so `prepare` gathers a step with a fixed number of
+  vectorized numpy calls (as vLLM V1's persistent batch) rather than a loop per request;
+- the arrays of a `PreparedStep` are read-only: the request-only sampling columns are
+  shared by the steps that schedule the same requests in the same order.
 
 Axis letters: T tokens, R requests, P pages per request.
 """
