@@ -35,6 +35,13 @@ class RequestStatus(enum.IntEnum):
         return status > RequestStatus.PREEMPTED
 
 
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
 class Request:
     __slots__ = (
         "request_id",
@@ -106,11 +113,7 @@ class Request:
         return RequestStatus.is_finished(self.status)
 
     def get_finished_reason(self) -> FinishReason | None:
-        return {
-            RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
-            RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
-            RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
-        }.get(self.status)
+        return _FINISH_REASONS.get(self.status)
 
     def __repr__(self) -> str:
         return (

@@ -15,6 +15,10 @@ What it promises:
   K/V of all scheduled tokens of a layer before any attention of that layer reads the cache.
 - Blocks of a freed request go to the free queue tail-block first, so the end of a
   sequence is evicted before its (more shareable) beginning.
+- ``allocate_slots(request, n)`` changes nothing and returns [] whenever
+  ``request.num_computed_tokens + n <= no_op_limit.get(request_id, 0)`` (its blocks hold
+  the tokens and no block fills): most decode steps. The scheduler checks this itself to
+  skip the call.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are registered in the prefix map.
         self.num_cached_blocks: dict[str, int] = {}
+        # Per request: the computed + new token count up to which allocate_slots is a no-op.
+        self.no_op_limit: dict[str, int] = {}
         # Counters since the last take_prefix_cache_stats(), in tokens (vLLM's unit).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -122,6 +128,12 @@ class KVCacheManager:
         """
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be > 0, got {num_new_tokens}")
+        request_id = request.request_id
+        if (
+            not new_computed_blocks
+            and request.num_computed_tokens + num_new_tokens <= self.no_op_limit.get(request_id, 0)
+        ):
+            return []
         new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
@@ -157,12 +169,19 @@ class KVCacheManager:
                     req_blocks, request.block_hashes, num_cached, num_full
                 )
                 self.num_cached_blocks[request.request_id] = num_full
+        limit = len(req_blocks) * self.block_size
+        if self.enable_caching:
+            # One token short of filling the next block, which must then be registered.
+            num_cached = self.num_cached_blocks.get(request_id, 0)
+            limit = min(limit, (num_cached + 1) * self.block_size - 1)
+        self.no_op_limit[request_id] = limit
         return new_blocks
 
     def free(self, request: Request) -> None:
         """Release all blocks of a finished or preempted request (cached ones stay findable)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        self.no_op_limit.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
     def reset_prefix_cache(self) -> bool:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jengine.protocol import LogprobsLists
+from jengine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -57,3 +58,27 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: LogprobsArrays | None = None
     prompt_logprobs_dict: dict[str, LogprobsArrays | None] = field(default_factory=dict)
+
+    def logprob_row_starts(self) -> dict[str, int]:
+        """Each request's first row in ``logprobs`` (empty when there are none)."""
+        row_start: dict[str, int] = {}
+        if self.logprobs is not None:
+            row = 0
+            for req_id, sampled in zip(self.req_ids, self.sampled_token_ids, strict=True):
+                row_start[req_id] = row
+                row += len(sampled)
+        return row_start
+
+    def logprobs_lists(
+        self, req_id: str, num_tokens: int, row_start: dict[str, int], params: SamplingParams
+    ) -> tuple[LogprobsLists | None, LogprobsLists | None]:
+        """(logprobs of the request's first ``num_tokens`` sampled tokens, prompt logprobs
+        of its chunk), in wire form, as far as ``params`` asked for them."""
+        new_logprobs = new_prompt_logprobs = None
+        if self.logprobs is not None and params.logprobs is not None and num_tokens:
+            start = row_start[req_id]
+            new_logprobs = self.logprobs.to_lists(start, start + num_tokens, params.logprobs)
+        prompt_lp = self.prompt_logprobs_dict.get(req_id)
+        if prompt_lp is not None and params.prompt_logprobs is not None:
+            new_prompt_logprobs = prompt_lp.to_lists(0, len(prompt_lp), params.prompt_logprobs)
+        return new_logprobs, new_prompt_logprobs

@@ -43,8 +43,8 @@ class _StepPlan:
 
     budget: int  # tokens still to hand out
     num_scheduled: dict[str, int] = field(default_factory=dict)
-    new_block_ids: dict[str, list[int]] = field(default_factory=dict)  # running requests
-    running: list[Request] = field(default_factory=list)  # scheduled running requests
+    # Scheduled running requests, in order (their computed counters already advanced).
+    cached: dict[str, CachedRequestData] = field(default_factory=dict)
     new: list[Request] = field(default_factory=list)  # requests started this step
     preempted: list[Request] = field(default_factory=list)
 
@@ -165,36 +165,66 @@ class Scheduler:
 
     def _schedule_running(self, step: _StepPlan) -> None:
         """Running requests, in order, until the budget is spent; preempt when blocks run
-        out."""
+        out. Runs once per running request per step, so the common case is kept inline."""
+        kv_cache_manager = self.kv_cache_manager
+        no_op_limit = kv_cache_manager.no_op_limit
+        threshold = self.config.long_prefill_token_threshold
+        max_model_len = self.max_model_len
+        running, num_scheduled, cached = self.running, step.num_scheduled, step.cached
+        budget = step.budget
         i = 0
-        while i < len(self.running) and step.budget > 0:
-            request = self.running[i]
-            n = self._num_new_tokens(request, step.budget, request.num_computed_tokens)
-            if n == 0:
+        while i < len(running) and budget > 0:
+            request = running[i]
+            req_id = request.request_id
+            num_computed = request.num_computed_tokens
+            # As _num_new_tokens.
+            n = len(request.all_token_ids) - num_computed
+            if 0 < threshold < n:
+                n = threshold
+            if n > budget:
+                n = budget
+            if n > max_model_len - num_computed:
+                n = max_model_len - num_computed
+            if n <= 0:
                 i += 1
                 continue
-            while (blocks := self.kv_cache_manager.allocate_slots(request, n)) is None:
-                victim, idx = self._pop_victim()
-                if idx < i:
-                    i -= 1
-                if victim.request_id in step.num_scheduled:
-                    # Priority policy may pick a request already scheduled this step: undo.
-                    step.budget += step.num_scheduled.pop(victim.request_id)
-                    del step.new_block_ids[victim.request_id]
-                    step.running.remove(victim)
-                self._preempt(victim)
-                step.preempted.append(victim)
-                if victim is request:
-                    break
-            if blocks is None:
-                # The request preempted itself. Under FCFS it was the last one; under the
-                # priority policy the next one (now at index i) may still fit.
-                continue
-            step.running.append(request)
-            step.num_scheduled[request.request_id] = n
-            step.new_block_ids[request.request_id] = [b.block_id for b in blocks]
-            step.budget -= n
+            if num_computed + n <= no_op_limit.get(req_id, 0):
+                new_block_ids = []  # allocate_slots would change nothing
+            else:
+                blocks = kv_cache_manager.allocate_slots(request, n)
+                if blocks is None:
+                    step.budget = budget
+                    blocks, i = self._preempt_for(request, n, i, step)
+                    budget = step.budget
+                    if blocks is None:
+                        # The request preempted itself. Under FCFS it was the last one;
+                        # under the priority policy the next one (now at index i) may fit.
+                        continue
+                new_block_ids = [b.block_id for b in blocks]
+            num_scheduled[req_id] = n
+            cached[req_id] = CachedRequestData(req_id, new_block_ids, num_computed)
+            request.num_computed_tokens = num_computed + n
+            budget -= n
             i += 1
+        step.budget = budget
+
+    def _preempt_for(self, request: Request, n: int, i: int, step: _StepPlan):
+        """Preempt running requests until ``request`` (at index i) gets room for n tokens.
+        Returns its new blocks (None if it preempted itself) and its index afterwards."""
+        blocks = None
+        while blocks is None:
+            victim, idx = self._pop_victim()
+            if idx < i:
+                i -= 1
+            if step.cached.pop(victim.request_id, None) is not None:
+                # Priority policy may pick a request already scheduled this step: undo.
+                step.budget += step.num_scheduled.pop(victim.request_id)
+            self._preempt(victim)
+            step.preempted.append(victim)
+            if victim is request:
+                break
+            blocks = self.kv_cache_manager.allocate_slots(request, n)
+        return blocks, i
 
     def _schedule_waiting(self, step: _StepPlan) -> None:
         """Waiting requests from the head of the queue while budget, blocks and
@@ -223,7 +253,8 @@ class Scheduler:
             step.budget -= n
 
     def _make_scheduler_output(self, step: _StepPlan) -> SchedulerOutput:
-        """Describe the step, then advance the computed counters past it."""
+        """Describe the step, then advance the new requests' computed counters past it
+        (running requests were advanced as they were scheduled)."""
         new_reqs = [
             NewRequestData(
                 req_id=r.request_id,
@@ -236,15 +267,7 @@ class Scheduler:
             )
             for r in step.new
         ]
-        cached_reqs = [
-            CachedRequestData(
-                req_id=r.request_id,
-                new_block_ids=step.new_block_ids[r.request_id],
-                num_computed_tokens=r.num_computed_tokens,
-            )
-            for r in step.running
-        ]
-        for r in (*step.running, *step.new):
+        for r in step.new:
             r.num_computed_tokens += step.num_scheduled[r.request_id]
 
         removed = self.removed_req_ids
@@ -252,7 +275,7 @@ class Scheduler:
         self.removed_req_ids = set()
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
+            scheduled_cached_reqs=list(step.cached.values()),
             num_scheduled_tokens=step.num_scheduled,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - step.budget,
             removed_req_ids=removed,
@@ -260,18 +283,19 @@ class Scheduler:
 
     # -- results ----------------------------------------------------------------------
 
-    def _check_stop(self, request: Request) -> bool:
-        """Set the finished status if the last appended token ends the request."""
+    def _check_stop(self, request: Request, last: int) -> bool:
+        """Set the finished status if the last appended token (``last``) ends the
+        request."""
         params = request.sampling_params
-        max_tokens = request.max_tokens
-        if request.num_tokens >= self.max_model_len or (
-            max_tokens is not None and request.num_output_tokens >= max_tokens
+        num_output = len(request.output_token_ids)
+        max_tokens = params.max_tokens
+        if len(request.all_token_ids) >= self.max_model_len or (
+            max_tokens is not None and num_output >= max_tokens
         ):
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
-        if request.num_output_tokens < params.min_tokens:
+        if num_output < params.min_tokens:
             return False
-        last = request.output_token_ids[-1]
         if not params.ignore_eos and last == request.eos_token_id:
             request.status = RequestStatus.FINISHED_STOPPED
             return True
@@ -281,59 +305,65 @@ class Scheduler:
             return True
         return False
 
+    def _append_sampled(self, request: Request, sampled: list[int]) -> list[int]:
+        """Append sampled tokens up to the first that stops the request; returns those
+        appended (``sampled`` itself when all were)."""
+        for i, token_id in enumerate(sampled):
+            request.output_token_ids.append(token_id)
+            request.all_token_ids.append(token_id)
+            if self._check_stop(request, token_id):
+                return sampled[: i + 1]
+        return sampled
+
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:
-        logprobs = runner_output.logprobs
-        row_start: dict[str, int] = {}
-        if logprobs is not None:
-            row = 0
-            for req_id, sampled in zip(
-                runner_output.req_ids, runner_output.sampled_token_ids, strict=True
-            ):
-                row_start[req_id] = row
-                row += len(sampled)
-
+        any_logprobs = runner_output.logprobs is not None or bool(
+            runner_output.prompt_logprobs_dict
+        )
+        row_start = runner_output.logprob_row_starts()
+        requests = self.requests
+        index = runner_output.req_id_to_index
+        sampled_token_ids = runner_output.sampled_token_ids
         outputs: list[EngineCoreOutput] = []
         any_stopped = False
+        running = RequestStatus.RUNNING
         for req_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(req_id)
+            request = requests.get(req_id)
             # Aborted (or preempted) while the step ran: its results are void.
-            if request is None or request.status != RequestStatus.RUNNING:
+            if request is None or request.status != running:
                 continue
-            sampled = runner_output.sampled_token_ids[runner_output.req_id_to_index[req_id]]
-            new_token_ids: list[int] = []
-            stopped = False
-            for token_id in sampled:
-                request.append_output_token_ids(token_id)
-                new_token_ids.append(token_id)
-                if self._check_stop(request):
-                    stopped = True
-                    break
+            sampled = sampled_token_ids[index[req_id]]
+            if len(sampled) == 1:  # the common case, inline
+                token_id = sampled[0]
+                request.output_token_ids.append(token_id)
+                request.all_token_ids.append(token_id)
+                stopped = self._check_stop(request, token_id)
+                new_token_ids = sampled  # no copy: nothing writes to the runner's lists
+            elif sampled or any_logprobs:
+                new_token_ids = self._append_sampled(request, sampled)
+                stopped = request.status != running
+            else:
+                continue  # a prefill chunk that ended mid-prompt: nothing to report
 
-            params = request.sampling_params
-            new_logprobs = None
-            if logprobs is not None and params.logprobs is not None and new_token_ids:
-                start = row_start[req_id]
-                new_logprobs = logprobs.to_lists(start, start + len(new_token_ids), params.logprobs)
-            new_prompt_logprobs = None
-            prompt_lp = runner_output.prompt_logprobs_dict.get(req_id)
-            if prompt_lp is not None and params.prompt_logprobs is not None:
-                new_prompt_logprobs = prompt_lp.to_lists(0, len(prompt_lp), params.prompt_logprobs)
-
+            new_logprobs = new_prompt_logprobs = None
+            if any_logprobs:
+                new_logprobs, new_prompt_logprobs = runner_output.logprobs_lists(
+                    req_id, len(new_token_ids), row_start, request.sampling_params
+                )
             if stopped:
                 any_stopped = True
                 self._free_request(request)
             if new_token_ids or stopped or new_prompt_logprobs is not None:
                 outputs.append(
                     EngineCoreOutput(
-                        request_id=req_id,
-                        new_token_ids=new_token_ids,
-                        new_logprobs=new_logprobs,
-                        new_prompt_logprobs=new_prompt_logprobs,
-                        finish_reason=request.get_finished_reason(),
-                        stop_reason=request.stop_reason,
-                        num_cached_tokens=max(request.num_cached_tokens, 0),
+                        req_id,
+                        new_token_ids,
+                        new_logprobs,
+                        new_prompt_logprobs,
+                        request.get_finished_reason() if stopped else None,
+                        request.stop_reason,
+                        request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
                     )
                 )
         if any_stopped:

@@ -73,6 +73,8 @@ class IncrementalDetokenizer:
 
     def text_delta(self, finished: bool) -> str:
         """Text not handed out yet, keeping back a possible stop-string prefix mid-stream."""
+        if len(self.text) <= self.sent:  # nothing new (always so without a tokenizer)
+            return ""
         end = len(self.text) if finished else max(self.sent, len(self.text) - self.hold_back)
         delta = self.text[self.sent : end]
         self.sent = end

@@ -29,7 +29,7 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2
 
 
-@dataclass
+@dataclass(slots=True)
 class ParentRequest:
     """A user request fanned out into n sequences; its output lists all of them."""
 
@@ -41,10 +41,14 @@ class ParentRequest:
     metrics: RequestMetrics | None = None
 
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.children.values())
+        # A loop, not all(<generator>): this runs for every output of every step.
+        for child in self.children.values():  # noqa: SIM110
+            if child.finish_reason is None:
+                return False
+        return True
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestState:
     request_id: str  # the engine core's id (the child's, for n > 1)
     index: int  # which of the parent's n sequences
@@ -66,9 +70,11 @@ class RequestState:
         finished = self.finish_reason is not None
         if delta:
             tokens = self.output_token_ids[self.sent_tokens :]
-            logprobs = self.logprobs[self.sent_logprobs :] if self.logprobs is not None else None
             self.sent_tokens = len(self.output_token_ids)
-            self.sent_logprobs = len(self.logprobs or [])
+            logprobs = None
+            if self.logprobs is not None:
+                logprobs = self.logprobs[self.sent_logprobs :]
+                self.sent_logprobs = len(self.logprobs)
             text = self.detokenizer.text_delta(finished)
         else:
             tokens, logprobs, text = (
@@ -77,13 +83,13 @@ class RequestState:
                 self.detokenizer.text,
             )
         return CompletionOutput(
-            index=self.index,
-            text=text,
-            token_ids=tokens,
-            cumulative_logprob=self.cumulative_logprob,
-            logprobs=logprobs,
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
+            self.index,
+            text,
+            tokens,
+            self.cumulative_logprob,
+            logprobs,
+            self.finish_reason,
+            self.stop_reason,
         )
 
 
@@ -160,37 +166,41 @@ class OutputProcessor:
         now = time.time()
         request_outputs: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
+        # Parents to look at after the loop: every non-DELTA one that got an output, and
+        # DELTA ones that may just have finished (only a finishing child can finish one).
         touched: dict[str, ParentRequest] = {}
+        request_states = self.request_states
+        delta = RequestOutputKind.DELTA
         for output in outputs:
-            state = self.request_states.get(output.request_id)
+            state = request_states.get(output.request_id)
             if state is None:  # aborted meanwhile
                 continue
-            self._update(state, output)
-            new_token_ids = output.new_token_ids
-            # EOS or a stop token ended it: as vLLM, its text is not part of the output
-            # (the id stays in token_ids) unless include_stop_str_in_output.
-            if (
-                output.finish_reason == FinishReason.STOP
-                and new_token_ids
-                and not state.detokenizer.params.include_stop_str_in_output
-            ):
-                new_token_ids = new_token_ids[:-1]
-            if state.finish_reason is None:
-                stop = state.detokenizer.update(new_token_ids)
-                if stop is not None:
-                    state.finish_reason, state.stop_reason = "stop", stop
-                    reqs_to_abort.append(state.request_id)
-            else:
-                state.detokenizer.update(new_token_ids)
-            metrics = state.parent.metrics
+            self._update(state, output, reqs_to_abort)
+            parent = state.parent
+            metrics = parent.metrics
             if metrics is not None and output.new_token_ids:
                 metrics.first_token_time = metrics.first_token_time or now
                 metrics.last_token_time = now
-            if state.finish_reason is not None:
-                del self.request_states[state.request_id]
-            touched[state.parent.request_id] = state.parent
-            if state.parent.output_kind == RequestOutputKind.DELTA:
-                request_outputs.append(self._make_output(state.parent, [state]))
+            finished = state.finish_reason is not None
+            if finished:
+                del request_states[state.request_id]
+            if parent.output_kind != delta:
+                touched[parent.request_id] = parent
+            else:
+                request_outputs.append(
+                    RequestOutput(
+                        parent.request_id,
+                        parent.prompt,
+                        parent.prompt_token_ids,
+                        state.prompt_logprobs,
+                        [state.completion(True)],
+                        finished if len(parent.children) == 1 else parent.finished(),
+                        state.num_cached_tokens,
+                        parent.metrics,
+                    )
+                )
+                if finished:
+                    touched[parent.request_id] = parent
         for parent in touched.values():
             finished = parent.finished()
             if finished:
@@ -204,8 +214,11 @@ class OutputProcessor:
                 request_outputs.append(self._make_output(parent, children))
         return request_outputs, reqs_to_abort
 
-    def _update(self, state: RequestState, output: EngineCoreOutput) -> None:
-        state.output_token_ids.extend(output.new_token_ids)
+    def _update(self, state: RequestState, output: EngineCoreOutput, reqs_to_abort: list[str]):
+        """Take one engine-core output into the state: tokens, logprobs, finish, text (a
+        stop string found in the text finishes the state and lands in reqs_to_abort)."""
+        new_token_ids = output.new_token_ids
+        state.output_token_ids.extend(new_token_ids)
         state.num_cached_tokens = output.num_cached_tokens
         if output.new_logprobs is not None and state.logprobs is not None:
             for row in self._logprob_dicts(output.new_logprobs, state.num_logprobs or 0):
@@ -217,9 +230,26 @@ class OutputProcessor:
             if state.prompt_logprobs is None:
                 state.prompt_logprobs = [None]
             state.prompt_logprobs.extend(rows)
-        if output.finish_reason is not None and state.finish_reason is None:
-            state.finish_reason = str(FinishReason(output.finish_reason))
-            state.stop_reason = output.stop_reason
+        finish_reason = output.finish_reason
+        if finish_reason is not None:
+            if state.finish_reason is None:
+                state.finish_reason = str(FinishReason(finish_reason))
+                state.stop_reason = output.stop_reason
+            # EOS or a stop token ended it: as vLLM, its text is not part of the output
+            # (the id stays in token_ids) unless include_stop_str_in_output.
+            if (
+                finish_reason == FinishReason.STOP
+                and new_token_ids
+                and not state.detokenizer.params.include_stop_str_in_output
+            ):
+                new_token_ids = new_token_ids[:-1]
+        if state.finish_reason is None:
+            stop = state.detokenizer.update(new_token_ids)
+            if stop is not None:
+                state.finish_reason, state.stop_reason = "stop", stop
+                reqs_to_abort.append(state.request_id)
+        else:
+            state.detokenizer.update(new_token_ids)
 
     def _logprob_dicts(self, lists: LogprobsLists, num: int) -> list[dict[int, Logprob]]:
         decode = self.tokenizer.decode if self.tokenizer is not None else (lambda ids: None)

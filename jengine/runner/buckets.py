@@ -18,7 +18,9 @@ Padding waste of T and R is below 2x; the number of shapes is
 max_num_seqs 64, max_num_batched_tokens 512, max_model_len 512 and block_size 16.
 """
 
+from bisect import bisect_left
 from dataclasses import dataclass
+from functools import cached_property
 
 from jengine.core.kv_cache_utils import cdiv
 
@@ -65,10 +67,11 @@ def page_buckets(max_pages: int) -> list[int]:
 
 
 def smallest_fitting(buckets: list[int], n: int) -> int:
-    for size in buckets:
-        if size >= n:
-            return size
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+    """The first bucket >= n (buckets ascending)."""
+    i = bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
 
 
 def max_pages_per_request(max_model_len: int, block_size: int) -> int:
@@ -91,21 +94,41 @@ class BucketSpec:
             max_pages_per_request(max_model_len, block_size),
         )
 
+    # The bucket lists and shapes, built once: shape_for runs every step.
+    @cached_property
+    def _request_buckets(self) -> list[int]:
+        return request_buckets(self.max_num_seqs)
+
+    @cached_property
+    def _token_buckets(self) -> list[int]:
+        return token_buckets(self.max_num_batched_tokens)
+
+    @cached_property
+    def _page_buckets(self) -> list[int]:
+        return page_buckets(self.max_pages)
+
+    @cached_property
+    def _shapes(self) -> dict[tuple[int, int, int, int], StepShape]:
+        return {}
+
     def prefill_num_reqs(self, num_tokens: int) -> int:
-        return smallest_fitting(
-            request_buckets(self.max_num_seqs), min(num_tokens, self.max_num_seqs)
-        )
+        return smallest_fitting(self._request_buckets, min(num_tokens, self.max_num_seqs))
 
     def shape_for(self, num_tokens: int, num_reqs: int, max_pages_used: int) -> StepShape:
         """The padded shape of a step with these many tokens, requests and pages."""
-        num_pages = smallest_fitting(page_buckets(self.max_pages), max(1, max_pages_used))
+        num_pages = smallest_fitting(self._page_buckets, max(1, max_pages_used))
         if num_tokens == num_reqs:  # decode-only: one token per request
-            padded = smallest_fitting(request_buckets(self.max_num_seqs), num_reqs)
-            return StepShape(padded, padded, num_pages, 1)
-        padded_tokens = smallest_fitting(token_buckets(self.max_num_batched_tokens), num_tokens)
-        # Every request has a token, so R <= min(T, max_num_seqs) always fits.
-        padded_reqs = self.prefill_num_reqs(padded_tokens)
-        return StepShape(padded_tokens, padded_reqs, num_pages, PREFILL_Q_BLOCK)
+            padded = smallest_fitting(self._request_buckets, num_reqs)
+            key = (padded, padded, num_pages, 1)
+        else:
+            padded_tokens = smallest_fitting(self._token_buckets, num_tokens)
+            # Every request has a token, so R <= min(T, max_num_seqs) always fits.
+            padded_reqs = self.prefill_num_reqs(padded_tokens)
+            key = (padded_tokens, padded_reqs, num_pages, PREFILL_Q_BLOCK)
+        shape = self._shapes.get(key)
+        if shape is None:  # at most len(all_shapes()) of them
+            shape = self._shapes[key] = StepShape(*key)
+        return shape
 
     def all_shapes(self) -> list[StepShape]:
         """Every shape `shape_for` can return: what warmup compiles."""

@@ -3,15 +3,20 @@ translation of one SchedulerOutput into padded numpy arrays.
 
 Where it sits: `ModelRunner.execute` calls `update` with each SchedulerOutput (drop
 finished, add new, extend block tables), then `prepare` to get a `PreparedStep` of numpy
-arrays in one of the shapes of `buckets.py`, then `record_sampled` with what came back.
-It never touches jax; the runner moves the arrays to the device.
+arrays in one of the shapes of `buckets.py`, then `record_sampled_rows` with what came
+back. It never touches jax; the runner moves the arrays to the device.
 
 Promises:
 - padding tokens write into the null page 0 and belong to no request; padding requests
   have q_len 0 and kv_len 0, so attention ignores them;
 - a request's tokens are prompt + the tokens this runner sampled for it, so the scheduler
   only sends deltas (see jengine/core/sched_output.py);
-- every request keeps one slot (row of the on-device sampling history) while it runs.
+- every request keeps one slot (row of the on-device sampling history) while it runs, and
+  its tokens, block table, counters and sampling parameters live in that row of
+  preallocated per-slot arrays, so `prepare` gathers a step with a fixed number of
+  vectorized numpy calls (as vLLM V1's persistent batch) rather than a loop per request;
+- the arrays of a `PreparedStep` are read-only: the request-only sampling columns are
+  shared by the steps that schedule the same requests in the same order.
 
 Axis letters: T tokens, R requests, P pages per request.
 """
@@ -22,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jengine.core.kv_cache_utils import cdiv
-from jengine.core.sched_output import SchedulerOutput
+from jengine.core.sched_output import NewRequestData, SchedulerOutput
 from jengine.runner.buckets import BucketSpec, StepShape
 from jengine.runner.sampler import MAX_SUPPRESSED_IDS
 from jengine.sampling_params import SamplingParams
@@ -30,19 +35,14 @@ from jengine.sampling_params import SamplingParams
 
 @dataclass(slots=True)
 class CachedRequestState:
+    """What the batch keeps about a request besides its rows of the slot arrays."""
+
     req_id: str
-    token_ids: list[int]  # prompt + generated so far
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
     slot: int
     seed: int
     suppressed_ids: list[int]  # EOS + stop ids, masked until min_tokens
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def uses_history(self) -> bool:
@@ -97,13 +97,48 @@ def neutral_sampling_arrays(num_reqs: int) -> dict[str, np.ndarray]:
     )
 
 
+# Sampling columns that depend only on the request, kept per slot and gathered each step.
+_PARAM_COLUMNS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seeds",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "use_history",
+)
+
+
 class InputBatch:
+    """Per-slot numpy rows (tokens, block table, counters, sampling parameters) that live
+    as long as their request runs, so a step gathers its inputs with a few vectorized ops
+    instead of rebuilding them per request."""
+
     def __init__(self, buckets: BucketSpec, block_size: int, seed: int = 0):
         self.buckets = buckets
         self.block_size = block_size
         self.seed = seed
         self.requests: dict[str, CachedRequestState] = {}
-        self.free_slots = list(range(buckets.max_num_seqs - 1, -1, -1))
+        S = buckets.max_num_seqs
+        self.free_slots = list(range(S - 1, -1, -1))
+        # +1: a request whose prompt fills max_model_len still samples one last token.
+        # np.zeros maps pages lazily, so rows cost memory only as far as they are written.
+        self.token_ids = np.zeros((S, buckets.max_pages * block_size + 1), np.int32)
+        self.num_tokens = np.zeros(S, np.int32)  # prompt + sampled tokens known per slot
+        self.num_prompt_tokens = np.zeros(S, np.int32)
+        self.num_computed_tokens = np.zeros(S, np.int32)
+        self.block_table = np.zeros((S, buckets.max_pages), np.int32)  # zero past the end
+        self.num_blocks = np.zeros(S, np.int32)
+        self.params = neutral_sampling_arrays(S)  # the _PARAM_COLUMNS and suppressed_ids
+        self.min_tokens = np.zeros(S, np.int32)
+        self.num_logprobs = np.full(S, -1, np.int32)  # -1: no logprobs
+        self.wants_prompt_logprobs = np.zeros(S, bool)
+        # What the last step's request order allowed to precompute: steady decoding
+        # repeats the order. Reset whenever membership changes.
+        self._order: _Order | None = None
+        self._arange = np.arange(S + 1, dtype=np.int32)
 
     # -- following the scheduler ---------------------------------------------------------
 
@@ -113,30 +148,61 @@ class InputBatch:
             state = self.requests.pop(req_id, None)
             if state is not None:
                 self.free_slots.append(state.slot)
-        added = []
-        for new in scheduler_output.scheduled_new_reqs:
-            params = new.sampling_params
-            suppressed = [] if params.min_tokens == 0 else list(params.stop_token_ids or [])
-            if params.min_tokens and new.eos_token_id is not None and not params.ignore_eos:
-                suppressed.append(new.eos_token_id)
-            state = CachedRequestState(
-                req_id=new.req_id,
-                token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
-                num_prompt_tokens=len(new.prompt_token_ids),
-                sampling_params=params,
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-                slot=self.free_slots.pop(),
-                seed=self._seed_for(new.req_id, params.seed),
-                suppressed_ids=suppressed[:MAX_SUPPRESSED_IDS],
-            )
-            self.requests[new.req_id] = state
-            added.append(state)
+                self._order = None
+        added = [self._add(new) for new in scheduler_output.scheduled_new_reqs]
+        if added:
+            self._order = None
+        requests, computed = self.requests, self.num_computed_tokens
         for cached in scheduler_output.scheduled_cached_reqs:
-            state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+            slot = requests[cached.req_id].slot
+            if cached.new_block_ids:
+                self._append_blocks(slot, cached.new_block_ids)
+            computed[slot] = cached.num_computed_tokens
         return added
+
+    def _add(self, new: NewRequestData) -> CachedRequestState:
+        params = new.sampling_params
+        suppressed = [] if params.min_tokens == 0 else list(params.stop_token_ids or [])
+        if params.min_tokens and new.eos_token_id is not None and not params.ignore_eos:
+            suppressed.append(new.eos_token_id)
+        state = CachedRequestState(
+            req_id=new.req_id,
+            num_prompt_tokens=len(new.prompt_token_ids),
+            sampling_params=params,
+            slot=self.free_slots.pop(),
+            seed=self._seed_for(new.req_id, params.seed),
+            suppressed_ids=suppressed[:MAX_SUPPRESSED_IDS],
+        )
+        self.requests[new.req_id] = state
+        slot = state.slot
+        tokens = [*new.prompt_token_ids, *new.output_token_ids]
+        self.token_ids[slot, : len(tokens)] = tokens
+        self.num_tokens[slot] = len(tokens)
+        self.num_prompt_tokens[slot] = state.num_prompt_tokens
+        self.num_computed_tokens[slot] = new.num_computed_tokens
+        self.block_table[slot] = 0
+        self.num_blocks[slot] = 0
+        self._append_blocks(slot, new.block_ids)
+        columns = self.params
+        for name in ("temperature", "top_p", "min_p"):
+            columns[name][slot] = getattr(params, name)
+        columns["top_k"][slot] = max(params.top_k, 0)
+        columns["seeds"][slot] = state.seed
+        columns["presence_penalty"][slot] = params.presence_penalty
+        columns["frequency_penalty"][slot] = params.frequency_penalty
+        columns["repetition_penalty"][slot] = params.repetition_penalty
+        columns["use_history"][slot] = state.uses_history
+        columns["suppressed_ids"][slot] = -1
+        columns["suppressed_ids"][slot, : len(state.suppressed_ids)] = state.suppressed_ids
+        self.min_tokens[slot] = params.min_tokens
+        self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
+        self.wants_prompt_logprobs[slot] = params.prompt_logprobs is not None
+        return state
+
+    def _append_blocks(self, slot: int, block_ids: list[int]) -> None:
+        begin = int(self.num_blocks[slot])
+        self.block_table[slot, begin : begin + len(block_ids)] = block_ids
+        self.num_blocks[slot] = begin + len(block_ids)
 
     def _seed_for(self, req_id: str, seed: int | None) -> int:
         # Unseeded requests get a seed derived from the engine seed and the request id, so
@@ -145,97 +211,146 @@ class InputBatch:
             return seed & 0xFFFFFFFF
         return (self.seed * 1_000_003 + zlib.crc32(req_id.encode())) & 0xFFFFFFFF
 
+    def all_token_ids(self, req_id: str) -> np.ndarray:
+        """Prompt + the tokens sampled so far of a request in the batch (a view)."""
+        slot = self.requests[req_id].slot
+        return self.token_ids[slot, : self.num_tokens[slot]]
+
     def record_sampled(self, req_ids: list[str], sampled: list[list[int]]) -> None:
         for req_id, tokens in zip(req_ids, sampled, strict=True):
-            self.requests[req_id].token_ids.extend(tokens)
+            if tokens:
+                slot = self.requests[req_id].slot
+                end = int(self.num_tokens[slot])
+                self.token_ids[slot, end : end + len(tokens)] = tokens
+                self.num_tokens[slot] = end + len(tokens)
+
+    def record_sampled_rows(self, prepared: PreparedStep, sampled: np.ndarray) -> None:
+        """Append `sampled[i]` to request i of `prepared` wherever its sample mask is set."""
+        num = len(prepared.req_ids)
+        slots = prepared.sampling["slots"][:num]
+        mask = prepared.sample_mask[:num]
+        sampled = sampled[:num]
+        if not mask.all():
+            slots, sampled = slots[mask], sampled[mask]
+        self.token_ids[slots, self.num_tokens[slots]] = sampled
+        self.num_tokens[slots] += 1
 
     # -- building the padded step --------------------------------------------------------
 
-    def prepare(self, scheduler_output: SchedulerOutput) -> PreparedStep:
-        req_ids = list(scheduler_output.num_scheduled_tokens)
-        states = [self.requests[r] for r in req_ids]
-        counts = np.array([scheduler_output.num_scheduled_tokens[r] for r in req_ids], np.int32)
-        starts = np.array([s.num_computed_tokens for s in states], np.int32)
-        kv_lens = starts + counts
-        max_pages = cdiv(int(kv_lens.max()), self.block_size)
-        shape = self.buckets.shape_for(int(counts.sum()), len(req_ids), max_pages)
-        T, R, P = shape.num_tokens, shape.num_reqs, shape.num_pages
-
-        input_ids = np.zeros(T, np.int32)
-        positions = np.zeros(T, np.int32)
-        slot_mapping = np.zeros(T, np.int32)  # padding -> the null page
-        block_tables = np.zeros((R, P), np.int32)
-        query_start_loc = np.zeros(R + 1, np.int32)
-        query_start_loc[1 : len(req_ids) + 1] = np.cumsum(counts)
-        query_start_loc[len(req_ids) + 1 :] = query_start_loc[len(req_ids)]
-        padded_kv_lens = np.zeros(R, np.int32)
-        padded_kv_lens[: len(req_ids)] = kv_lens
-        sample_mask = np.zeros(R, bool)
-        prompt_logprob_rows = {}
-        want_prompt_logprobs = any(s.sampling_params.prompt_logprobs is not None for s in states)
-        prompt_targets = np.zeros(T, np.int32) if want_prompt_logprobs else None
-
-        for i, state in enumerate(states):
-            begin, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
-            pos = np.arange(starts[i], kv_lens[i], dtype=np.int32)
-            tokens = state.token_ids
-            input_ids[begin:end] = tokens[starts[i] : kv_lens[i]]
-            positions[begin:end] = pos
-            blocks = np.asarray(state.block_ids, np.int32)
-            slot_mapping[begin:end] = blocks[pos // self.block_size] * self.block_size + (
-                pos % self.block_size
+    def _order_of(self, req_ids: list[str]) -> "_Order":
+        order = self._order
+        if order is None or req_ids != order.req_ids:
+            slots = np.array([self.requests[r].slot for r in req_ids], np.int32)
+            order = self._order = _Order(
+                req_ids=req_ids,
+                slots=slots,
+                num_logprobs=[None if k < 0 else k for k in self.num_logprobs[slots].tolist()],
+                any_prompt_logprobs=bool(self.wants_prompt_logprobs[slots].any()),
+                any_min_tokens=bool((self.min_tokens[slots] > 0).any()),
             )
-            block_tables[i, : min(len(blocks), P)] = blocks[:P]
-            # A chunk that reaches the last known token yields the next one.
-            sample_mask[i] = kv_lens[i] >= len(tokens)
-            if prompt_targets is not None and state.sampling_params.prompt_logprobs is not None:
-                # Position p predicts token p + 1, for prompt positions only.
-                last = min(int(kv_lens[i]), state.num_prompt_tokens - 1)
-                if last > starts[i]:
-                    n = last - int(starts[i])
-                    prompt_targets[begin : begin + n] = tokens[starts[i] + 1 : last + 1]
-                    prompt_logprob_rows[state.req_id] = (begin, begin + n)
-                else:
-                    prompt_logprob_rows[state.req_id] = (begin, begin)
+        return order
 
-        logits_indices = np.maximum(query_start_loc[1:] - 1, 0).astype(np.int32)
+    def prepare(self, scheduler_output: SchedulerOutput) -> PreparedStep:
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        req_ids = list(num_scheduled)
+        order = self._order_of(req_ids)
+        slots, n = order.slots, len(req_ids)
+        counts = np.fromiter(num_scheduled.values(), np.int32, n)
+        starts = self.num_computed_tokens[slots]
+        kv_lens = starts + counts
+        total = int(counts.sum())
+        shape = self.buckets.shape_for(total, n, cdiv(int(kv_lens.max()), self.block_size))
+        T, R, P = shape.num_tokens, shape.num_reqs, shape.num_pages
+        if total == n:  # one token per request: the common decode step
+            token_slots, positions = slots, starts
+            query_start_loc = np.minimum(self._arange[: R + 1], n)
+        else:
+            query_start_loc = np.empty(R + 1, np.int32)
+            query_start_loc[0] = 0
+            query_start_loc[1 : n + 1] = np.cumsum(counts, dtype=np.int32)
+            query_start_loc[n + 1 :] = total
+            token_slots = np.repeat(slots, counts)
+            offsets = np.repeat(query_start_loc[:n] - starts, counts)
+            positions = np.arange(total, dtype=np.int32) - offsets
+        pages, in_page = np.divmod(positions, self.block_size)
+        slot_mapping = self.block_table[token_slots, pages] * self.block_size + in_page
+        # A chunk that reaches the last known token yields the next one.
+        sample_mask = kv_lens >= self.num_tokens[slots]
+        prompt_logprob_rows, prompt_targets = {}, None
+        if order.any_prompt_logprobs:
+            prompt_targets = np.zeros(T, np.int32)
+            prompt_logprob_rows = self._prompt_targets(
+                req_ids, slots, starts, kv_lens, query_start_loc, prompt_targets
+            )
         return PreparedStep(
             shape=shape,
             req_ids=req_ids,
-            input_ids=input_ids,
-            positions=positions,
-            slot_mapping=slot_mapping,
+            input_ids=_padded(self.token_ids[token_slots, positions], T),
+            positions=_padded(positions, T),
+            slot_mapping=_padded(slot_mapping, T),  # padding -> the null page
             query_start_loc=query_start_loc,
-            kv_lens=padded_kv_lens,
-            block_tables=block_tables,
-            logits_indices=logits_indices,
-            sampling=self._sampling_arrays(states, R, sample_mask),
-            num_logprobs=[s.sampling_params.logprobs for s in states],
+            kv_lens=_padded(kv_lens, R),
+            block_tables=_padded(self.block_table[slots, :P], R),
+            logits_indices=np.maximum(query_start_loc[1:] - 1, 0).astype(np.int32, copy=False),
+            sampling=self._sampling_arrays(order, R, _padded(sample_mask, R)),
+            num_logprobs=order.num_logprobs.copy(),
             prompt_logprob_rows=prompt_logprob_rows,
             prompt_targets=prompt_targets,
         )
 
-    def _sampling_arrays(self, states, R, sample_mask) -> dict[str, np.ndarray]:
-        arrays = neutral_sampling_arrays(R)
-        n = len(states)
-        params = [s.sampling_params for s in states]
-        columns = dict(
-            slots=[s.slot for s in states],
-            temperature=[p.temperature for p in params],
-            top_k=[max(p.top_k, 0) for p in params],
-            top_p=[p.top_p for p in params],
-            min_p=[p.min_p for p in params],
-            seeds=[s.seed for s in states],
-            output_index=[s.num_output_tokens for s in states],
-            presence_penalty=[p.presence_penalty for p in params],
-            frequency_penalty=[p.frequency_penalty for p in params],
-            repetition_penalty=[p.repetition_penalty for p in params],
-            use_history=[s.uses_history for s in states],
-        )
-        for name, values in columns.items():
-            arrays[name][:n] = values
-        for i, s in enumerate(states):
-            if s.suppressed_ids and s.num_output_tokens < s.sampling_params.min_tokens:
-                arrays["suppressed_ids"][i, : len(s.suppressed_ids)] = s.suppressed_ids
+    def _prompt_targets(self, req_ids, slots, starts, kv_lens, query_start_loc, targets):
+        """Fill `targets` for requests that want prompt logprobs; returns their rows."""
+        rows = {}
+        for i in np.flatnonzero(self.wants_prompt_logprobs[slots]).tolist():
+            slot, start, begin = int(slots[i]), int(starts[i]), int(query_start_loc[i])
+            # Position p predicts token p + 1, for prompt positions only.
+            last = min(int(kv_lens[i]), int(self.num_prompt_tokens[slot]) - 1)
+            num = max(last - start, 0)
+            targets[begin : begin + num] = self.token_ids[slot, start + 1 : start + 1 + num]
+            rows[req_ids[i]] = (begin, begin + num)
+        return rows
+
+    def _sampling_arrays(self, order: "_Order", R: int, sample_mask) -> dict[str, np.ndarray]:
+        slots, n = order.slots, len(order.slots)
+        static = order.columns.get(R)
+        if static is None:
+            static = order.columns[R] = neutral_sampling_arrays(R)
+            static["slots"][:n] = slots
+            for name in _PARAM_COLUMNS:
+                static[name][:n] = self.params[name][slots]
+        arrays = dict(static)  # the request-only columns are shared, never written
+        output_index = self.num_tokens[slots] - self.num_prompt_tokens[slots]
+        arrays["output_index"] = _padded(output_index, R)
+        if order.any_min_tokens:
+            # EOS and stop ids stay masked while the request is short of min_tokens.
+            suppressing = output_index < self.min_tokens[slots]
+            suppressed = np.full((R, MAX_SUPPRESSED_IDS), -1, np.int32)
+            suppressed[:n] = np.where(
+                suppressing[:, None], self.params["suppressed_ids"][slots], -1
+            )
+            arrays["suppressed_ids"] = suppressed
         arrays["sample_mask"] = sample_mask
         return arrays
+
+
+@dataclass(slots=True)
+class _Order:
+    """What steps that schedule the same requests in the same order share."""
+
+    req_ids: list[str]
+    slots: np.ndarray  # [n] slot of each request
+    num_logprobs: list[int | None]
+    any_prompt_logprobs: bool
+    any_min_tokens: bool
+    # R -> padded sampling columns; only the request-only ones are read from these.
+    columns: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
+
+
+def _padded(values: np.ndarray, rows: int) -> np.ndarray:
+    """`values` with zero rows appended up to `rows` (itself when it has them already:
+    callers pass freshly computed arrays only)."""
+    if len(values) == rows:
+        return values
+    out = np.zeros((rows, *values.shape[1:]), values.dtype)
+    out[: len(values)] = values
+    return out

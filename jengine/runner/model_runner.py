@@ -209,8 +209,9 @@ class ModelRunner:
         slot = np.int32(0)
         if state is not None:
             slot = np.int32(state.slot)
-            prompt[: state.num_prompt_tokens] = state.token_ids[: state.num_prompt_tokens]
-            generated = state.token_ids[state.num_prompt_tokens :]
+            tokens = self.input_batch.all_token_ids(state.req_id)
+            prompt[: state.num_prompt_tokens] = tokens[: state.num_prompt_tokens]
+            generated = tokens[state.num_prompt_tokens :]
             output[: len(generated)] = generated
             bias = list((state.sampling_params.logit_bias or {}).items())[:length]
             bias_ids[: len(bias)] = [int(token) for token, _ in bias]
@@ -238,11 +239,16 @@ class ModelRunner:
         num = len(prepared.req_ids)
         sampled = np.asarray(outputs.sampled)[:num]
         mask = prepared.sample_mask[:num]
-        sampled_token_ids = [[int(t)] if m else [] for t, m in zip(sampled, mask, strict=True)]
-        self.input_batch.record_sampled(prepared.req_ids, sampled_token_ids)
+        self.input_batch.record_sampled_rows(prepared, sampled)
+        # tolist() gives Python ints in one call; a decode step samples every request.
+        tokens = sampled.tolist()
+        if mask.all():
+            sampled_token_ids = [[t] for t in tokens]
+        else:
+            sampled_token_ids = [[t] if m else [] for t, m in zip(tokens, mask.tolist())]
 
         logprobs = None
-        if any(n is not None for n in prepared.num_logprobs):
+        if prepared.num_logprobs.count(None) != num:
             rows = np.nonzero(mask)[0]
             logprobs = LogprobsArrays(
                 np.asarray(outputs.logprob_ids)[rows],
@@ -258,7 +264,7 @@ class ModelRunner:
                 )
         return ModelRunnerOutput(
             req_ids=prepared.req_ids,
-            req_id_to_index={r: i for i, r in enumerate(prepared.req_ids)},
+            req_id_to_index=dict(zip(prepared.req_ids, range(num))),
             sampled_token_ids=sampled_token_ids,
             logprobs=logprobs,
             prompt_logprobs_dict=prompt_logprobs_dict,
