@@ -149,6 +149,31 @@ def test_blocks_are_cached_as_they_fill_during_decode():
     assert kv.get_computed_blocks(b)[1] == 8
 
 
+@pytest.mark.parametrize("enable_caching", [True, False])
+def test_allocate_is_a_no_op_up_to_the_limit(enable_caching):
+    kv = manager(enable_caching=enable_caching)
+    a = make_request("a", [5, 6, 7, 8, 9])  # blocks: [5 6 7 8] [9 . . .]
+    kv.allocate_slots(a, 5)
+    a.num_computed_tokens = 5
+    # Caching: the limit stops one token short of filling block 1 (it must be hashed then).
+    assert kv.no_op_limit["a"] == (7 if enable_caching else 8)
+    free, cached = kv.num_free_blocks, dict(kv.block_pool.cached_block_hash_to_block)
+    for t in [10, 11]:  # decode up to the limit: nothing changes
+        a.append_output_token_ids(t)
+        assert kv.allocate_slots(a, 1) == []
+        a.num_computed_tokens += 1
+        assert kv.num_free_blocks == free
+        assert kv.block_pool.cached_block_hash_to_block == cached
+    a.append_output_token_ids(12)  # fills block 1
+    assert kv.allocate_slots(a, 1) == []
+    a.num_computed_tokens += 1
+    assert len(kv.block_pool.cached_block_hash_to_block) == len(cached) + enable_caching
+    a.append_output_token_ids(13)  # needs block 2
+    assert len(kv.allocate_slots(a, 1)) == 1
+    kv.free(a)
+    assert "a" not in kv.no_op_limit
+
+
 def test_prefix_stats_count_admitted_lookups():
     kv = manager()
     prompt = list(range(100, 109))

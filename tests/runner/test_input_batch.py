@@ -191,3 +191,54 @@ def test_removed_requests_free_their_slots(batch):
     assert prepared.req_ids == ["c"]
     np.testing.assert_array_equal(prepared.sampling["slots"][:1], [0])
     assert sorted(batch.free_slots) == [2, 3]
+
+
+def test_recorded_rows_feed_the_next_step_like_recorded_lists(batch):
+    first = run(
+        batch,
+        step(
+            new=[new_req("a", [1, 2, 3], [3]), new_req("b", range(10, 16), [8, 9])],
+            tokens={"a": 3, "b": 4},  # b's chunk ends mid-prompt: nothing sampled
+        ),
+    )
+    batch.record_sampled_rows(first, np.array([40, 50, 0, 0], np.int32))
+    np.testing.assert_array_equal(batch.all_token_ids("a"), [1, 2, 3, 40])
+    np.testing.assert_array_equal(batch.all_token_ids("b"), list(range(10, 16)))
+    second = run(
+        batch,
+        step(
+            cached=[CachedRequestData("a", [], 3), CachedRequestData("b", [], 4)],
+            tokens={"a": 1, "b": 2},
+        ),
+    )
+    np.testing.assert_array_equal(second.input_ids[:3], [40, 14, 15])
+    np.testing.assert_array_equal(second.sample_mask[:2], [True, True])
+    np.testing.assert_array_equal(second.sampling["output_index"][:2], [1, 0])
+
+
+def test_same_order_after_a_membership_change_is_not_served_from_the_cache(batch):
+    # "b" leaves and comes back (say, resumed after preemption, here with other params)
+    # while the steps' request order stays ["a", "b"]: nothing cached may be reused.
+    run(
+        batch,
+        step(new=[new_req("a", [1], [1]), new_req("b", [2], [2])], tokens={"a": 1, "b": 1}),
+    )
+    batch.record_sampled(["a", "b"], [[5], [6]])
+    cached = [CachedRequestData("a", [], 1), CachedRequestData("b", [], 1)]
+    decode = run(batch, step(cached=cached, tokens={"a": 1, "b": 1}))
+    np.testing.assert_array_equal(decode.input_ids, [5, 6])
+    batch.record_sampled(["a", "b"], [[7], [8]])
+    prepared = run(
+        batch,
+        step(
+            new=[new_req("b", [2, 6, 9], [4], temperature=0.5)],
+            cached=[CachedRequestData("a", [], 2)],
+            tokens={"a": 1, "b": 3},
+            removed={"b"},
+        ),
+    )
+    assert prepared.req_ids == ["a", "b"]
+    np.testing.assert_array_equal(prepared.sampling["slots"][:2], [0, batch.requests["b"].slot])
+    np.testing.assert_array_equal(prepared.sampling["temperature"][:2], [0.0, 0.5])
+    np.testing.assert_array_equal(prepared.input_ids[:4], [7, 2, 6, 9])
+    np.testing.assert_array_equal(prepared.slot_mapping[:4], [6, 16, 17, 18])
