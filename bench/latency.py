@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     print_header("latency", args, versions)
     path = make_bench_model(args.model_dir)
     (prompt,), max_tokens = workload_c()
-    bandwidth = read_bandwidth_gbs()
+    bandwidth = read_bandwidth_gbs(weight_bytes())
     roofline = bandwidth * 1e9 / weight_bytes()
     print(f"memory bandwidth {bandwidth:.1f} GB/s; weights {weight_bytes() / 1e6:.0f} MB "
           f"per decode step; roofline {roofline:.0f} tok/s")  # fmt: skip

@@ -1,7 +1,9 @@
 """Output processor and detokenizer, driven by hand-built engine-core outputs (no model)."""
 
+import numpy as np
 import pytest
 
+from jengine.engine.detokenizer import IncrementalDetokenizer
 from jengine.engine.output_processor import OutputProcessor, RequestOutputKind
 from jengine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
 from jengine.sampling_params import SamplingParams
@@ -122,3 +124,27 @@ def test_n_children_gathered_in_order(tokenizer):
     )
     assert [c.text for c in out[0].outputs] == [tokenizer.decode(a), tokenizer.decode(b)]
     assert [c.index for c in out[0].outputs] == [0, 1] and out[0].request_id == "p"
+
+
+def test_decode_stream_gives_the_python_methods_text(tokenizer):
+    """The Rust DecodeStream fast path and the two-decode Python method agree token by
+    token, on random ids (partial UTF-8 bytes, special tokens) as on text."""
+    rng = np.random.default_rng(0)
+    sequences = [tokenizer.encode(TEXT)] + [
+        rng.integers(0, len(tokenizer), 40).tolist() for _ in range(50)
+    ]
+    used_stream = 0
+    for skip_special_tokens in (True, False):
+        params = SamplingParams(skip_special_tokens=skip_special_tokens)
+        for ids in sequences:
+            prompt, output = ids[:8], ids[8:]
+            fast = IncrementalDetokenizer(tokenizer, prompt, params)
+            slow = IncrementalDetokenizer(tokenizer, prompt, params)
+            slow.stream = None
+            used_stream += fast.stream is not None
+            for token_id in output:
+                fast.update([token_id])
+                slow.update([token_id])
+                assert fast.text == slow.text
+    # Only prompt contexts that end mid-character keep the Python method.
+    assert used_stream > len(sequences)
