@@ -1,4 +1,5 @@
-"""Load a Hugging Face checkpoint folder into a Flax model: config.json + *.safetensors.
+"""Load a Hugging Face checkpoint folder into a Flax model: config.json + *.safetensors
+(GGUF files go to `models/gguf_loader.py`).
 
 Where it sits: the first thing the runner does; `load_model(path, dtype)` returns a ready
 `nnx.Module` whose weights came from the folder, cast to `dtype`. Also `model_from_params`
@@ -24,6 +25,7 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
+from jengine.models.checkpoint import gguf_file, read_hf_config
 from jengine.models.registry import resolve_architecture
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -72,19 +74,6 @@ def resolve_dtype(dtype) -> jnp.dtype:
             raise ValueError(f"unknown dtype {dtype!r}; expected auto or one of {sorted(DTYPES)}")
         return DTYPES[dtype]
     return jnp.dtype(dtype)
-
-
-def read_hf_config(path: str) -> dict:
-    if not os.path.isdir(path):
-        raise ValueError(f"model path {path!r} is not a directory (no model hub is reachable)")
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
-        raise ValueError(f"model folder {path!r} has no config.json")
-    try:
-        with open(config_path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_path} is not valid JSON: {e}") from e
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -166,7 +155,13 @@ def model_from_params(model_cls, config, params: dict, dtype) -> nnx.Module:
 
 
 def load_model(path: str, dtype="auto") -> nnx.Module:
-    """Load an HF checkpoint folder; returns the Flax model with weights in `dtype`."""
+    """Load an HF checkpoint folder or a GGUF file (or a folder holding one); returns the
+    Flax model with weights in `dtype`."""
+    gguf_path = gguf_file(path)
+    if gguf_path is not None:
+        from jengine.models.gguf_loader import load_gguf_model
+
+        return load_gguf_model(gguf_path, resolve_dtype(dtype))
     hf_config = read_hf_config(path)
     model_cls, config_cls = resolve_architecture(hf_config)
     try:

@@ -5,12 +5,11 @@ Where it sits: `jengine serve` / `jengine generate` parse flags into EngineArgs;
 takes its fields as keyword arguments; `AsyncLLM.from_engine_args` and
 `LLMEngine.from_engine_args` build their EngineConfig from it. The defaults are those of the
 config dataclasses (jengine/config.py), read here and by every flag, so they are written
-once. Jax-free (the API process uses it): the model's own limits come from its config.json.
+once. Jax-free (the API process uses it): the model's own limits come from its config (the
+folder's config.json or a GGUF's metadata).
 """
 
 import argparse
-import json
-import os
 from dataclasses import dataclass, field, fields
 
 from jengine.config import (
@@ -21,17 +20,7 @@ from jengine.config import (
     SchedulerConfig,
     default_compilation_cache_dir,
 )
-
-
-def read_model_config(path: str) -> dict:
-    """config.json of an HF checkpoint folder, with a clear error if it is not one."""
-    if not os.path.isdir(path):
-        raise ValueError(f"model path {path!r} is not a directory (no model hub is reachable)")
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
-        raise ValueError(f"model folder {path!r} has no config.json")
-    with open(config_path) as f:
-        return json.load(f)
+from jengine.models.checkpoint import read_hf_config, resolve_model
 
 
 @dataclass
@@ -61,14 +50,15 @@ class EngineArgs:
         """Validate and build; `model` may be None only for an in-memory model (then
         `max_model_len` must be given)."""
         max_model_len = self.max_model_len
-        if self.model is None:
+        model = None if self.model is None else resolve_model(self.model)
+        if model is None:
             if max_model_len is None:
                 raise ValueError("EngineArgs.model must name a checkpoint folder")
         elif max_model_len is None:
-            hf_config = read_model_config(self.model)
+            hf_config = read_hf_config(model)
             max_model_len = hf_config.get("max_position_embeddings", SchedulerConfig.max_model_len)
         else:
-            read_model_config(self.model)  # fail here, not in the engine process
+            read_hf_config(model)  # fail here, not in the engine process
         # The default budget, raised to max_num_seqs (one token each) and capped at what
         # max_num_seqs requests of max_model_len can use: a larger budget only adds
         # step shapes to compile.
@@ -78,7 +68,7 @@ class EngineArgs:
         )
         return EngineConfig(
             model=ModelConfig(
-                model=self.model,
+                model=model,
                 tokenizer=self.tokenizer,
                 dtype=self.dtype,
                 max_model_len=max_model_len,
@@ -112,8 +102,12 @@ class EngineArgs:
             group.add_argument(flag, default=getattr(EngineArgs, name, None), **kwargs)
 
         if model_flag:
-            add("--model", help="HF checkpoint folder (default: bundled model)")
-        add("--tokenizer", help="tokenizer folder (default: model)")
+            add(
+                "--model",
+                help="HF checkpoint folder, .gguf file or 'smollm2' (default: smollm2 when "
+                "installed, else the bundled model)",
+            )
+        add("--tokenizer", help="tokenizer folder or .gguf (default: the model's)")
         add(
             "--dtype",
             choices=["auto", "float32", "bfloat16", "float16", "float", "half"],

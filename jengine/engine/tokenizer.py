@@ -1,4 +1,4 @@
-"""The front end's tokenizer: the HF tokenizer of the model folder and its EOS ids.
+"""The front end's tokenizer: the HF tokenizer of the model (folder or GGUF) and its EOS ids.
 
 Where it sits: `LLM`, `LLMEngine` and `AsyncLLM` load it once at start-up; the input
 processor tokenizes prompts with it and the output processor detokenizes outputs. Runs in
@@ -11,6 +11,7 @@ import os
 from transformers import AutoTokenizer
 
 from jengine.config import EngineConfig
+from jengine.models.checkpoint import gguf_file
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -21,9 +22,14 @@ def load_tokenizer(config: EngineConfig):
 
 
 def load_tokenizer_from(path: str | None):
-    """The HF tokenizer in `path`, or None when there is none there."""
+    """The HF tokenizer in `path` (a folder, or a GGUF's tokenizer as transformers builds it
+    from the file's metadata), or None when there is none there."""
     if path is None:
         return None
+    gguf_path = gguf_file(path)
+    if gguf_path is not None:
+        folder, name = os.path.split(os.path.abspath(gguf_path))
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
     if os.path.isdir(path) and not any(
         os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES
     ):

@@ -11,13 +11,16 @@ does); `generate` runs the engine in-process.
 import argparse
 import contextlib
 import importlib
+import logging
 import os
 import sys
 from dataclasses import fields
 
 from jengine.engine.arg_utils import EngineArgs
 from jengine.logger import init_logging
-from jengine.models.default import DEFAULT_MODEL_PATH
+from jengine.models.default import default_model, describe_default
+
+logger = logging.getLogger("jengine")
 
 # `jengine bench NAME`: vLLM's names where vLLM has one.
 BENCHMARKS = ("throughput", "latency", "serve", "prefix", "overhead", "startup")
@@ -82,7 +85,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.model_tag and args.model and args.model_tag != args.model:
         raise SystemExit("give the model once: positionally or with --model")
     if not (args.model_tag or args.model):
-        args.model = DEFAULT_MODEL_PATH
+        args.model = default_model()
+        logger.info(describe_default(args.model))
         # Clients name the bundled model by its folder name, not a site-packages path.
         args.served_model_name = args.served_model_name or [os.path.basename(args.model)]
     args.model = args.model_tag or args.model
@@ -96,7 +100,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     e = EngineArgs.from_cli_args(args)
     engine_kwargs = {f.name: getattr(e, f.name) for f in fields(e) if f.name != "model"}
-    llm = LLM(e.model or DEFAULT_MODEL_PATH, **engine_kwargs)
+    if e.model is None:
+        e.model = default_model()
+        logger.info(describe_default(e.model))
+    llm = LLM(e.model, **engine_kwargs)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,

