@@ -176,9 +176,13 @@ class CompilationConfig:
         step programs instead of compiling them (default: $JENGINE_COMPILATION_CACHE, else
         ~/.cache/jengine/xla). None leaves jax's process-wide cache setting alone, for
         research code that manages its own.
+    warmup: compile every step shape at start-up, so serving never compiles (the default);
+        False compiles each shape the first time a step needs it: what one-shot commands
+        (`jengine chat`, `jengine generate`) want, since one request needs few shapes.
     """
 
     cache_dir: str | None = field(default_factory=default_compilation_cache_dir)
+    warmup: bool = True
 
 
 @dataclass(frozen=True)

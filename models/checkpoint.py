@@ -82,25 +82,11 @@ def read_hf_config(path: str) -> dict:
         raise ValueError(f"{config_path} is not valid JSON: {e}") from e
 
 
-def open_gguf(path: str):
-    """A `gguf.GGUFReader` over the file (memory-mapped: tensors are read when used)."""
-    import gguf
-
-    try:
-        return gguf.GGUFReader(path)
-    except (ValueError, OSError) as e:
-        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
-
-
-def gguf_metadata(reader) -> dict:
-    """The file's key/value metadata as plain Python values (token lists left out)."""
-    skip = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
-    return {key: field.contents() for key, field in reader.fields.items() if key not in skip}
-
-
 def gguf_hf_config(path: str) -> dict:
-    reader = open_gguf(path)
-    meta = gguf_metadata(reader)
+    from jengine.models.gguf_reader import read_gguf
+
+    gguf = read_gguf(path)
+    meta = gguf.metadata
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
@@ -116,8 +102,8 @@ def gguf_hf_config(path: str) -> dict:
 
     num_heads = get("attention.head_count")
     hidden = get("embedding_length")
-    tensor_names = {tensor.name for tensor in reader.tensors}
-    vocab_size = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    # Without being asked for, the token list reads as its length.
+    vocab_size = get("vocab_size") or meta["tokenizer.ggml.tokens"]
     config = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "model_type": arch,
@@ -131,7 +117,7 @@ def gguf_hf_config(path: str) -> dict:
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(get("context_length", 4096)),
-        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "tie_word_embeddings": "output.weight" not in gguf.tensors,
         "hidden_act": "silu",
     }
     for name in ("bos", "eos", "padding"):

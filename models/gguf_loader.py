@@ -2,7 +2,7 @@
 
 Where it sits: `models/loader.load_model` hands a path here when `checkpoint.gguf_file`
 says it is a GGUF. The config comes from the file's metadata (`checkpoint.gguf_hf_config`),
-the tensors through the `gguf` package's memory-mapped reader.
+the tensors memory-mapped by `gguf_reader.py`.
 
 Promises:
 - llama.cpp's tensor names map onto the model's parameters; the q/k row permutation that
@@ -25,8 +25,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jengine.models.checkpoint import gguf_hf_config, open_gguf
+from jengine.models.checkpoint import gguf_hf_config
 from jengine.models.gguf_quants import dequantize
+from jengine.models.gguf_reader import read_gguf
 from jengine.models.registry import resolve_architecture
 
 logger = logging.getLogger(__name__)
@@ -76,8 +77,8 @@ def load_gguf_model(path: str, dtype) -> nnx.Module:
     hf_config = gguf_hf_config(path)
     model_cls, config_cls = resolve_architecture(hf_config)
     config = config_cls.from_hf(hf_config)
-    reader = open_gguf(path)
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    gguf = read_gguf(path)
+    tensors = gguf.tensors
     wanted = _gguf_names(config.num_hidden_layers, config.tie_word_embeddings)
     used = {name for names in wanted.values() for name in names}
     # Some tied checkpoints still carry an output.weight; nothing else may be left over.
@@ -95,9 +96,8 @@ def load_gguf_model(path: str, dtype) -> nnx.Module:
     }
 
     def read(name: str) -> np.ndarray:
-        tensor = tensors[name]
-        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGML lists dims inner first
-        weight = dequantize(tensor.data, tensor.tensor_type.name, shape)
+        info = tensors[name]
+        weight = dequantize(gguf.tensor_data(name), info.type_name, info.shape)
         num_heads = heads.get(name.split(".", 2)[-1]) if name.startswith("blk.") else None
         return unpermute_rotary(weight, num_heads) if num_heads else weight
 
@@ -123,7 +123,7 @@ def load_gguf_model(path: str, dtype) -> nnx.Module:
         else:
             params[ours] = jax.device_put(read(names[0]).astype(np_dtype), device)
     model = model_from_params(model_cls, config, params, dtype)
-    types = collections.Counter(tensors[n].tensor_type.name for n in used)
+    types = collections.Counter(tensors[n].type_name for n in used)
     peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     logger.info(
         "loaded %s: %d tensors (%s) dequantized to %s in %.1fs; peak memory %.2f GiB",

@@ -45,6 +45,7 @@ class EngineArgs:
     attention_impl: str | None = ModelConfig.attention_impl
     # None leaves jax's process-wide compilation cache setting alone.
     compilation_cache_dir: str | None = field(default_factory=default_compilation_cache_dir)
+    warmup: bool = CompilationConfig.warmup
 
     def create_engine_config(self) -> EngineConfig:
         """Validate and build; `model` may be None only for an in-memory model (then
@@ -89,7 +90,9 @@ class EngineArgs:
                 policy=self.scheduling_policy,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
             ),
-            compilation=CompilationConfig(cache_dir=self.compilation_cache_dir or None),
+            compilation=CompilationConfig(
+                cache_dir=self.compilation_cache_dir or None, warmup=self.warmup
+            ),
         )
 
     @staticmethod
@@ -134,6 +137,11 @@ class EngineArgs:
         add("--scheduling-policy", choices=["fcfs", "priority"])
         add("--seed", type=int)
         add("--attention-impl", choices=["reference", "cpu", "gpu", "tpu"])
+        add(
+            "--warmup",
+            action=argparse.BooleanOptionalAction,
+            help="compile every step shape at start-up (--no-warmup: when first used)",
+        )
         group.add_argument(
             "--compilation-cache-dir",
             default=default_compilation_cache_dir(),

@@ -82,6 +82,13 @@ class EngineCore:
         logger.info(self.capacity_report)
         self.scheduler = Scheduler(scheduler_config, config.cache, self.runner.num_blocks)
         self.num_preemptions = 0  # since start, for tests and metrics
+        if not config.compilation.warmup:
+            self.startup_seconds = time.perf_counter() - started
+            logger.info(
+                "no warmup: step shapes compile when first used; engine ready in %.1fs",
+                self.startup_seconds,
+            )
+            return
         warmup_started = time.perf_counter()
         num_shapes = self.runner.warmup()
         self.startup_seconds = time.perf_counter() - started

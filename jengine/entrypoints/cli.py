@@ -1,11 +1,13 @@
 """The `jengine` command: `jengine serve [MODEL] ...` (OpenAI-compatible server),
-`jengine generate "PROMPT" ...` (one offline completion through `LLM`) and
-`jengine bench NAME ...` (the benchmarks of bench/, installed as jengine.bench).
+`jengine generate "PROMPT" ...` (one offline completion through `LLM`), `jengine chat
+"MESSAGE" ...` (one reply through the model's chat template, streamed) and `jengine bench
+NAME ...` (the benchmarks of bench/, installed as jengine.bench).
 
 Where it sits: the outermost entry point. Flags keep vLLM's names (`--max-model-len`,
-`--max-num-seqs`, `--served-model-name`, `--api-key`, ...). With no model, both use the
-bundled default model. `serve` never imports jax in this process (the engine process
-does); `generate` runs the engine in-process.
+`--max-num-seqs`, `--served-model-name`, `--api-key`, ...). With no model, all use the
+default model (SmolLM2 when installed, else the bundled one). `serve` never imports jax in
+this process (the engine process does); `generate` and `chat` run the engine in-process
+and compile only the step shapes their one request needs, when it needs them.
 """
 
 import argparse
@@ -67,8 +69,20 @@ def make_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=0)
     generate.add_argument("--stream", action="store_true", help="print tokens as they come")
     EngineArgs.add_cli_args(generate)
-    # One prompt runs at a time: compile the shapes of one request only (start-up time).
-    generate.set_defaults(max_num_seqs=1)
+    # One prompt, once: compile the shapes one request needs, when it needs them.
+    generate.set_defaults(max_num_seqs=1, warmup=False)
+
+    chat = commands.add_parser(
+        "chat", help="answer one message through the model's chat template, streamed"
+    )
+    chat.add_argument("message")
+    chat.add_argument("--system", default=None, help="system prompt (default: the template's)")
+    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument("--top-k", type=int, default=0)
+    EngineArgs.add_cli_args(chat)
+    chat.set_defaults(max_num_seqs=1, warmup=False)
 
     bench = commands.add_parser(
         "bench",
@@ -94,33 +108,59 @@ def cmd_serve(args: argparse.Namespace) -> None:
         run_server(args)
 
 
-def cmd_generate(args: argparse.Namespace) -> None:
-    from jengine import LLM, SamplingParams
-    from jengine.engine.output_processor import RequestOutputKind
+def _one_shot_llm(args: argparse.Namespace):
+    """The LLM of `generate` / `chat`: the flags' engine, the default model if none."""
+    from jengine import LLM
 
     e = EngineArgs.from_cli_args(args)
-    engine_kwargs = {f.name: getattr(e, f.name) for f in fields(e) if f.name != "model"}
     if e.model is None:
         e.model = default_model()
         logger.info(describe_default(e.model))
-    llm = LLM(e.model, **engine_kwargs)
-    params = SamplingParams(
+    engine_kwargs = {f.name: getattr(e, f.name) for f in fields(e) if f.name != "model"}
+    return LLM(e.model, **engine_kwargs)
+
+
+def _stream(llm, prompt, params) -> None:
+    """Print one request's text as it comes, then a newline."""
+    from jengine.engine.output_processor import RequestOutputKind
+
+    engine = llm.llm_engine
+    engine.add_request("0", prompt, params, output_kind=RequestOutputKind.DELTA)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            sys.stdout.write(output.outputs[0].text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+def _sampling_params(args: argparse.Namespace):
+    from jengine import SamplingParams
+
+    return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
     )
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    llm = _one_shot_llm(args)
+    params = _sampling_params(args)
     if not args.stream:
         print(llm.generate(args.prompt, params, use_tqdm=False)[0].outputs[0].text)
         return
-    engine = llm.llm_engine
-    engine.add_request("0", args.prompt, params, output_kind=RequestOutputKind.DELTA)
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            sys.stdout.write(output.outputs[0].text)
-            sys.stdout.flush()
-    sys.stdout.write("\n")
+    _stream(llm, args.prompt, params)
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    llm = _one_shot_llm(args)
+    messages = [{"role": "user", "content": args.message}]
+    if args.system is not None:
+        messages.insert(0, {"role": "system", "content": args.system})
+    text, token_ids = llm.llm_engine.input_processor.render_chat(messages)
+    _stream(llm, {"prompt": text, "prompt_token_ids": token_ids}, _sampling_params(args))
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -132,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     args = make_parser().parse_args(argv)
     init_logging()
     try:
-        {"serve": cmd_serve, "generate": cmd_generate, "bench": cmd_bench}[args.command](args)
+        run = {"serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench}
+        run[args.command](args)
     except ValueError as e:  # bad flags / config: one line, not a traceback
         raise SystemExit(f"error: {e}") from None
 

@@ -41,10 +41,12 @@ def enable_compilation_cache(path: str) -> str:
 
 
 class CompileCounter:
-    """Counts the XLA compiles that happen inside `counting()`."""
+    """Counts the XLA compiles that happen inside `counting()`; warns of each once
+    `warmed_up` is set (before that, in an engine without warmup, they are expected)."""
 
     def __init__(self):
         self.count = 0
+        self.warmed_up = False
         self._active = False
         # jax keeps listeners forever: hold the counter weakly so it (and whoever owns it)
         # can be freed.
@@ -63,9 +65,13 @@ class CompileCounter:
 
     def _on_event(self, event: str, duration: float, **kwargs) -> None:
         # The listener is process-wide: count only compiles inside `counting()`.
-        if self._active and event == COMPILE_EVENT:
-            self.count += 1
+        if not (self._active and event == COMPILE_EVENT):
+            return
+        self.count += 1
+        if self.warmed_up:
             logger.warning("XLA compile after warmup (%.2fs)", duration)
+        else:
+            logger.debug("compiled a step program on first use (%.2fs)", duration)
 
 
 def compile_ahead_of_time(programs: Sequence[tuple]) -> None:

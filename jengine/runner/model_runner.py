@@ -165,6 +165,7 @@ class ModelRunner:
         # asynchronous, and a queue of unfinished warmup work (the prompt-logprob programs
         # take seconds) would otherwise delay the first request.
         jax.block_until_ready((outputs, self.kv_cache, self.sampling_state))
+        self._compile_counter.warmed_up = True
         return len(shapes)
 
     def _dummy_step(self, shape: StepShape) -> PreparedStep:
