@@ -10,6 +10,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+from jengine.models.default import BUNDLED_MODEL_PATH
+
 REPO = Path(__file__).resolve().parents[1]
 # Small limits keep warmup to a handful of shapes.
 LIMITS = ["--max-model-len", "64", "--max-num-seqs", "2", "--max-num-batched-tokens", "32"]
@@ -25,7 +27,8 @@ class ResNet:
 
 LLM_SCRIPT = """
 from jengine import LLM, SamplingParams
-llm = LLM(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32)
+from jengine.models.default import BUNDLED_MODEL_PATH
+llm = LLM(BUNDLED_MODEL_PATH, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32)
 text = llm.generate("ROMEO:", SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].text
 import models  # the user's own package is still theirs
 assert models.OWNER == "user", models.__file__
@@ -55,7 +58,8 @@ def test_llm_runs_beside_a_user_models_package(tmp_path):
 def test_cli_runs_beside_a_user_models_package(tmp_path):
     jengine = shutil.which("jengine", path=os.path.dirname(sys.executable))
     assert jengine is not None, "the jengine console script is not installed"
-    args = [jengine, "generate", "ROMEO:", "--max-tokens", "8", "--temperature", "0", *LIMITS]
+    args = [jengine, "generate", "ROMEO:", "--max-tokens", "8", "--temperature", "0", *LIMITS,
+            "--model", BUNDLED_MODEL_PATH]  # fmt: skip
     result = _run(args, _user_repo(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip()

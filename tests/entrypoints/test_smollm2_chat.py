@@ -1,0 +1,66 @@
+"""A real instruction-tuned model as a user meets it: `jengine chat` with no model named
+(SmolLM2-135M-Instruct, installed by the test setup) answers a question, and `jengine serve
+smollm2` answers through `/v1/chat/completions` with the official `openai` client: the
+template's default system prompt applies and `<|im_end|>` ends the turn."""
+
+import subprocess
+import sys
+
+import openai
+import pytest
+
+from tests.entrypoints.remote_server import RemoteServer
+
+QUESTION = "What is the capital of France?"
+# A few shapes: one request at a time, short prompts.
+LIMITS = ["--max-model-len", "256", "--max-num-seqs", "2", "--max-num-batched-tokens", "128"]
+
+
+def test_jengine_chat_answers_with_the_default_model():
+    command = [sys.executable, "-m", "jengine.entrypoints.cli", "chat", QUESTION]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Paris" in result.stdout, result.stdout
+    assert "SmolLM2-135M-Instruct" in result.stderr  # it says which default it took
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RemoteServer("smollm2", [*LIMITS, "--disable-uvicorn-access-log"]) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url_for("v1"), api_key="unused")
+
+
+def test_chat_completion_is_a_real_answer(client):
+    reply = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": QUESTION}],
+        temperature=0,
+        max_tokens=32,
+    )
+    choice = reply.choices[0]
+    assert "Paris" in choice.message.content
+    # `<|im_end|>` (the GGUF's EOS) ended the turn: stop, and its text is not shown.
+    assert choice.finish_reason == "stop" and "<|im_end|>" not in choice.message.content
+    assert reply.usage.completion_tokens < 32
+    # The template's default system prompt ("You are a helpful AI assistant named SmolLM")
+    # is in the prompt: 30-odd tokens beyond the question's own.
+    assert reply.usage.prompt_tokens > 30
+
+
+def test_streamed_chat_gives_the_same_answer(client):
+    kwargs = dict(
+        model="smollm2",
+        messages=[{"role": "user", "content": QUESTION}],
+        temperature=0,
+        max_tokens=32,
+    )
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
