@@ -15,6 +15,13 @@ from jengine.models.checkpoint import gguf_file
 from jengine.models.gguf_reader import read_gguf
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_GGUF_STRING_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
+_GGUF_SPECIAL_TOKENS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
 
 
 def load_tokenizer(config: EngineConfig):
@@ -29,15 +36,48 @@ def load_tokenizer_from(path: str | None):
         return None
     gguf_path = gguf_file(path)
     if gguf_path is not None:
-        if "tokenizer.ggml.model" not in read_gguf(gguf_path).metadata:
-            return None
-        folder, name = os.path.split(os.path.abspath(gguf_path))
-        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        return gguf_tokenizer(gguf_path)
     if os.path.isdir(path) and not any(
         os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES
     ):
         return None
     return AutoTokenizer.from_pretrained(path)
+
+
+def gguf_tokenizer(path: str):
+    """The tokenizer transformers builds from a GGUF's metadata (its own converter, so the
+    same vocabulary, merges, pre-tokenizer split, special tokens and chat template), fed by
+    jengine's reader: transformers' GGUF reader needs torch, which a serving install lacks.
+    None when the file carries no tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_TOKENIZER_MAPPING,
+        convert_gguf_tokenizer,
+    )
+
+    metadata = read_gguf(path, string_arrays=_GGUF_STRING_ARRAYS).metadata
+    if "tokenizer.ggml.model" not in metadata:
+        return None
+    tokenizer_dict, tokenizer_config = (
+        {
+            name: metadata[f"tokenizer.{key}"]
+            for key, name in renames.items()
+            if f"tokenizer.{key}" in metadata
+        }  # fmt: skip
+        for renames in (
+            GGUF_TOKENIZER_MAPPING["tokenizer"],
+            GGUF_TOKENIZER_MAPPING["tokenizer_config"],
+        )
+    )
+    if tokenizer_dict.get("tokenizer_type") == "llama":
+        # As transformers: older sentencepiece files have no flag and llama.cpp adds BOS.
+        tokenizer_config.setdefault("add_bos_token", True)
+    tokens = tokenizer_dict["tokens"]
+    for name, key in _GGUF_SPECIAL_TOKENS.items():
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        tokenizer_config[name] = tokens[token_id] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(metadata["general.architecture"], tokenizer_dict)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
 
 
 def eos_token_ids_of(path: str | None, tokenizer) -> list[int]:
