@@ -59,6 +59,13 @@ def package_versions(*names: str) -> dict:
 def add_common_args(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--model-dir", default=DEFAULT_MODEL_DIR, help="benchmark model folder")
     parser.add_argument(
+        "--model",
+        default=None,
+        help="a GGUF to run instead of the benchmark model ('smollm2' or a .gguf path): "
+        "jengine and transformers dequantize it to float32, llama.cpp runs it as it is and "
+        "as an F32 copy",
+    )
+    parser.add_argument(
         "--out", default=str(RESULTS_DIR / f"{name}.json"), help="where the JSON goes"
     )
 
@@ -71,6 +78,48 @@ def add_llama_cpp_args(parser: argparse.ArgumentParser) -> None:
         "bench/peers/build_llama_cpp.sh)",
     )
     parser.add_argument("--skip-llama-cpp", action="store_true")
+
+
+def gguf_model(args: argparse.Namespace) -> str | None:
+    """The GGUF `--model` names, or None for the benchmark model."""
+    if args.model is None:
+        return None
+    from jengine.models.checkpoint import gguf_file, resolve_model
+
+    path = gguf_file(resolve_model(args.model))
+    if path is None:
+        raise SystemExit(f"--model {args.model}: not a GGUF file")
+    return path
+
+
+def model_config(path: str) -> dict:
+    """The HF config of the benchmark model or a GGUF (what the rooflines need)."""
+    from jengine.models.checkpoint import read_hf_config
+
+    return read_hf_config(path)
+
+
+def llama_cpp_models(llama_cpp, path: str) -> dict[str, str]:
+    """llama.cpp's row name -> the GGUF it runs: the benchmark model converted to F32 by
+    llama.cpp's converter; a GGUF as it is (named by its weights' type) and an F32 copy."""
+    from jengine.models.checkpoint import gguf_file
+
+    from .peers.llama_cpp import convert_to_gguf, gguf_to_f32
+
+    if gguf_file(path) is None:
+        return {"llama.cpp": convert_to_gguf(llama_cpp, path)}
+    return {f"llama.cpp ({gguf_weight_type(path)})": path, "llama.cpp (F32)": gguf_to_f32(path)}
+
+
+def gguf_weight_type(path: str) -> str:
+    """The type most of a GGUF's matrices are stored in ("Q4_1", "F16", ...)."""
+    import collections
+
+    from jengine.models.gguf_reader import read_gguf
+
+    tensors = read_gguf(path).tensors.values()
+    types = collections.Counter(t.type_name for t in tensors if len(t.shape) == 2)
+    return types.most_common(1)[0][0]
 
 
 def print_header(name: str, args: argparse.Namespace, versions: dict) -> None:

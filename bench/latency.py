@@ -3,7 +3,8 @@ request, jengine against transformers and llama.cpp, with this machine's bandwid
 roofline.
 
 Workload C (bench/workloads.py): one request, a 128-token prompt, 256 greedy output tokens
-(EOS masked on every side). In one run:
+(EOS masked on every side), on the benchmark model or a GGUF (`--model smollm2`: llama.cpp
+then runs the file as it is and an F32 copy). In one run:
 - jengine: the request through `LLMEngine` with per-token timestamps (TTFT = the first
   token's arrival, decode rate = the rest over the time they took), best of `--repeats`;
 - transformers `generate`: TTFT = a 1-token generate, decode rate from a 256-token one;
@@ -21,6 +22,9 @@ import time
 from .common import (
     add_common_args,
     add_llama_cpp_args,
+    gguf_model,
+    llama_cpp_models,
+    model_config,
     package_versions,
     print_header,
     write_result,
@@ -66,27 +70,31 @@ def jengine_latency(path: str, prompt: list[int], max_tokens: int, repeats: int)
     )
 
 
-def llama_cpp_latency(args, path: str, prompt_len: int, max_tokens: int) -> dict | None:
-    from .peers.llama_cpp import convert_to_gguf, find_llama_cpp, run_llama_bench
+def llama_cpp_latency(args, path: str, prompt_len: int, max_tokens: int) -> dict:
+    """llama-bench pp/tg on each GGUF llama.cpp runs (`common.llama_cpp_models`), by row."""
+    from .peers.llama_cpp import find_llama_cpp, run_llama_bench
 
     llama_cpp = find_llama_cpp(args.llama_cpp_dir)
     if llama_cpp is None:
         print("llama.cpp: not found (bench/peers/build_llama_cpp.sh builds it); skipped")
-        return None
-    result = run_llama_bench(
-        llama_cpp,
-        convert_to_gguf(llama_cpp, path),
-        n_prompt=prompt_len,
-        n_gen=max_tokens,
-        threads=args.threads,
-        repetitions=args.repeats,
-    )
-    return dict(
-        ttft_s=prompt_len / result["pp_tok_per_s"],
-        decode_tok_per_s=result["tg_tok_per_s"],
-        llama_bench=result,
-        version=llama_cpp.version(),
-    )
+        return {}
+    results = {}
+    for name, gguf in llama_cpp_models(llama_cpp, path).items():
+        result = run_llama_bench(
+            llama_cpp,
+            gguf,
+            n_prompt=prompt_len,
+            n_gen=max_tokens,
+            threads=args.threads,
+            repetitions=args.repeats,
+        )
+        results[name] = dict(
+            ttft_s=prompt_len / result["pp_tok_per_s"],
+            decode_tok_per_s=result["tg_tok_per_s"],
+            llama_bench=result,
+            version=llama_cpp.version(),
+        )
+    return results
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -102,11 +110,12 @@ def main(argv: list[str] | None = None) -> None:
 
     versions = package_versions("transformers", "torch")
     print_header("latency", args, versions)
-    path = make_bench_model(args.model_dir)
+    path = gguf_model(args) or make_bench_model(args.model_dir)
     (prompt,), max_tokens = workload_c()
-    bandwidth = read_bandwidth_gbs(weight_bytes())
-    roofline = bandwidth * 1e9 / weight_bytes()
-    print(f"memory bandwidth {bandwidth:.1f} GB/s; weights {weight_bytes() / 1e6:.0f} MB "
+    step_bytes = weight_bytes(model_config(path))
+    bandwidth = read_bandwidth_gbs(step_bytes)
+    roofline = bandwidth * 1e9 / step_bytes
+    print(f"memory bandwidth {bandwidth:.1f} GB/s; weights {step_bytes / 1e6:.0f} MB "
           f"per decode step; roofline {roofline:.0f} tok/s")  # fmt: skip
 
     results = {"jengine": jengine_latency(path, prompt, max_tokens, args.repeats)}
@@ -121,15 +130,14 @@ def main(argv: list[str] | None = None) -> None:
             runs=runs,
         )
     if not args.skip_llama_cpp:
-        results["llama.cpp"] = llama_cpp_latency(args, path, len(prompt), max_tokens)
-    results = {name: r for name, r in results.items() if r is not None}
+        results |= llama_cpp_latency(args, path, len(prompt), max_tokens)
     for name, r in results.items():
         print(f"{name:>12}: TTFT {1000 * r['ttft_s']:6.1f} ms, decode "
               f"{r['decode_tok_per_s']:6.1f} tok/s")  # fmt: skip
     ours = results["jengine"]
     ratios = {"jengine decode / bandwidth roofline": ours["decode_tok_per_s"] / roofline}
-    for peer in ("transformers", "llama.cpp"):
-        if peer in results:
+    for peer in results:
+        if peer != "jengine":
             ratios[f"jengine decode / {peer}"] = (
                 ours["decode_tok_per_s"] / results[peer]["decode_tok_per_s"]
             )
@@ -145,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
             prompt_len=len(prompt),
             output_len=max_tokens,
             memory_bandwidth_gbs=bandwidth,
-            weight_bytes=weight_bytes(),
+            weight_bytes=step_bytes,
             bandwidth_roofline_tok_per_s=roofline,
             results=results,
             ratios=ratios,

@@ -1,7 +1,9 @@
 """Offline throughput, workload A: jengine against the peers a CPU user would pick.
 
 Workload A (bench/workloads.py): 128 requests, prompts of 64-256 tokens, exactly 128
-greedy output tokens each, on the 56M-parameter random Llama (float32). In one run:
+greedy output tokens each, on the 56M-parameter random Llama (float32), or on a GGUF
+(`--model smollm2`: jengine and transformers dequantize it to float32; llama.cpp runs the
+file as it is and an F32 copy, two rows). In one run:
 - jengine `LLM.generate` (engine defaults; prefix cache reset before every pass);
 - `jengine serve` (prefix caching off), every request sent at once over HTTP;
 - Hugging Face transformers `generate`, prompts sorted by length, one pass per batch size
@@ -27,6 +29,9 @@ from .common import (
     add_common_args,
     add_llama_cpp_args,
     compare_outputs,
+    gguf_model,
+    llama_cpp_models,
+    model_config,
     package_versions,
     print_header,
     write_result,
@@ -118,13 +123,10 @@ class Transformers:
 
 
 class LlamaCpp:
-    name = "llama.cpp"
-
-    def __init__(self, path: str, args, llama_cpp):
-        from .peers.llama_cpp import convert_to_gguf
-
+    def __init__(self, name: str, gguf: str, args, llama_cpp):
+        self.name = name
         self.llama_cpp = llama_cpp
-        self.gguf = convert_to_gguf(llama_cpp, path)
+        self.gguf = gguf
         self.threads = args.threads
         self.configs = [int(n) for n in args.llama_np.split(",")]
 
@@ -167,7 +169,10 @@ def build_engines(path: str, args) -> list:
         if llama_cpp is None:
             print("llama.cpp: not found (bench/peers/build_llama_cpp.sh builds it); skipped")
         else:
-            engines.append(LlamaCpp(path, args, llama_cpp))
+            engines += [
+                LlamaCpp(name, gguf, args, llama_cpp)
+                for name, gguf in llama_cpp_models(llama_cpp, path).items()
+            ]
     return engines
 
 
@@ -227,9 +232,10 @@ def summarize(engines, passes, roofline_tok_per_s) -> tuple[list, dict]:
         )
     by_name = {r["engine"]: r["output_tok_per_s"] for r in results}
     ratios = {}
+    peers = [name for name in by_name if not name.startswith("jengine")]
     for ours in ("jengine", "jengine serve"):
-        for peer in ("transformers", "llama.cpp"):
-            if ours in by_name and peer in by_name:
+        for peer in peers:
+            if ours in by_name:
                 ratios[f"{ours} / {peer}"] = by_name[ours] / by_name[peer]
     ratios["jengine / compute roofline"] = by_name["jengine"] / roofline_tok_per_s
     return results, ratios
@@ -256,10 +262,10 @@ def main(argv: list[str] | None = None) -> None:
 
     versions = package_versions("transformers", "torch")
     print_header("throughput", args, versions)
-    path = make_bench_model(args.model_dir)
+    path = gguf_model(args) or make_bench_model(args.model_dir)
     prompts, max_tokens = workload_a(num_requests=args.num_requests)
     gflops = matmul_gflops()
-    flops = workload_flops([len(p) for p in prompts], max_tokens)
+    flops = workload_flops([len(p) for p in prompts], max_tokens, model_config(path))
     roofline = max_tokens * len(prompts) / (flops / (gflops * 1e9))
     print(f"matmul {gflops:.0f} GFLOP/s; workload {flops / 1e12:.2f} TFLOP; "
           f"compute roofline {roofline:.0f} output tok/s")  # fmt: skip

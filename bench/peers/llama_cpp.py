@@ -165,6 +165,47 @@ def convert_to_gguf(llama_cpp: LlamaCpp, hf_folder: str, out_path: str | None = 
     return out_path
 
 
+def gguf_to_f32(gguf_path: str, out_path: str | None = None) -> str:
+    """An F32 copy of a (quantized) GGUF for llama.cpp: the same metadata, every tensor
+    dequantized by jengine's dequantizers (equal to the gguf package's reference) and kept
+    in llama.cpp's own layout. Written once under ~/.cache/jengine (`<name>.f32.gguf`) and
+    reused while the source's size and mtime stay the same."""
+    import gguf
+
+    from jengine.models.gguf_quants import dequantize
+
+    name = os.path.basename(os.path.splitext(gguf_path)[0]) + ".f32.gguf"
+    out_path = out_path or os.path.join(os.path.expanduser("~/.cache/jengine"), name)
+    st = os.stat(gguf_path)
+    stamp = f"{os.path.abspath(gguf_path)} {st.st_size} {st.st_mtime_ns}"
+    stamp_path = out_path + ".stamp"
+    if os.path.isfile(out_path) and os.path.isfile(stamp_path):
+        with open(stamp_path) as f:
+            if f.read().strip() == stamp:
+                return out_path
+    reader = gguf.GGUFReader(gguf_path)
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    tmp = out_path + ".tmp"
+    writer = gguf.GGUFWriter(tmp, reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = 0 if key == "general.file_type" else field.contents()  # 0: all F32
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, field.types[0], sub_type=sub_type)
+    for tensor in reader.tensors:
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        writer.add_tensor(tensor.name, dequantize(tensor.data, tensor.tensor_type.name, shape))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, out_path)
+    with open(stamp_path, "w") as f:
+        f.write(stamp + "\n")
+    return out_path
+
+
 # -------------------------------------------------------------------------------- server
 
 

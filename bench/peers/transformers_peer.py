@@ -10,6 +10,7 @@ jengine's side (`min_new_tokens` = the output length, so every request makes all
 tokens).
 """
 
+import os
 import time
 
 import torch
@@ -22,8 +23,10 @@ class TransformersPeer:
         import transformers
 
         torch.set_num_threads(threads)
+        # A GGUF file loads dequantized, as transformers does with `gguf_file`.
+        folder, gguf_file = os.path.split(path) if path.endswith(".gguf") else (path, None)
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32
+            folder, gguf_file=gguf_file, dtype=torch.float32
         ).eval()
         self.model.generation_config.pad_token_id = 0
         self.version = transformers.__version__
