@@ -30,6 +30,7 @@ from flax import nnx
 from jengine.config import EngineConfig
 from jengine.core.scheduler import Scheduler
 from jengine.models import load_model
+from jengine.pallas_kernels.ragged_paged_attention import prepare as prepare_attention
 from jengine.protocol import (
     UTILITY_METHODS,
     EngineCoreOutput,
@@ -55,6 +56,8 @@ class EngineCore:
         if config.compilation.cache_dir:
             enable_compilation_cache(config.compilation.cache_dir)
         started = time.perf_counter()
+        # The CPU attention kernel's first build overlaps loading the weights.
+        prepare_attention(config.model.attention_impl)
         if model is None:
             model = load_model(config.model.model, config.model.dtype)
         scheduler_config = config.scheduler

@@ -110,6 +110,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 def _one_shot_llm(args: argparse.Namespace):
     """The LLM of `generate` / `chat`: the flags' engine, the default model if none."""
+    from jengine.pallas_kernels.ragged_paged_attention import prepare as prepare_attention
+
+    # First thing: a cold start's kernel build (seconds of the C++ compiler) then runs on
+    # the other core while jengine, transformers and the weights load.
+    prepare_attention(args.attention_impl)
     from jengine import LLM
 
     e = EngineArgs.from_cli_args(args)

@@ -45,6 +45,13 @@ def resolve_impl(impl: str | None, q, kv_cache, backend: str | None = None) -> s
     return impl
 
 
+def prepare(impl: str | None, backend: str | None = None) -> None:
+    """Get ready to run `impl` (or the backend's default) without waiting: the CPU kernel
+    starts building in the background."""
+    if (impl or default_impl(backend)) == "cpu":
+        cpu.load_in_background()
+
+
 def ragged_paged_attention(
     q,
     kv_cache,

@@ -205,6 +205,13 @@ def _build(compiler: list[str]) -> Path:
     return library
 
 
+def load_in_background() -> None:
+    """Start `load()` on a thread: the first build on a machine is seconds of the C++
+    compiler, which can run beside the rest of start-up (imports, weights, tokenizer);
+    whoever calls `load()` next waits for it under the lock."""
+    threading.Thread(target=load, name="cpu-attention-build", daemon=True).start()
+
+
 def load() -> str | None:
     """Build (once per machine) and register the kernel: None if it is ready, else why not
     (logged once). Under a lock: XLA keeps one registration per target name per process,
