@@ -294,6 +294,11 @@ class ModelRunner:
         """
         if isinstance(params, nnx.Module):
             params = nnx.state(params)
+        if self.tensor_parallel and self.tensor_parallel.kv_repeats > 1:
+            # The caller's weights have the checkpoint's KV heads; the engine repeats them.
+            if isinstance(params, nnx.State):
+                params = nnx.to_pure_dict(params)
+            params = self.tensor_parallel.fit_params(params, self.config.head_dim)
         if not isinstance(params, nnx.State):
             state = jax.tree.map(lambda x: x, self.params)
             try:

@@ -43,15 +43,10 @@ _TOP_SPLIT = {"embed_tokens": 0, "lm_head": 0}  # [V, D]: vocab-parallel
 class TensorParallel:
     size: int
     mesh: Mesh
+    kv_repeats: int  # each KV head's copies, so every device holds one (1: none)
 
     @classmethod
     def create(cls, size: int, config) -> "TensorParallel":
-        devices = jax.devices()
-        if size > len(devices):
-            raise ValueError(
-                f"tensor_parallel_size={size} needs {size} devices; "
-                f"{len(devices)} {devices[0].platform} device(s) are present"
-            )
         for name, count in (
             ("attention heads", config.num_attention_heads),
             ("MLP width (intermediate_size)", config.intermediate_size),
@@ -64,25 +59,38 @@ class TensorParallel:
             raise ValueError(
                 f"tensor_parallel_size={size} and the {kv} KV heads: one must divide the other"
             )
-        return cls(size, Mesh(np.array(devices[:size]), (AXIS,)))
+        devices = jax.devices()
+        if size > len(devices):
+            raise ValueError(
+                f"tensor_parallel_size={size} needs {size} devices; "
+                f"{len(devices)} {devices[0].platform} device(s) are present"
+            )
+        return cls(size, Mesh(np.array(devices[:size]), (AXIS,)), max(1, size // kv))
 
     # -- the model --------------------------------------------------------------------------
 
     def fit_model(self, model: nnx.Module) -> nnx.Module:
         """The model with each KV head repeated until every device holds one, if needed."""
-        config = model.config
-        repeats = self.size // config.num_key_value_heads
-        if repeats <= 1:
+        if self.kv_repeats == 1:
             return model
-        new_config = dataclasses.replace(config, num_key_value_heads=self.size)
-        state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        layers = state["layers"]
-        for name in ("k_proj", "v_proj", "k_bias", "v_bias"):
-            if name in layers:
-                layers[name] = _repeat_heads(layers[name], config.head_dim, repeats)
+        config = model.config
+        new_config = dataclasses.replace(
+            config, num_key_value_heads=config.num_key_value_heads * self.kv_repeats
+        )
+        state = self.fit_params(nnx.to_pure_dict(nnx.state(model, nnx.Param)), config.head_dim)
         from jengine.models.loader import model_from_params
 
         return model_from_params(type(model), new_config, state, model.dtype)
+
+    def fit_params(self, params: dict, head_dim: int) -> dict:
+        """A params dict in the checkpoint's layout -> the repeated-KV-head layout."""
+        layers = dict(params["layers"])
+        if self.kv_repeats == 1 or layers["k_proj"].shape[-1] == self.size * head_dim:
+            return params  # nothing to repeat, or repeated already
+        for name in ("k_proj", "v_proj", "k_bias", "v_bias"):
+            if name in layers:
+                layers[name] = _repeat_heads(layers[name], head_dim, self.kv_repeats)
+        return {**params, "layers": layers}
 
     # -- placement --------------------------------------------------------------------------
 
