@@ -186,6 +186,25 @@ class CompilationConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is spread over devices.
+
+    tensor_parallel_size: devices each weight and the KV cache are split over (a
+        `jax.sharding.Mesh` axis, Megatron-style; jengine/runner/sharding.py).
+    """
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _require(
+            self.tensor_parallel_size >= 1,
+            "tensor_parallel_size",
+            "must be >= 1",
+            self.tensor_parallel_size,
+        )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """All parts together; what `EngineCore` is built from."""
 
@@ -193,3 +212,4 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jengine.models.attention_metadata import AttentionMetadata
 from jengine.models.layers import RopeConfig, apply_rope, rms_norm, rope_cos_sin, silu_mlp
@@ -157,13 +159,51 @@ class LlamaForCausalLM(nnx.Module):
         metadata: AttentionMetadata,
         *,
         attention_impl: str | None = None,
+        mesh: Mesh | None = None,
     ) -> tuple[jax.Array, jax.Array]:
-        """One ragged batch through all layers. Returns (hidden [T, D], updated kv_cache)."""
+        """One ragged batch through all layers. Returns (hidden [T, D], updated kv_cache).
+        With a `mesh` (tensor parallel), attention runs per device under `shard_map`."""
         c = self.config
         T = input_ids.shape[0]
         N, K, H = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         hidden = self.embed_tokens.value[input_ids]
         cos, sin = rope_cos_sin(c.rope, positions)
+        tables = (
+            metadata.slot_mapping,
+            metadata.kv_lens,
+            metadata.block_tables,
+            metadata.query_start_loc,
+        )
+
+        def attend(q, k, v, cache, layer_index, slot_mapping, kv_lens, block_tables, starts):
+            """Write this layer's K/V, then attend: (attn [T, N, H], cache)."""
+            cache = update_kv_cache(cache, layer_index, k, v, slot_mapping)
+            attn = ragged_paged_attention(
+                q,
+                cache,
+                layer_index,
+                kv_lens,
+                block_tables,
+                starts,
+                sm_scale=H**-0.5,
+                q_block_size=metadata.q_block_size,
+                sliding_window=c.sliding_window,
+                impl=attention_impl,
+            )
+            return attn, cache
+
+        if mesh is not None:
+            # Tensor parallel: heads and the cache's KV heads are split over the mesh axis;
+            # each device attends with its own heads (XLA cannot partition a custom call).
+            heads = P(None, mesh.axis_names[0], None)
+            cache_spec = P(None, None, mesh.axis_names[0], None, None, None)
+            attend = jax.shard_map(
+                attend,
+                mesh=mesh,
+                in_specs=(heads, heads, heads, cache_spec, P(), P(), P(), P(), P()),
+                out_specs=(heads, cache_spec),
+                check_vma=False,
+            )
 
         def layer(carry, xs):
             h, cache = carry
@@ -177,19 +217,7 @@ class LlamaForCausalLM(nnx.Module):
                 q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
                 k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            cache = update_kv_cache(cache, layer_index, k, v, metadata.slot_mapping)
-            attn = ragged_paged_attention(
-                q,
-                cache,
-                layer_index,
-                metadata.kv_lens,
-                metadata.block_tables,
-                metadata.query_start_loc,
-                sm_scale=H**-0.5,
-                q_block_size=metadata.q_block_size,
-                sliding_window=c.sliding_window,
-                impl=attention_impl,
-            )
+            attn, cache = attend(q, k, v, cache, layer_index, *tables)
             out = attn.reshape(T, N * H) @ p["o_proj"]
             if c.o_bias:
                 out = out + p["o_bias"]

@@ -17,6 +17,7 @@ from jengine.config import (
     CompilationConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     default_compilation_cache_dir,
 )
@@ -46,6 +47,7 @@ class EngineArgs:
     # None leaves jax's process-wide compilation cache setting alone.
     compilation_cache_dir: str | None = field(default_factory=default_compilation_cache_dir)
     warmup: bool = CompilationConfig.warmup
+    tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
 
     def create_engine_config(self) -> EngineConfig:
         """Validate and build; `model` may be None only for an in-memory model (then
@@ -93,6 +95,7 @@ class EngineArgs:
             compilation=CompilationConfig(
                 cache_dir=self.compilation_cache_dir or None, warmup=self.warmup
             ),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
         )
 
     @staticmethod
@@ -137,6 +140,7 @@ class EngineArgs:
         add("--scheduling-policy", choices=["fcfs", "priority"])
         add("--seed", type=int)
         add("--attention-impl", choices=["reference", "cpu", "gpu", "tpu"])
+        add("--tensor-parallel-size", type=int, help="devices to split the model over")
         add(
             "--warmup",
             action=argparse.BooleanOptionalAction,

@@ -72,6 +72,7 @@ class EngineCore:
             num_blocks=config.cache.num_gpu_blocks,
             seed=config.model.seed,
             attention_impl=config.model.attention_impl,
+            tensor_parallel_size=config.parallel.tensor_parallel_size,
         )
         logger.info(
             "model %s: %s, %s, %.1fM parameters; attention: %s",

@@ -45,10 +45,12 @@ class KVCacheSizing:
         block_size: int,
         max_model_len: int,
         max_pages: int,
+        num_shards: int = 1,
     ) -> "KVCacheSizing":
-        """`kv_cache_shape(num_blocks, block_size)` is the model's cache shape."""
+        """`kv_cache_shape(num_blocks, block_size)` is the model's cache shape; with tensor
+        parallelism it is split `num_shards` ways and every figure here is per device."""
         shape = kv_cache_shape(1, block_size)
-        bytes_per_block = int(np.prod(shape)) * jnp.dtype(dtype).itemsize
+        bytes_per_block = int(np.prod(shape)) * jnp.dtype(dtype).itemsize // num_shards
         return cls(block_size, bytes_per_block, max_model_len, max_pages)
 
     def blocks_from_budget(self, kv_cache_memory_bytes: int) -> int:
@@ -87,7 +89,12 @@ def default_kv_budget(
     limit = stats.get("bytes_limit")
     if not limit:
         return CPU_DEFAULT_KV_BYTES
-    weights = sum(x.nbytes for x in jax.tree.leaves(params))
+    weights = sum(  # this device's share (all of it without tensor parallelism)
+        shard.data.nbytes
+        for x in jax.tree.leaves(params)
+        for shard in x.addressable_shards
+        if shard.device == device
+    )
     # Headroom for the largest step's activations, dominated by its f32 logits.
     activations = 4 * max_num_batched_tokens * vocab_size * 4
     return max(0, int(limit * gpu_memory_utilization) - weights - activations)

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import SingleDeviceSharding
 
 from jengine.core.outputs import LogprobsArrays, ModelRunnerOutput
 from jengine.core.sched_output import SchedulerOutput
@@ -38,6 +39,7 @@ from jengine.runner.input_batch import (
 )
 from jengine.runner.kv_cache_sizing import KVCacheSizing, default_kv_budget
 from jengine.runner.sampler import SamplingMetadata, SamplingState, write_slot_history
+from jengine.runner.sharding import TensorParallel
 from jengine.runner.step import (
     ForwardInputs,
     SampleOutputs,
@@ -63,7 +65,12 @@ class ModelRunner:
         num_blocks: int | None = None,
         seed: int = 0,
         attention_impl: str | None = None,
+        tensor_parallel_size: int = 1,
     ):
+        self.tensor_parallel = None
+        if tensor_parallel_size > 1:
+            self.tensor_parallel = TensorParallel.create(tensor_parallel_size, model.config)
+            model = self.tensor_parallel.fit_model(model)
         self.config = model.config
         self.dtype = model.dtype
         self.block_size = block_size
@@ -73,25 +80,31 @@ class ModelRunner:
         )
         self.input_batch = InputBatch(self.buckets, block_size, seed)
         self.graphdef, params = nnx.split(model)
-        # Committed to the device from the start, like the weights update_weights puts
+        # Committed to the device(s) from the start, like the weights update_weights puts
         # there later: committed and uncommitted inputs would be different jit cache keys.
+        # Tensor parallel: weights and cache split over the mesh, the rest replicated.
         self.device = jax.devices()[0]
-        self.params = jax.device_put(params, self.device)
+        tp = self.tensor_parallel
+        self.replicated = tp.replicated() if tp else self.device
+        self.params = jax.device_put(params, tp.param_shardings(params) if tp else self.device)
         self.kv_sizing = KVCacheSizing.create(
             model.kv_cache_shape,
             self.dtype,
             block_size=block_size,
             max_model_len=max_model_len,
             max_pages=self.buckets.max_pages,
+            num_shards=tp.size if tp else 1,
         )
         self.num_blocks = num_blocks or self._blocks_from_budget(
             kv_cache_memory_bytes, gpu_memory_utilization
         )
-        self.kv_cache = jax.device_put(
-            jnp.zeros(model.kv_cache_shape(self.num_blocks, block_size), self.dtype), self.device
-        )
+        cache_shape = model.kv_cache_shape(self.num_blocks, block_size)
+        self.kv_cache = jax.jit(  # made in place on each device, never whole on one
+            lambda: jnp.zeros(cache_shape, self.dtype),
+            out_shardings=tp.kv_cache_sharding() if tp else SingleDeviceSharding(self.device),
+        )()
         self.sampling_state = jax.device_put(
-            SamplingState.zeros(max_num_seqs, self.config.vocab_size), self.device
+            SamplingState.zeros(max_num_seqs, self.config.vocab_size), self.replicated
         )
         # Resolved once here (building the CPU kernel if need be) so start-up reports what
         # really runs.
@@ -99,8 +112,9 @@ class ModelRunner:
             (1, self.config.num_attention_heads, self.config.head_dim), self.dtype
         )
         self.attention_impl = resolve_impl(attention_impl, q, self.kv_cache, self.device.platform)
+        mesh = tp.mesh if tp else None
         self._forward_fn = jax.jit(
-            partial(forward_step, self.graphdef, self.attention_impl), donate_argnums=1
+            partial(forward_step, self.graphdef, self.attention_impl, mesh), donate_argnums=1
         )
         self._sample_fn = jax.jit(sample_step, donate_argnums=0)
         self._prompt_logprobs_fn = jax.jit(partial(prompt_logprobs_step, self.graphdef))
@@ -144,7 +158,7 @@ class ModelRunner:
         shapes = self.buckets.all_shapes()
         token_counts = sorted({s.num_tokens for s in shapes})
         hidden = {
-            t: jax.device_put(jnp.zeros((t, self.config.hidden_size), self.dtype), self.device)
+            t: jax.device_put(jnp.zeros((t, self.config.hidden_size), self.dtype), self.replicated)
             for t in token_counts
         }  # committed, like the forward's output it stands in for
         targets = {t: np.zeros(t, np.int32) for t in token_counts}
@@ -280,6 +294,11 @@ class ModelRunner:
         """
         if isinstance(params, nnx.Module):
             params = nnx.state(params)
+        if self.tensor_parallel and self.tensor_parallel.kv_repeats > 1:
+            # The caller's weights have the checkpoint's KV heads; the engine repeats them.
+            if isinstance(params, nnx.State):
+                params = nnx.to_pure_dict(params)
+            params = self.tensor_parallel.fit_params(params, self.config.head_dim)
         if not isinstance(params, nnx.State):
             state = jax.tree.map(lambda x: x, self.params)
             try:
@@ -297,5 +316,5 @@ class ModelRunner:
                 raise ValueError(f"update_weights: a weight of shape {old.shape} got {new.shape}")
             if new.dtype != old.dtype:
                 new = np.asarray(new).astype(old.dtype)
-            leaves.append(jax.device_put(new, self.device))
+            leaves.append(jax.device_put(new, old.sharding))
         self.params = jax.tree.unflatten(old_tree, leaves)

@@ -8,8 +8,9 @@ token, and `prompt_logprobs_step` (only for requests that asked for prompt logpr
 scores every scheduled position. Nothing here holds state or touches the host.
 
 Promises:
-- `forward_step` is `(params, kv_cache, inputs) -> (kv_cache, logits, hidden)`; the
-  runner donates the KV cache, so it is updated in place;
+- `forward_step` is `(params, kv_cache, inputs) -> (kv_cache, logits, hidden)` (graphdef,
+  attention implementation and tensor-parallel mesh bound); the runner donates the KV
+  cache, so it is updated in place;
 - `sample_step` is `(sampling_state, logits, meta, want_logprobs) -> (sampling_state,
   SampleOutputs)`; the runner donates the sampling state; the top-logprob work runs only
   when `want_logprobs` is true (a `lax.cond`), else zeros come back;
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jengine.models import AttentionMetadata
 from jengine.runner.input_batch import PreparedStep
@@ -69,8 +72,9 @@ class SampleOutputs:
 # per T. Warmup then compiles far fewer programs; a step pays two extra dispatches.
 
 
-def forward_step(graphdef, attention_impl, params, kv_cache, inputs: ForwardInputs):
-    """Run the model over the step's tokens: (kv_cache, [R, V] logits, [T, D] hidden)."""
+def forward_step(graphdef, attention_impl, mesh, params, kv_cache, inputs: ForwardInputs):
+    """Run the model over the step's tokens: (kv_cache, [R, V] logits, [T, D] hidden).
+    With a tensor-parallel `mesh`, the vocab-parallel logits are gathered for sampling."""
     model = nnx.merge(graphdef, params)
     hidden, kv_cache = model(
         inputs.input_ids,
@@ -78,8 +82,12 @@ def forward_step(graphdef, attention_impl, params, kv_cache, inputs: ForwardInpu
         kv_cache,
         inputs.attention,
         attention_impl=attention_impl,
+        mesh=mesh,
     )
-    return kv_cache, model.compute_logits(hidden[inputs.logits_indices]), hidden
+    logits = model.compute_logits(hidden[inputs.logits_indices])
+    if mesh is not None:
+        logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
+    return kv_cache, logits, hidden
 
 
 def sample_step(sampling_state, logits, meta: SamplingMetadata, want_logprobs):

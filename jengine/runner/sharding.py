@@ -1,0 +1,129 @@
+"""Tensor parallelism with jax.sharding: the mesh, how each weight and the KV cache are
+laid out over it, and the model rewritten so every device holds whole KV heads.
+
+Where it sits: `ModelRunner` builds a `TensorParallel` when `tensor_parallel_size > 1`,
+hands the model through `fit_model` (before anything reaches a device), places params and
+cache with `param_shardings` / `kv_cache_sharding`, and passes `mesh` to the model, whose
+attention runs per shard inside `shard_map` (XLA cannot partition a custom call). Every
+collective is one XLA emits from these shardings.
+
+Promises (Megatron's layout, vLLM's choices):
+- q/k/v and gate/up are column-parallel (output features split), o and down row-parallel
+  (input features split; XLA adds the all-reduce), the embedding and the LM head
+  vocab-parallel, norms replicated; the KV cache is split over its KV-head axis;
+- with fewer KV heads than devices, each KV head is repeated so every device holds one
+  (as vLLM does): the model's `num_key_value_heads` becomes the TP size, and since each q
+  head still meets its own KV head's weights, the outputs do not change;
+- a clear ValueError for sizes that cannot work: more devices asked for than present, q
+  heads, KV heads, MLP width or vocabulary not divisible by the TP size.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+AXIS = "tp"
+
+# Our parameter name -> which axis of its per-layer array (leading layer axis excluded) is
+# split; absent: replicated.
+_LAYER_SPLIT = {
+    "q_proj": 1, "k_proj": 1, "v_proj": 1,  # [D, out]: column-parallel
+    "q_bias": 0, "k_bias": 0, "v_bias": 0,
+    "gate_proj": 1, "up_proj": 1, "gate_bias": 0, "up_bias": 0,
+    "o_proj": 0, "down_proj": 0,  # [in, D]: row-parallel
+}  # fmt: skip
+_TOP_SPLIT = {"embed_tokens": 0, "lm_head": 0}  # [V, D]: vocab-parallel
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    size: int
+    mesh: Mesh
+    kv_repeats: int  # each KV head's copies, so every device holds one (1: none)
+
+    @classmethod
+    def create(cls, size: int, config) -> "TensorParallel":
+        for name, count in (
+            ("attention heads", config.num_attention_heads),
+            ("MLP width (intermediate_size)", config.intermediate_size),
+            ("vocabulary", config.vocab_size),
+        ):
+            if count % size:
+                raise ValueError(f"tensor_parallel_size={size} does not divide the {count} {name}")
+        kv = config.num_key_value_heads
+        if kv % size and size % kv:
+            raise ValueError(
+                f"tensor_parallel_size={size} and the {kv} KV heads: one must divide the other"
+            )
+        devices = jax.devices()
+        if size > len(devices):
+            raise ValueError(
+                f"tensor_parallel_size={size} needs {size} devices; "
+                f"{len(devices)} {devices[0].platform} device(s) are present"
+            )
+        return cls(size, Mesh(np.array(devices[:size]), (AXIS,)), max(1, size // kv))
+
+    # -- the model --------------------------------------------------------------------------
+
+    def fit_model(self, model: nnx.Module) -> nnx.Module:
+        """The model with each KV head repeated until every device holds one, if needed."""
+        if self.kv_repeats == 1:
+            return model
+        config = model.config
+        new_config = dataclasses.replace(
+            config, num_key_value_heads=config.num_key_value_heads * self.kv_repeats
+        )
+        state = self.fit_params(nnx.to_pure_dict(nnx.state(model, nnx.Param)), config.head_dim)
+        from jengine.models.loader import model_from_params
+
+        return model_from_params(type(model), new_config, state, model.dtype)
+
+    def fit_params(self, params: dict, head_dim: int) -> dict:
+        """A params dict in the checkpoint's layout -> the repeated-KV-head layout."""
+        layers = dict(params["layers"])
+        if self.kv_repeats == 1 or layers["k_proj"].shape[-1] == self.size * head_dim:
+            return params  # nothing to repeat, or repeated already
+        for name in ("k_proj", "v_proj", "k_bias", "v_bias"):
+            if name in layers:
+                layers[name] = _repeat_heads(layers[name], head_dim, self.kv_repeats)
+        return {**params, "layers": layers}
+
+    # -- placement --------------------------------------------------------------------------
+
+    def param_shardings(self, params):
+        """A NamedSharding per leaf of the params State, by parameter name."""
+
+        def spec(path, leaf) -> NamedSharding:
+            names = [getattr(p, "key", getattr(p, "name", None)) for p in path]
+            split = None
+            if "layers" in names:
+                axis = _LAYER_SPLIT.get(names[-2] if names[-1] == "value" else names[-1])
+                split = None if axis is None else axis + 1  # after the layer axis
+            else:
+                split = _TOP_SPLIT.get(names[0])
+            axes = [None] * leaf.ndim
+            if split is not None:
+                axes[split] = AXIS
+            return NamedSharding(self.mesh, P(*axes))
+
+        return jax.tree_util.tree_map_with_path(spec, params)
+
+    def kv_cache_sharding(self) -> NamedSharding:
+        """[L, 2, K, blocks, block_size, H]: split over the KV heads."""
+        return NamedSharding(self.mesh, P(None, None, AXIS, None, None, None))
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+
+def _repeat_heads(weight, head_dim: int, repeats: int):
+    """[..., K * H] -> [..., K * repeats * H]: each head's columns `repeats` times in a row."""
+    *lead, width = weight.shape
+    heads = weight.reshape(*lead, width // head_dim, 1, head_dim)
+    return np.asarray(
+        jax.numpy.broadcast_to(heads, (*lead, width // head_dim, repeats, head_dim))
+    ).reshape(*lead, width * repeats)

@@ -1,0 +1,104 @@
+"""Tensor parallelism over 4 forced CPU devices (a subprocess: the device count is fixed
+when jax starts): sizes 1, 2 and 4 give the same greedy tokens and logprobs within 1e-4 of
+each other and of transformers, for Llama and Qwen3 configurations with 2 KV heads (fewer
+than 4 devices: repeated), with chunked prefill, prefix hits and preemption in the mix; at
+TP=4 every split weight and the KV cache are split (no device holds all of one) and the
+attention kernel runs inside `shard_map`; `update_weights` takes the checkpoint's layout."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from jengine.runner.sharding import TensorParallel
+from tests.models.checkpoints import make_checkpoint
+from tests.runner.tp_check import MAX_TOKENS, PROMPTS
+
+FAMILIES = ["llama3", "qwen3"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def checkpoint(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp(f"tp-{request.param}"))
+    hf_model = make_checkpoint(request.param, path, config_overrides=dict(num_key_value_heads=2))
+    return path, hf_model
+
+
+@pytest.fixture(scope="module")
+def results(checkpoint):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.runner.tp_check", checkpoint[0]],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _hf_greedy(hf_model, prompt):
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=MAX_TOKENS,
+            min_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logprobs = [torch.log_softmax(x[0], -1)[t].item() for x, t in zip(out.logits, tokens)]
+    return tokens, logprobs
+
+
+def test_sizes_agree_with_each_other_and_transformers(checkpoint, results):
+    one = results["1"]
+    for tp in ("2", "4"):
+        assert results[tp]["tokens"] == one["tokens"], tp
+        for ours, theirs in zip(results[tp]["logprobs"], one["logprobs"], strict=True):
+            np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+    for tp in ("1", "2", "4"):
+        run = results[tp]
+        assert run["attention"] == "cpu" and run["compiles_after_warmup"] == 0
+        assert run["preemptions"] > 0, f"TP={tp}: no preemption was forced"
+        assert run["cached_tokens"][3] >= 32, f"TP={tp}: no prefix hit"
+    for prompt, tokens, logprobs in zip(PROMPTS, one["tokens"], one["logprobs"], strict=True):
+        hf_tokens, hf_logprobs = _hf_greedy(checkpoint[1], prompt)
+        assert tokens[: len(hf_tokens)] == hf_tokens
+        np.testing.assert_allclose(logprobs, hf_logprobs, atol=1e-4, rtol=0)
+
+
+def test_update_weights_takes_the_checkpoints_layout(results):
+    """The caller's params have 2 KV heads; the TP=4 engine repeats them, compiles nothing."""
+    assert results["updated_tokens"] == results["1"]["tokens"]
+    assert results["compiles_after_update"] == 0
+
+
+def test_weights_and_cache_are_split_and_attention_runs_per_shard(results):
+    layout = results["layout"]
+    assert layout["num_devices"] == 4
+    # The cache holds one of the 4 (repeated) KV heads per device.
+    assert layout["cache_shape"][2] == 4 and layout["cache_shard"][2] == 1
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        assert any(name in split for split in layout["split"]), name
+    assert any("embed_tokens" in split for split in layout["split"])
+    # Only norms (and Qwen3's q/k norms) are whole on every device.
+    assert all("norm" in name for name in layout["whole"]), layout["whole"]
+    assert 0 <= layout["manual_computation_at"] < layout["custom_call_at"]
+
+
+def test_sizes_that_cannot_work_are_refused(checkpoint):
+    from jengine.models import load_model
+
+    config = load_model(checkpoint[0], "float32").config
+    with pytest.raises(ValueError, match=r"needs 4 devices; 1 cpu device\(s\) are present"):
+        TensorParallel.create(4, config)  # this process has one CPU device
+    with pytest.raises(ValueError, match="does not divide"):
+        TensorParallel.create(3, config)
