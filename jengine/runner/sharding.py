@@ -99,7 +99,6 @@ class TensorParallel:
 
         def spec(path, leaf) -> NamedSharding:
             names = [getattr(p, "key", getattr(p, "name", None)) for p in path]
-            split = None
             if "layers" in names:
                 axis = _LAYER_SPLIT.get(names[-2] if names[-1] == "value" else names[-1])
                 split = None if axis is None else axis + 1  # after the layer axis
@@ -120,10 +119,9 @@ class TensorParallel:
         return NamedSharding(self.mesh, P())
 
 
-def _repeat_heads(weight, head_dim: int, repeats: int):
+def _repeat_heads(weight, head_dim: int, repeats: int) -> np.ndarray:
     """[..., K * H] -> [..., K * repeats * H]: each head's columns `repeats` times in a row."""
+    weight = np.asarray(weight)
     *lead, width = weight.shape
-    heads = weight.reshape(*lead, width // head_dim, 1, head_dim)
-    return np.asarray(
-        jax.numpy.broadcast_to(heads, (*lead, width // head_dim, repeats, head_dim))
-    ).reshape(*lead, width * repeats)
+    heads = weight.reshape(*lead, width // head_dim, head_dim)
+    return np.repeat(heads, repeats, axis=-2).reshape(*lead, width * repeats)
