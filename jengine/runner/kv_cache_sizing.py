@@ -35,6 +35,7 @@ class KVCacheSizing:
     bytes_per_block: int
     max_model_len: int
     max_pages: int  # pages of one request of max_model_len
+    num_shards: int = 1  # devices the cache is split over (tensor parallel)
 
     @classmethod
     def create(
@@ -51,7 +52,7 @@ class KVCacheSizing:
         parallelism it is split `num_shards` ways and every figure here is per device."""
         shape = kv_cache_shape(1, block_size)
         bytes_per_block = int(np.prod(shape)) * jnp.dtype(dtype).itemsize // num_shards
-        return cls(block_size, bytes_per_block, max_model_len, max_pages)
+        return cls(block_size, bytes_per_block, max_model_len, max_pages, num_shards)
 
     def blocks_from_budget(self, kv_cache_memory_bytes: int) -> int:
         num_blocks = kv_cache_memory_bytes // self.bytes_per_block
@@ -67,10 +68,11 @@ class KVCacheSizing:
     def capacity_report(self, num_blocks: int) -> str:
         tokens = (num_blocks - 1) * self.block_size
         gib = num_blocks * self.bytes_per_block / (1 << 30)
+        where = f" on each of {self.num_shards} devices" if self.num_shards > 1 else ""
         return (
             f"KV cache: {num_blocks - 1} blocks x {self.block_size} tokens = {tokens} "
-            f"tokens ({gib:.3f} GiB); max concurrency at max_model_len={self.max_model_len}: "
-            f"{tokens / self.max_model_len:.2f}x"
+            f"tokens ({gib:.3f} GiB{where}); max concurrency at "
+            f"max_model_len={self.max_model_len}: {tokens / self.max_model_len:.2f}x"
         )
 
 

@@ -84,6 +84,7 @@ def test_update_weights_takes_the_checkpoints_layout(results):
 def test_weights_and_cache_are_split_and_attention_runs_per_shard(results):
     layout = results["layout"]
     assert layout["num_devices"] == 4
+    assert "GiB on each of 4 devices" in layout["capacity_report"]  # capacity is per device
     # The cache holds one of the 4 (repeated) KV heads per device.
     assert layout["cache_shape"][2] == 4 and layout["cache_shard"][2] == 1
     for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):

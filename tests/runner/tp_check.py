@@ -78,6 +78,7 @@ def layout(llm: LLM) -> dict:
         cache_shard=list(cache.addressable_shards[0].data.shape),
         cache_shape=list(cache.shape),
         num_devices=len(cache.sharding.device_set),
+        capacity_report=runner.capacity_report(),
         manual_computation_at=manual,
         custom_call_at=call.start() if call else -1,
     )
