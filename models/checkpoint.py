@@ -89,6 +89,7 @@ def read_hf_config(path: str) -> dict:
 
 
 def gguf_hf_config(path: str) -> dict:
+    """The HF config.json dict of a GGUF, from its metadata (see the module promises)."""
     from jengine.models.gguf_reader import read_gguf
 
     gguf = read_gguf(path)
@@ -109,7 +110,9 @@ def gguf_hf_config(path: str) -> dict:
     num_heads = get("attention.head_count")
     hidden = get("embedding_length")
     # Without being asked for, the token list reads as its length.
-    vocab_size = get("vocab_size") or meta["tokenizer.ggml.tokens"]
+    vocab_size = get("vocab_size") or meta.get("tokenizer.ggml.tokens")
+    if not (num_heads and hidden and vocab_size):
+        raise ValueError(f"{path} lacks {arch}.attention.head_count, embedding_length or a vocab")
     config = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "model_type": arch,

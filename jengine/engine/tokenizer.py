@@ -63,7 +63,7 @@ def gguf_tokenizer(path: str):
             name: metadata[f"tokenizer.{key}"]
             for key, name in renames.items()
             if f"tokenizer.{key}" in metadata
-        }  # fmt: skip
+        }
         for renames in (
             GGUF_TOKENIZER_MAPPING["tokenizer"],
             GGUF_TOKENIZER_MAPPING["tokenizer_config"],
