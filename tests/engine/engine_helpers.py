@@ -50,11 +50,26 @@ def random_prompts(n: int, seed: int = 0, low: int = 3, high: int = 60) -> list[
 
 
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    return hf_greedy_logprobs(hf_model, prompt, max_new_tokens)[0]
+
+
+def hf_greedy_logprobs(
+    hf_model, prompt: list[int], max_new_tokens: int, min_new_tokens: int = 0
+) -> tuple[list[int], list[float]]:
+    """transformers' greedy continuation and the logprob of each chosen token."""
     with torch.no_grad():
         out = hf_model.generate(
             torch.tensor([prompt]),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             max_new_tokens=max_new_tokens,
+            min_new_tokens=min_new_tokens,
             do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
         )
-    return out[0, len(prompt) :].tolist()
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logprobs = [
+        torch.log_softmax(logits[0].float(), -1)[token].item()
+        for logits, token in zip(out.logits, tokens, strict=True)
+    ]
+    return tokens, logprobs

@@ -13,6 +13,7 @@ import transformers
 
 from jengine import LLM, SamplingParams
 from jengine.models.checkpoint import installed_smollm2
+from tests.engine.engine_helpers import hf_greedy_logprobs
 
 SMOLLM2 = installed_smollm2()
 MAX_TOKENS = 24
@@ -89,25 +90,6 @@ def _chat_prompts(llm) -> list[list[int]]:
     return [render([{"role": "user", "content": q}])[1] for q in QUESTIONS]
 
 
-def _hf_greedy(hf_model, prompt: list[int]) -> tuple[list[int], list[float]]:
-    """transformers' greedy reply and the logprob of each chosen token."""
-    with torch.no_grad():
-        out = hf_model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    logprobs = [
-        torch.log_softmax(logits[0].float(), -1)[token].item()
-        for logits, token in zip(out.logits, tokens, strict=True)
-    ]
-    return tokens, logprobs
-
-
 def test_greedy_chat_replies_equal_transformers(llm, hf_model):
     prompts = _chat_prompts(llm)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0)
@@ -117,7 +99,7 @@ def test_greedy_chat_replies_equal_transformers(llm, hf_model):
     assert sum(o.num_cached_tokens > 0 for o in outputs) > 0, "no prefix-cache hit"
     assert max(len(p) for p in prompts) > 64, "no prompt was chunked"
     for prompt, output in zip(prompts, outputs, strict=True):
-        tokens, logprobs = _hf_greedy(hf_model, prompt)
+        tokens, logprobs = hf_greedy_logprobs(hf_model, prompt, MAX_TOKENS)
         completion = output.outputs[0]
         assert list(completion.token_ids) == tokens, llm.get_tokenizer().decode(prompt)
         ours = [entry[token].logprob for entry, token in zip(completion.logprobs, tokens)]

@@ -12,9 +12,9 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
 from jengine.runner.sharding import TensorParallel
+from tests.engine.engine_helpers import hf_greedy_logprobs
 from tests.models.checkpoints import make_checkpoint
 from tests.runner.tp_check import MAX_TOKENS, PROMPTS
 
@@ -42,22 +42,6 @@ def results(checkpoint):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _hf_greedy(hf_model, prompt):
-    with torch.no_grad():
-        out = hf_model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=MAX_TOKENS,
-            min_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    logprobs = [torch.log_softmax(x[0], -1)[t].item() for x, t in zip(out.logits, tokens)]
-    return tokens, logprobs
-
-
 def test_sizes_agree_with_each_other_and_transformers(checkpoint, results):
     one = results["1"]
     for tp in ("2", "4"):
@@ -70,7 +54,7 @@ def test_sizes_agree_with_each_other_and_transformers(checkpoint, results):
         assert run["preemptions"] > 0, f"TP={tp}: no preemption was forced"
         assert run["cached_tokens"][3] >= 32, f"TP={tp}: no prefix hit"
     for prompt, tokens, logprobs in zip(PROMPTS, one["tokens"], one["logprobs"], strict=True):
-        hf_tokens, hf_logprobs = _hf_greedy(checkpoint[1], prompt)
+        hf_tokens, hf_logprobs = hf_greedy_logprobs(checkpoint[1], prompt, MAX_TOKENS, MAX_TOKENS)
         assert tokens[: len(hf_tokens)] == hf_tokens
         np.testing.assert_allclose(logprobs, hf_logprobs, atol=1e-4, rtol=0)
 
