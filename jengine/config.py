@@ -187,21 +187,52 @@ class CompilationConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the model is spread over devices.
+    """How the model is spread over devices, processes and hosts.
 
     tensor_parallel_size: devices each weight and the KV cache are split over (a
         `jax.sharding.Mesh` axis, Megatron-style; jengine/runner/sharding.py).
+    data_parallel_size: engine-core processes, each a whole replica of the model on its
+        own devices, behind one front end that balances requests over them
+        (jengine/engine/client.py).
+    coordinator_address, num_hosts, host_rank: multi-host SPMD through
+        `jax.distributed` (jengine/runner/distributed.py): the tensor-parallel mesh spans
+        the devices of `num_hosts` processes; host 0 schedules and serves, the others
+        follow its steps.
     """
 
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    coordinator_address: str | None = None
+    num_hosts: int = 1
+    host_rank: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "data_parallel_size", "num_hosts"):
+            value = getattr(self, name)
+            _require(value >= 1, name, "must be >= 1", value)
         _require(
-            self.tensor_parallel_size >= 1,
-            "tensor_parallel_size",
-            "must be >= 1",
-            self.tensor_parallel_size,
+            0 <= self.host_rank < self.num_hosts,
+            "host_rank",
+            f"must be in [0, num_hosts={self.num_hosts})",
+            self.host_rank,
         )
+        if self.num_hosts > 1:
+            _require(
+                self.coordinator_address is not None,
+                "coordinator_address",
+                "is needed (host:port of host 0) when num_hosts > 1",
+                self.coordinator_address,
+            )
+            _require(
+                self.data_parallel_size == 1,
+                "data_parallel_size",
+                "must be 1 with num_hosts > 1 (one multi-host replica)",
+                self.data_parallel_size,
+            )
+
+    @property
+    def multi_host(self) -> bool:
+        return self.num_hosts > 1
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,13 @@ class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
 # `update_weights` is not among them: it takes in-memory jax arrays, so `LLM` calls it on
 # its in-process engine core directly.
 UTILITY_METHODS = frozenset(
-    {"num_free_blocks", "compiles_after_warmup", "has_unfinished_requests", "get_stats"}
+    {
+        "num_free_blocks",
+        "compiles_after_warmup",
+        "has_unfinished_requests",
+        "get_stats",
+        "reset_prefix_cache",
+    }
 )
 
 
@@ -136,3 +142,4 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     timestamp: float = 0.0
     scheduler_stats: SchedulerStats | None = None
+    engine_index: int = 0  # which data-parallel replica sent it

@@ -48,6 +48,10 @@ class EngineArgs:
     compilation_cache_dir: str | None = field(default_factory=default_compilation_cache_dir)
     warmup: bool = CompilationConfig.warmup
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
+    data_parallel_size: int = ParallelConfig.data_parallel_size
+    coordinator_address: str | None = ParallelConfig.coordinator_address
+    num_hosts: int = ParallelConfig.num_hosts
+    host_rank: int = ParallelConfig.host_rank
 
     def create_engine_config(self) -> EngineConfig:
         """Validate and build; `model` may be None only for an in-memory model (then
@@ -95,7 +99,13 @@ class EngineArgs:
             compilation=CompilationConfig(
                 cache_dir=self.compilation_cache_dir or None, warmup=self.warmup
             ),
-            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                data_parallel_size=self.data_parallel_size,
+                coordinator_address=self.coordinator_address,
+                num_hosts=self.num_hosts,
+                host_rank=self.host_rank,
+            ),
         )
 
     @staticmethod
@@ -141,6 +151,21 @@ class EngineArgs:
         add("--seed", type=int)
         add("--attention-impl", choices=["reference", "cpu", "gpu", "tpu"])
         add("--tensor-parallel-size", type=int, help="devices to split the model over")
+        add(
+            "--data-parallel-size",
+            type=int,
+            help="engine-core replicas behind one server, requests balanced over them",
+        )
+        add(
+            "--coordinator-address",
+            help="host:port of host 0's jax.distributed coordinator (multi-host)",
+        )
+        add("--num-hosts", type=int, help="processes (hosts) the tensor-parallel mesh spans")
+        add(
+            "--host-rank",
+            type=int,
+            help="this host's rank; 0 serves, the others follow its steps",
+        )
         add(
             "--warmup",
             action=argparse.BooleanOptionalAction,

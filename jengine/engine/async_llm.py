@@ -11,7 +11,8 @@ Promises:
 - a `generate()` that is cancelled or closed early (client disconnect) aborts its request,
   so its KV blocks go back to the pool;
 - if the engine process dies, every running and later `generate()` raises
-  `EngineDeadError` (and `errored` is True) instead of hanging.
+  `EngineDeadError` (and `errored` is True) instead of hanging; with data-parallel
+  replicas, one replica dying fails only the requests it held.
 """
 
 import asyncio
@@ -21,7 +22,7 @@ from collections.abc import AsyncGenerator, Iterable
 
 from jengine.config import EngineConfig
 from jengine.engine.arg_utils import EngineArgs
-from jengine.engine.client import AsyncMPClient, EngineDeadError
+from jengine.engine.client import AsyncMPClient, EngineDeadError, LostRequests
 from jengine.engine.input_processor import InputProcessor, PromptType
 from jengine.engine.output_processor import OutputProcessor, RequestOutputKind
 from jengine.engine.stats import LoggingStatLogger, StatLoggerBase, StatsTracker
@@ -108,8 +109,7 @@ class AsyncLLM:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         try:
-            for sequence in sequences:
-                await self.engine_core.add_request_async(sequence)
+            await self.engine_core.add_request_async(sequences)
         except BaseException:
             await self.abort(request_id)
             raise
@@ -179,6 +179,9 @@ class AsyncLLM:
         try:
             while True:
                 outputs = await self.engine_core.get_output_async()
+                if isinstance(outputs, LostRequests):
+                    await self._fail_lost_requests(outputs)
+                    continue
                 observation = self.stats.observe(outputs.outputs, self.output_processor)
                 request_outputs, reqs_to_abort = self.output_processor.process_outputs(
                     outputs.outputs
@@ -204,6 +207,17 @@ class AsyncLLM:
             for queue in self._queues.values():
                 queue.put_nowait(e)
             self._queues.clear()
+
+    async def _fail_lost_requests(self, lost: LostRequests) -> None:
+        """A data-parallel replica died: its requests end with its error (503 over
+        HTTP); every other request carries on."""
+        states = self.output_processor.request_states
+        request_ids = {states[rid].parent.request_id for rid in lost.request_ids if rid in states}
+        for request_id in request_ids:
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(lost.error)
+        await self.abort(request_ids)
 
     async def _run_stats_logging(self) -> None:
         while True:

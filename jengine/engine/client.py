@@ -9,10 +9,13 @@ Every client offers the same calls: `add_request`, `abort_requests`, `get_output
 engine-core methods the front end may call (`num_free_blocks`, `update_weights`, ...);
 the async client has the same names with an `_async` suffix.
 
-The MP clients own the engine process: they bind a ROUTER (requests out) and a PULL
-(outputs in) socket on private ipc paths, start the process with `spawn`, and wait for
-its `EngineCoreReady` handshake. A thread watches the process sentinel, so if the engine
-dies every pending and later call raises `EngineDeadError` instead of hanging.
+The MP clients own the engine processes: they bind a ROUTER (requests out) and a PULL
+(outputs in) socket on private ipc paths, start the process (one per data-parallel
+replica) with `spawn`, and wait for each `EngineCoreReady` handshake. A thread watches
+each process sentinel, so if the engine dies every pending and later call raises
+`EngineDeadError` instead of hanging; if one of several replicas dies, only its requests
+fail (`LostRequests`) and the others carry on. Data-parallel routing is
+jengine/engine/load_balancer.py's.
 
 This module never imports jax (the API process imports it); the engine process reaches
 jax through `run_engine_core`, which imports jengine.engine.core only in the child.
@@ -30,12 +33,14 @@ import tempfile
 import threading
 import uuid
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from jengine.config import EngineConfig
+from jengine.engine.load_balancer import DataParallelBalancer, combine_utility_results
 from jengine.logger import init_logging
 from jengine.protocol import (
     UTILITY_METHODS,
@@ -57,8 +62,9 @@ class InprocClient:
     def __init__(self, engine_core):
         self.engine_core = engine_core
 
-    def add_request(self, request: EngineCoreRequest) -> None:
-        self.engine_core.add_request(request)
+    def add_request(self, sequences: list[EngineCoreRequest]) -> None:
+        for sequence in sequences:
+            self.engine_core.add_request(sequence)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
@@ -80,17 +86,64 @@ class EngineDeadError(RuntimeError):
     """The engine-core process is gone; nothing sent to it will be answered."""
 
 
-def run_engine_core(*args) -> None:
+@dataclass
+class LostRequests:
+    """Not an engine message: the client's notice, among the step outputs, that one
+    data-parallel replica died and took these sequences with it (the others carry on)."""
+
+    request_ids: list[str]
+    error: EngineDeadError
+
+
+@dataclass(eq=False)
+class EngineReplica:
+    """One engine-core process as the client sees it."""
+
+    index: int
+    name: str  # for messages: "the engine-core process" or "engine-core replica 1"
+    identity: bytes
+    proc: multiprocessing.Process
+    ready: EngineCoreReady | None = None
+    dead: bool = False
+
+    def dead_error(self) -> EngineDeadError:
+        return EngineDeadError(
+            f"{self.name} (pid {self.proc.pid}) died (exit code {self.proc.exitcode}); "
+            "see the server log"
+        )
+
+
+def run_engine_core(config: EngineConfig, *args) -> None:
     """Spawn target of the engine process. Lives here, in a jax-free module, because the
     child imports the target's module first; jax loads only inside this call."""
-    init_logging(prefix=f"[engine-core {os.getpid()}] ")
+    engine_index = args[-1]
+    prefix = "engine-core" if config.parallel.data_parallel_size == 1 else f"replica {engine_index}"
+    init_logging(prefix=f"[{prefix} {os.getpid()}] ")
+    if config.parallel.data_parallel_size > 1:
+        _claim_devices(engine_index, config.parallel.tensor_parallel_size)
     from jengine.engine.core import EngineCoreProc
 
-    EngineCoreProc.run_engine_core(*args)
+    EngineCoreProc.run_engine_core(config, *args)
+
+
+def _claim_devices(engine_index: int, devices_per_replica: int) -> None:
+    """Give data-parallel replica `engine_index` its own accelerators before jax starts
+    (on CPU every process has its own host devices and this changes nothing)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(1024)]
+    first = engine_index * devices_per_replica
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[first : first + devices_per_replica])
 
 
 class MPClient:
-    """What the sync and async clients share: start-up, handshake, death watch, shutdown."""
+    """What the sync and async clients share: start-up, handshake, routing over
+    data-parallel replicas, death watch, shutdown.
+
+    There are `data_parallel_size` engine processes (usually one), all on the same two
+    sockets: the ROUTER addresses each by its identity, the PULL takes every replica's
+    outputs (tagged with `engine_index`). With more than one, a `DataParallelBalancer`
+    picks each request's replica and one replica's death fails only its requests.
+    """
 
     def __init__(self, config: EngineConfig, startup_timeout: float | None = None):
         self.config = config
@@ -110,90 +163,163 @@ class MPClient:
         self.output_socket = self._zmq.socket(zmq.PULL)
         self.output_socket.setsockopt(zmq.LINGER, 0)
         self.output_socket.bind(output_address)
-        self.identity = uuid.uuid4().bytes
-        self.proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core,
-            args=(config, input_address, output_address, self.identity),
-            name="EngineCore",
-            daemon=True,
-        )
+        num_replicas = config.parallel.data_parallel_size
+        self.balancer = DataParallelBalancer(num_replicas) if num_replicas > 1 else None
+        context = multiprocessing.get_context("spawn")
+        self.replicas = []
+        for index in range(num_replicas):
+            identity = uuid.uuid4().bytes
+            proc = context.Process(
+                target=run_engine_core,
+                args=(config, input_address, output_address, identity, index),
+                name=f"EngineCore-{index}" if self.balancer else "EngineCore",
+                daemon=True,
+            )
+            name = f"engine-core replica {index}" if self.balancer else "the engine-core process"
+            self.replicas.append(EngineReplica(index, name, identity, proc))
         try:
-            self.proc.start()
-            logger.info("started the engine-core process (pid %d)", self.proc.pid)
-            self.ready = self._wait_for_ready(startup_timeout)
+            for replica in self.replicas:
+                replica.proc.start()
+                logger.info("started %s (pid %d)", replica.name, replica.proc.pid)
+            self._wait_for_ready(startup_timeout)
         except BaseException:
             self._shutting_down = True
-            self._stop_process()
+            self._stop_processes()
             self._close()
             raise
-        self.engine_pid = self.proc.pid
-        threading.Thread(target=self._watch_engine, name="EngineCoreWatch", daemon=True).start()
+        self.ready = _combine_ready([replica.ready for replica in self.replicas])
+        self.engine_pid = self.replicas[0].proc.pid
+        for replica in self.replicas:
+            threading.Thread(
+                target=self._watch_engine, args=(replica,), name="EngineCoreWatch", daemon=True
+            ).start()
 
-    def _wait_for_ready(self, timeout: float | None) -> EngineCoreReady:
+    @property
+    def engine_pids(self) -> list[int]:
+        return [replica.proc.pid for replica in self.replicas]
+
+    def _wait_for_ready(self, timeout: float | None) -> None:
+        by_identity = {replica.identity: replica for replica in self.replicas}
         waited = 0.0
-        while not self.input_socket.poll(500):
-            waited += 0.5
-            if not self.proc.is_alive():
-                raise RuntimeError(
-                    f"the engine-core process failed to start (exit code {self.proc.exitcode});"
-                    " its log above says why"
-                )
-            if timeout is not None and waited >= timeout:
-                raise TimeoutError(f"the engine core was not ready after {timeout:.0f}s")
-        identity, payload = self.input_socket.recv_multipart()
-        assert identity == self.identity
-        return msgspec.msgpack.decode(payload, type=EngineCoreReady)
+        while any(replica.ready is None for replica in self.replicas):
+            if not self.input_socket.poll(500):
+                waited += 0.5
+                for replica in self.replicas:
+                    if not replica.proc.is_alive():
+                        raise RuntimeError(
+                            f"the engine-core process failed to start (exit code "
+                            f"{replica.proc.exitcode}); its log above says why"
+                        )
+                if timeout is not None and waited >= timeout:
+                    raise TimeoutError(f"the engine core was not ready after {timeout:.0f}s")
+                continue
+            identity, payload = self.input_socket.recv_multipart()
+            by_identity[identity].ready = msgspec.msgpack.decode(payload, type=EngineCoreReady)
 
-    def _watch_engine(self) -> None:
-        multiprocessing.connection.wait([self.proc.sentinel])
+    def _watch_engine(self, replica: EngineReplica) -> None:
+        multiprocessing.connection.wait([replica.proc.sentinel])
         if self._shutting_down:
             return
-        self.engine_dead = True
+        replica.proc.join(5)  # reaped, so its exit code is known
+        replica.dead = True
+        if all(r.dead for r in self.replicas):
+            self.engine_dead = True
+        if self.balancer is None:
+            logger.error(
+                "%s (pid %d) died with exit code %s",
+                replica.name,
+                replica.proc.pid,
+                replica.proc.exitcode,
+            )
+            self._on_engine_dead()
+            return
+        lost = self.balancer.replica_died(replica.index)
         logger.error(
-            "the engine-core process (pid %d) died with exit code %s",
-            self.proc.pid,
-            self.proc.exitcode,
+            "%s (pid %d) died with exit code %s; its %d unfinished requests fail, %s",
+            replica.name,
+            replica.proc.pid,
+            replica.proc.exitcode,
+            len(lost),
+            "no replica is left" if self.engine_dead else "the other replicas carry on",
         )
-        self._on_engine_dead()
+        self._on_replica_dead(replica, LostRequests(lost, replica.dead_error()))
+        if self.engine_dead:
+            self._on_engine_dead()
 
     def _on_engine_dead(self) -> None:
         raise NotImplementedError
 
+    def _on_replica_dead(self, replica: EngineReplica, lost: LostRequests) -> None:
+        raise NotImplementedError
+
     def dead_error(self) -> EngineDeadError:
+        if self.balancer is None:
+            return self.replicas[0].dead_error()
         return EngineDeadError(
-            f"the engine-core process (pid {self.proc.pid}) died "
-            f"(exit code {self.proc.exitcode}); see the server log"
+            f"every engine-core replica died (pids {self.engine_pids}); see the server log"
         )
 
-    def _encode_request(self, request_type: EngineCoreRequestType, message) -> tuple:
-        return (self.identity, bytes((request_type,)), self._encoder.encode(message))
+    # -- where messages go ----------------------------------------------------------------
+
+    def _replica_for(self, requests: list[EngineCoreRequest]) -> EngineReplica:
+        if self.balancer is None:
+            return self.replicas[0]
+        index = self.balancer.route([request.request_id for request in requests])
+        if index is None:
+            raise self.dead_error()
+        return self.replicas[index]
+
+    def _replicas_holding(self, request_ids: list[str]) -> list[tuple[EngineReplica, list]]:
+        if self.balancer is None:
+            return [(self.replicas[0], request_ids)]
+        return [
+            (self.replicas[index], ids)
+            for index, ids in self.balancer.take(request_ids).items()
+            if not self.replicas[index].dead
+        ]
+
+    def _live_replicas(self) -> list[EngineReplica]:
+        live = [replica for replica in self.replicas if not replica.dead]
+        if not live:
+            raise self.dead_error()
+        return live
+
+    def _encode_request(self, replica: EngineReplica, request_type, message) -> tuple:
+        return (replica.identity, bytes((request_type,)), self._encoder.encode(message))
 
     def _decode_output(self, frames):
         kind, payload = frames
         if EngineCoreOutputType(kind.bytes[0]) == EngineCoreOutputType.UTILITY:
             return self._utility_decoder.decode(payload.buffer)
-        return self._outputs_decoder.decode(payload.buffer)
+        outputs = self._outputs_decoder.decode(payload.buffer)
+        if self.balancer is not None:
+            self.balancer.observe(outputs)
+        return outputs
 
     def _new_utility_request(self, name: str, args) -> UtilityRequest:
         if name not in UTILITY_METHODS:
             raise ValueError(f"unknown engine-core utility {name!r}")
         return UtilityRequest(next(self._call_ids), name, list(args))
 
+    # -- shutdown -------------------------------------------------------------------------
+
     def shutdown(self) -> None:
         if self._shutting_down:
             return
         self._shutting_down = True
         self._stop_io()
-        self._stop_process()
+        self._stop_processes()
         self._close()
 
-    def _stop_process(self) -> None:
-        if self.proc.pid is not None and self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(10)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join(5)
+    def _stop_processes(self) -> None:
+        live = [r.proc for r in self.replicas if r.proc.pid is not None and r.proc.is_alive()]
+        for proc in live:
+            proc.terminate()
+        for proc in live:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
 
     def _stop_io(self) -> None:
         pass
@@ -201,6 +327,19 @@ class MPClient:
     def _close(self) -> None:
         self._zmq.destroy(linger=0)
         shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+
+def _combine_ready(readies: list[EngineCoreReady]) -> EngineCoreReady:
+    """The replicas' handshakes as one engine's (blocks summed like `combine_stats`)."""
+    if len(readies) == 1:
+        return readies[0]
+    return EngineCoreReady(
+        pid=readies[0].pid,
+        vocab_size=readies[0].vocab_size,
+        num_blocks=sum(r.num_blocks for r in readies) - len(readies) + 1,
+        capacity_report=f"{len(readies)} replicas, each: {readies[0].capacity_report}",
+        startup_seconds=max(r.startup_seconds for r in readies),
+    )
 
 
 class SyncMPClient(MPClient):
@@ -213,7 +352,7 @@ class SyncMPClient(MPClient):
 
     def __init__(self, config: EngineConfig, startup_timeout: float | None = None):
         self._outputs: queue.Queue = queue.Queue()
-        self._pending: dict[int, Future] = {}
+        self._pending: dict[int, tuple[EngineReplica, Future]] = {}
         self._send_lock = threading.Lock()
         self._stop = threading.Event()
         super().__init__(config, startup_timeout)
@@ -228,36 +367,46 @@ class SyncMPClient(MPClient):
                 continue
             message = self._decode_output(self.output_socket.recv_multipart(copy=False))
             if isinstance(message, UtilityOutput):
-                future = self._pending.pop(message.call_id, None)
+                _, future = self._pending.pop(message.call_id, (None, None))
                 if future is not None:
                     _resolve(future, message)
             else:
                 self._outputs.put_nowait(message)
 
     def _on_engine_dead(self) -> None:
-        error = self.dead_error()
-        self._outputs.put_nowait(error)
-        for call_id in list(self._pending):
-            future = self._pending.pop(call_id, None)
-            if future is not None:
-                future.set_exception(error)
+        self._outputs.put_nowait(self.dead_error())
+        self._fail_pending(None)
 
-    def _send(self, request_type: EngineCoreRequestType, message) -> None:
-        if self.engine_dead:
-            raise self.dead_error()
+    def _on_replica_dead(self, replica: EngineReplica, lost: LostRequests) -> None:
+        self._outputs.put_nowait(lost)
+        self._fail_pending(replica)
+
+    def _fail_pending(self, replica: EngineReplica | None) -> None:
+        for call_id, (target, future) in list(self._pending.items()):
+            if replica is None or target is replica:
+                self._pending.pop(call_id, None)
+                future.set_exception(target.dead_error())
+
+    def _send(self, replica: EngineReplica, request_type: EngineCoreRequestType, message) -> None:
+        if replica.dead:
+            raise replica.dead_error()
         with self._send_lock:
             self.input_socket.send_multipart(
-                self._encode_request(request_type, message), copy=False
+                self._encode_request(replica, request_type, message), copy=False
             )
 
-    def add_request(self, request: EngineCoreRequest) -> None:
-        self._send(EngineCoreRequestType.ADD, request)
+    def add_request(self, sequences: list[EngineCoreRequest]) -> None:
+        """Send the sequences of one request (one, or its n > 1 fan-out) to one replica."""
+        replica = self._replica_for(sequences)
+        for sequence in sequences:
+            self._send(replica, EngineCoreRequestType.ADD, sequence)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and not self.engine_dead:
-            self._send(EngineCoreRequestType.ABORT, list(request_ids))
+            for replica, ids in self._replicas_holding(request_ids):
+                self._send(replica, EngineCoreRequestType.ABORT, ids)
 
-    def get_output(self) -> EngineCoreOutputs:
+    def get_output(self) -> EngineCoreOutputs | LostRequests:
         output = self._outputs.get()
         if isinstance(output, EngineDeadError):
             self._outputs.put_nowait(output)  # every later call fails the same way
@@ -265,11 +414,15 @@ class SyncMPClient(MPClient):
         return output
 
     def call_utility(self, name: str, *args):
-        call = self._new_utility_request(name, args)
-        future: Future = Future()
-        self._pending[call.call_id] = future
-        self._send(EngineCoreRequestType.UTILITY, call)
-        return future.result()
+        """Call `name` on every live replica; their answers combined into one."""
+        futures = []
+        for replica in self._live_replicas():
+            call = self._new_utility_request(name, args)
+            future: Future = Future()
+            self._pending[call.call_id] = (replica, future)
+            self._send(replica, EngineCoreRequestType.UTILITY, call)
+            futures.append(future)
+        return combine_utility_results(name, [future.result() for future in futures])
 
     def _stop_io(self) -> None:
         self._stop.set()
@@ -284,8 +437,9 @@ class AsyncMPClient(MPClient):
     def __init__(self, config: EngineConfig, startup_timeout: float | None = None):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outputs: asyncio.Queue | None = None
-        self._pending: dict[int, asyncio.Future] = {}
+        self._pending: dict[int, tuple[EngineReplica, asyncio.Future]] = {}
         self._output_task: asyncio.Task | None = None
+        self._lost_before_start: list[tuple[EngineReplica, LostRequests]] = []
         super().__init__(config, startup_timeout)
 
     def _ensure_started(self) -> None:
@@ -296,6 +450,8 @@ class AsyncMPClient(MPClient):
         self._async_input = zmq.asyncio.Socket.from_socket(self.input_socket)
         self._async_output = zmq.asyncio.Socket.from_socket(self.output_socket)
         self._output_task = self._loop.create_task(self._run_output_task())
+        for replica, lost in self._lost_before_start:
+            self._on_replica_dead_in_loop(replica, lost)
         if self.engine_dead:
             self._on_engine_dead_in_loop()
 
@@ -304,42 +460,62 @@ class AsyncMPClient(MPClient):
             frames = await self._async_output.recv_multipart(copy=False)
             message = self._decode_output(frames)
             if isinstance(message, UtilityOutput):
-                future = self._pending.pop(message.call_id, None)
+                _, future = self._pending.pop(message.call_id, (None, None))
                 if future is not None and not future.done():
                     _resolve(future, message)
             else:
                 self._outputs.put_nowait(message)
 
+    # Called on a watch thread: hand over to the loop (if it has started).
+
     def _on_engine_dead(self) -> None:
-        # Called on the watch thread; hand over to the loop (if it has started).
         loop = self._loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._on_engine_dead_in_loop)
 
-    def _on_engine_dead_in_loop(self) -> None:
-        error = self.dead_error()
-        self._outputs.put_nowait(error)
-        for call_id in list(self._pending):
-            future = self._pending.pop(call_id)
-            if not future.done():
-                future.set_exception(error)
+    def _on_replica_dead(self, replica: EngineReplica, lost: LostRequests) -> None:
+        loop = self._loop
+        if loop is None:
+            self._lost_before_start.append((replica, lost))
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(self._on_replica_dead_in_loop, replica, lost)
 
-    async def _send(self, request_type: EngineCoreRequestType, message) -> None:
+    def _on_engine_dead_in_loop(self) -> None:
+        self._outputs.put_nowait(self.dead_error())
+        self._fail_pending(None)
+
+    def _on_replica_dead_in_loop(self, replica: EngineReplica, lost: LostRequests) -> None:
+        self._outputs.put_nowait(lost)
+        self._fail_pending(replica)
+
+    def _fail_pending(self, replica: EngineReplica | None) -> None:
+        for call_id, (target, future) in list(self._pending.items()):
+            if (replica is None or target is replica) and not future.done():
+                self._pending.pop(call_id)
+                future.set_exception(target.dead_error())
+
+    async def _send(
+        self, replica: EngineReplica, request_type: EngineCoreRequestType, message
+    ) -> None:
         self._ensure_started()
-        if self.engine_dead:
-            raise self.dead_error()
+        if replica.dead:
+            raise replica.dead_error()
         await self._async_input.send_multipart(
-            self._encode_request(request_type, message), copy=False
+            self._encode_request(replica, request_type, message), copy=False
         )
 
-    async def add_request_async(self, request: EngineCoreRequest) -> None:
-        await self._send(EngineCoreRequestType.ADD, request)
+    async def add_request_async(self, sequences: list[EngineCoreRequest]) -> None:
+        """Send the sequences of one request (one, or its n > 1 fan-out) to one replica."""
+        replica = self._replica_for(sequences)
+        for sequence in sequences:
+            await self._send(replica, EngineCoreRequestType.ADD, sequence)
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         if request_ids and not self.engine_dead:
-            await self._send(EngineCoreRequestType.ABORT, list(request_ids))
+            for replica, ids in self._replicas_holding(request_ids):
+                await self._send(replica, EngineCoreRequestType.ABORT, ids)
 
-    async def get_output_async(self) -> EngineCoreOutputs:
+    async def get_output_async(self) -> EngineCoreOutputs | LostRequests:
         self._ensure_started()
         output = await self._outputs.get()
         if isinstance(output, EngineDeadError):
@@ -348,15 +524,22 @@ class AsyncMPClient(MPClient):
         return output
 
     async def call_utility_async(self, name: str, *args, timeout: float | None = None):
-        call = self._new_utility_request(name, args)
+        """Call `name` on every live replica; their answers combined into one."""
         self._ensure_started()
-        future = self._loop.create_future()
-        self._pending[call.call_id] = future
+        calls, futures = [], []
         try:
-            await self._send(EngineCoreRequestType.UTILITY, call)
-            return await asyncio.wait_for(future, timeout)
+            for replica in self._live_replicas():
+                call = self._new_utility_request(name, args)
+                future = self._loop.create_future()
+                self._pending[call.call_id] = (replica, future)
+                calls.append(call.call_id)
+                futures.append(future)
+                await self._send(replica, EngineCoreRequestType.UTILITY, call)
+            results = await asyncio.wait_for(asyncio.gather(*futures), timeout)
+            return combine_utility_results(name, results)
         finally:
-            self._pending.pop(call.call_id, None)
+            for call_id in calls:
+                self._pending.pop(call_id, None)
 
     def _stop_io(self) -> None:
         if self._output_task is not None and not self._output_task.done():

@@ -86,6 +86,7 @@ class EngineCore:
         logger.info(self.capacity_report)
         self.scheduler = Scheduler(scheduler_config, config.cache, self.runner.num_blocks)
         self.num_preemptions = 0  # since start, for tests and metrics
+        self.num_requests_added = 0
         if not config.compilation.warmup:
             self.startup_seconds = time.perf_counter() - started
             logger.info(
@@ -104,6 +105,7 @@ class EngineCore:
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        self.num_requests_added += 1
         self.scheduler.add_request(
             Request(
                 request.request_id,
@@ -158,6 +160,7 @@ class EngineCore:
             "num_blocks": self.runner.num_blocks,
             "kv_cache_usage": scheduler.kv_cache_manager.usage,
             "num_preemptions": self.num_preemptions,
+            "num_requests_added": self.num_requests_added,
             "compiles_after_warmup": self.compiles_after_warmup(),
             "attention_impl": self.runner.attention_impl,
         }
@@ -175,8 +178,16 @@ class EngineCoreProc(EngineCore):
     warmup is done. The process exits on SIGTERM or when its parent is gone.
     """
 
-    def __init__(self, config: EngineConfig, input_address: str, output_address: str, identity):
+    def __init__(
+        self,
+        config: EngineConfig,
+        input_address: str,
+        output_address: str,
+        identity: bytes,
+        engine_index: int = 0,
+    ):
         super().__init__(config)
+        self.engine_index = engine_index  # which data-parallel replica this is
         self.input_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
         self._parent_pid = os.getppid()
@@ -266,6 +277,7 @@ class EngineCoreProc(EngineCore):
             self._send_outputs(outputs)
 
     def _send_outputs(self, outputs: EngineCoreOutputs) -> None:
+        outputs.engine_index = self.engine_index
         self.output_queue.put_nowait((EngineCoreOutputType.OUTPUTS, outputs))
 
     def _handle_client_request(self, request_type: EngineCoreRequestType, message) -> None:
@@ -305,7 +317,11 @@ class EngineCoreProc(EngineCore):
 
     @staticmethod
     def run_engine_core(
-        config: EngineConfig, input_address: str, output_address: str, identity: bytes
+        config: EngineConfig,
+        input_address: str,
+        output_address: str,
+        identity: bytes,
+        engine_index: int = 0,
     ) -> None:
         """Body of the engine process (reached through the jax-free spawn target in
         jengine/engine/client.py): build the engine, hand-shake, run until told to stop."""
@@ -318,7 +334,7 @@ class EngineCoreProc(EngineCore):
         # SIGTERM), so the engine does not die under its in-flight requests first.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            engine = EngineCoreProc(config, input_address, output_address, identity)
+            engine = EngineCoreProc(config, input_address, output_address, identity, engine_index)
             # Everything built so far lives for the whole process: keep it out of GC scans.
             gc.collect()
             gc.freeze()

@@ -12,7 +12,7 @@ import itertools
 
 from jengine.config import EngineConfig
 from jengine.engine.arg_utils import EngineArgs
-from jengine.engine.client import InprocClient, SyncMPClient
+from jengine.engine.client import InprocClient, LostRequests, SyncMPClient
 from jengine.engine.input_processor import InputProcessor, PromptType
 from jengine.engine.output_processor import OutputProcessor, RequestOutputKind
 from jengine.engine.tokenizer import load_tokenizer
@@ -70,8 +70,7 @@ class LLMEngine:
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> None:
         """Send a request the input processor already made (so it is tokenized once)."""
-        for sequence in self.output_processor.add_request(request, prompt, output_kind):
-            self.client.add_request(sequence)
+        self.client.add_request(self.output_processor.add_request(request, prompt, output_kind))
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         if isinstance(request_ids, str):
@@ -80,6 +79,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs = self.client.get_output()
+        if isinstance(outputs, LostRequests):
+            # Offline, a lost replica fails the whole run (a batch is all or nothing).
+            raise outputs.error
         request_outputs, reqs_to_abort = self.output_processor.process_outputs(outputs.outputs)
         self.client.abort_requests(reqs_to_abort)
         return request_outputs

@@ -60,6 +60,15 @@ class LLM:
         if module is None and path is None:
             path = default_model()
             logger.info(describe_default(path))
+        if engine_kwargs.get("data_parallel_size", 1) > 1:
+            if module is not None or params is not None:
+                raise ValueError(
+                    "data_parallel_size > 1 runs each replica in its own process, loaded "
+                    "from a checkpoint: pass model=PATH, not a module or params"
+                )
+            self.engine_core = None  # the replicas run in their own processes
+            self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=path, **engine_kwargs))
+            return
         dtype = engine_kwargs.get("dtype", "auto")
         if module is None and params is not None:
             module = _module_from_params(path, params, dtype)
@@ -155,13 +164,21 @@ class LLM:
         """Forget every cached prefix (as vLLM's `LLM.reset_prefix_cache`), e.g. so that a
         benchmark's second pass over the same prompts computes them again. Returns False,
         forgetting nothing, while a request holds KV blocks."""
-        return self.engine_core.reset_prefix_cache()
+        return self.llm_engine.client.call_utility("reset_prefix_cache")
 
     # -- research integration --------------------------------------------------------------
 
     def update_weights(self, params) -> None:
         """Swap in new weights of the same shapes (a params pytree, State or module)."""
+        if self.engine_core is None:
+            raise ValueError(
+                "update_weights needs the engine in this process (data_parallel_size 1)"
+            )
         self.engine_core.update_weights(params)
+
+    def shutdown(self) -> None:
+        """Stop the engine processes, if any (data parallelism); idempotent."""
+        self.llm_engine.shutdown()
 
 
 def _module_from_params(path: str, params, dtype) -> nnx.Module:

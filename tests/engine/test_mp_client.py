@@ -114,7 +114,7 @@ def test_abort_returns_blocks(engine):
 def test_engine_death_raises_instead_of_hanging(engine):
     client: SyncMPClient = engine.client
     engine.add_request("doomed", "Hello", SamplingParams(max_tokens=100, ignore_eos=True))
-    os.kill(client.proc.pid, signal.SIGKILL)
+    os.kill(client.engine_pid, signal.SIGKILL)
     errors = []
 
     def drive():

@@ -5,7 +5,8 @@ Where it sits: `PrometheusStatLogger` is one of AsyncLLM's stat loggers: the out
 hands it each step's SchedulerStats (running/waiting requests, KV usage, prefix-cache
 queries and hits, preemptions) and IterationStats (token counts, TTFT, inter-token
 latency, finished requests). At scrape time the route also asks the engine core for the
-gauges only it knows exactly (free KV blocks, compiles after warmup).
+gauges only it knows exactly (free KV blocks, compiles after warmup), summed over
+data-parallel replicas, with each replica's requests under a `replica` label.
 
 Each app gets its own CollectorRegistry, so several apps in one process do not clash.
 """
@@ -96,6 +97,21 @@ class PrometheusStatLogger(StatLoggerBase):
         self.e2e = histogram(
             "jengine:e2e_request_latency_seconds", "Arrival to finish", E2E_BUCKETS
         )
+        # Per data-parallel replica (absent with one engine): how work is spread.
+        replica = ["model_name", "replica"]
+        self.replica_requests = Gauge(
+            "jengine:replica_requests_added",
+            "Engine-core requests (sequences) each data-parallel replica has taken",
+            replica,
+            registry=r,
+        )
+        self.replica_running = Gauge(
+            "jengine:replica_requests_running",
+            "Requests running on each data-parallel replica",
+            replica,
+            registry=r,
+        )
+        self.model_name = model_name
         self.total_blocks.set(num_blocks - 1)
         self.free_blocks.set(num_blocks - 1)
         self._queries = 0
@@ -136,6 +152,10 @@ class PrometheusStatLogger(StatLoggerBase):
         self.num_running.set(stats["num_running_reqs"])
         self.num_waiting.set(stats["num_waiting_reqs"])
         self.kv_usage.set(stats["kv_cache_usage"])
+        for index, replica in enumerate(stats.get("replicas", ())):
+            labels = (self.model_name, str(index))
+            self.replica_requests.labels(*labels).set(replica["num_requests_added"])
+            self.replica_running.labels(*labels).set(replica["num_running_reqs"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
