@@ -79,7 +79,7 @@ class InprocClient:
         return getattr(self.engine_core, name)(*args)
 
     def shutdown(self) -> None:
-        pass
+        self.engine_core.shutdown()
 
 
 class EngineDeadError(RuntimeError):

@@ -44,7 +44,9 @@ from jengine.protocol import (
     UtilityRequest,
 )
 from jengine.request import Request, RequestStatus
+from jengine.runner import distributed
 from jengine.runner.compilation import enable_compilation_cache
+from jengine.runner.distributed import StepBroadcaster
 from jengine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,9 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig, model: nnx.Module | None = None):
         self.config = config
+        self.broadcaster: StepBroadcaster | None = None
+        if config.parallel.multi_host:
+            distributed.initialize(config.parallel)  # before anything starts a backend
         if config.compilation.cache_dir:
             enable_compilation_cache(config.compilation.cache_dir)
         started = time.perf_counter()
@@ -87,7 +92,14 @@ class EngineCore:
         self.scheduler = Scheduler(scheduler_config, config.cache, self.runner.num_blocks)
         self.num_preemptions = 0  # since start, for tests and metrics
         self.num_requests_added = 0
-        if not config.compilation.warmup:
+        if config.parallel.multi_host:
+            self.broadcaster = StepBroadcaster()
+        self._warmup(started)
+        if self.broadcaster is not None and self.broadcaster.is_source:
+            self.broadcaster.start_keep_alive()
+
+    def _warmup(self, started: float) -> None:
+        if not self.config.compilation.warmup:
             self.startup_seconds = time.perf_counter() - started
             logger.info(
                 "no warmup: step shapes compile when first used; engine ready in %.1fs",
@@ -127,15 +139,35 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs()
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute(scheduler_output)
+        if self.broadcaster is None:
+            runner_output = self.runner.execute(scheduler_output)
+        else:
+            with self.broadcaster.lock:  # the followers run the same step
+                self.broadcaster.send_step(scheduler_output)
+                runner_output = self.runner.execute(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if outputs.scheduler_stats is not None:
             self.num_preemptions += outputs.scheduler_stats.num_preemptions
         return outputs
 
+    def run_follower(self) -> None:
+        """Hosts other than 0: run host 0's steps until it stops."""
+        assert self.broadcaster is not None and not self.broadcaster.is_source
+        logger.info("following host 0's steps")
+        while (scheduler_output := self.broadcaster.receive()) is not None:
+            self.runner.execute(scheduler_output)
+        logger.info("host 0 stopped; this host exits")
+
+    def shutdown(self) -> None:
+        """Release the followers, if any (host 0 of a multi-host engine)."""
+        if self.broadcaster is not None and self.broadcaster.is_source:
+            self.broadcaster.stop()
+
     # -- utilities the front end may call --------------------------------------------------
 
     def update_weights(self, params) -> None:
+        if self.broadcaster is not None:
+            raise ValueError("update_weights is not supported across hosts")
         self.runner.update_weights(params)
         # Cached prefixes were computed by the old weights.
         self.reset_prefix_cache()
@@ -338,7 +370,10 @@ class EngineCoreProc(EngineCore):
             # Everything built so far lives for the whole process: keep it out of GC scans.
             gc.collect()
             gc.freeze()
-            engine.run_busy_loop()
+            try:
+                engine.run_busy_loop()
+            finally:
+                engine.shutdown()
         except SystemExit:
             logger.debug("engine core exits")
         except BaseException:

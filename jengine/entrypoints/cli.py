@@ -104,6 +104,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
         # Clients name the bundled model by its folder name, not a site-packages path.
         args.served_model_name = args.served_model_name or [os.path.basename(args.model)]
     args.model = args.model_tag or args.model
+    if args.host_rank > 0:
+        # Not a server: this host runs host 0's steps on its devices (it imports jax).
+        from jengine.engine.core import EngineCore
+
+        EngineCore(EngineArgs.from_cli_args(args).create_engine_config()).run_follower()
+        return
     with contextlib.suppress(KeyboardInterrupt):
         run_server(args)
 

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import SingleDeviceSharding
 
 from jengine.core.outputs import LogprobsArrays, ModelRunnerOutput
@@ -83,7 +84,7 @@ class ModelRunner:
         # Committed to the device(s) from the start, like the weights update_weights puts
         # there later: committed and uncommitted inputs would be different jit cache keys.
         # Tensor parallel: weights and cache split over the mesh, the rest replicated.
-        self.device = jax.devices()[0]
+        self.device = jax.local_devices()[0]  # (jax.devices() spans every host)
         tp = self.tensor_parallel
         self.replicated = tp.replicated() if tp else self.device
         self.params = jax.device_put(params, tp.param_shardings(params) if tp else self.device)
@@ -98,6 +99,8 @@ class ModelRunner:
         self.num_blocks = num_blocks or self._blocks_from_budget(
             kv_cache_memory_bytes, gpu_memory_utilization
         )
+        if jax.process_count() > 1:  # every host must build the same cache: the smallest
+            self.num_blocks = int(multihost_utils.process_allgather(self.num_blocks).min())
         cache_shape = model.kv_cache_shape(self.num_blocks, block_size)
         self.kv_cache = jax.jit(  # made in place on each device, never whole on one
             lambda: jnp.zeros(cache_shape, self.dtype),

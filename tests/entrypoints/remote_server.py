@@ -43,7 +43,13 @@ def free_port() -> int:
 class RemoteServer:
     """`python -m jengine.entrypoints.cli serve MODEL ...` on 127.0.0.1, log to a file."""
 
-    def __init__(self, model: str, args: list[str], startup_timeout: float = 900.0):
+    def __init__(
+        self,
+        model: str,
+        args: list[str],
+        startup_timeout: float = 900.0,
+        env: dict[str, str] | None = None,
+    ):
         self.port = free_port()
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives as long as the server)
             "w+", prefix="jengine-serve-", suffix=".log"
@@ -52,7 +58,7 @@ class RemoteServer:
             sys.executable, "-m", "jengine.entrypoints.cli", "serve", model,
             "--host", "127.0.0.1", "--port", str(self.port), *args,
         ]  # fmt: skip
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self._wait_ready(startup_timeout)
 

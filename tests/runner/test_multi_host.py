@@ -1,0 +1,114 @@
+"""Multi-host SPMD on one machine: two processes on 127.0.0.1 joined by `jax.distributed`
+(gloo collectives), 2 CPU devices each, one TP=4 mesh across them. Host 0 schedules, host
+1 follows (`jengine serve --host-rank 1`); the tokens and logprobs equal those of one
+process with 4 devices, through `LLM` and through `jengine serve` on host 0, and host 1
+exits cleanly when host 0 stops."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import openai
+import pytest
+
+from tests.entrypoints.remote_server import (
+    ENGINE_FLAGS,
+    MODEL_NAME,
+    SERVER_ARGS,
+    RemoteServer,
+    free_port,
+)
+from tests.entrypoints.tiny_model import make_tiny_model
+from tests.runner.multi_host_check import MAX_TOKENS, PROMPTS
+
+TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+
+
+def multi_host_flags(address: str, rank: int) -> list[str]:
+    return [
+        "--tensor-parallel-size", "4", "--num-hosts", "2", "--host-rank", str(rank),
+        "--coordinator-address", address,
+    ]  # fmt: skip
+
+
+def run_check(*args: str, devices: int) -> dict:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.runner.multi_host_check", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+class Follower:
+    """Host 1: `jengine serve MODEL ... --host-rank 1`, log to a file."""
+
+    def __init__(self, model: str, address: str):
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="jengine-host1-", suffix=".log")  # noqa: SIM115
+        cmd = [
+            sys.executable, "-m", "jengine.entrypoints.cli", "serve", model, *ENGINE_FLAGS,
+            *multi_host_flags(address, 1),
+        ]  # fmt: skip
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **TWO_DEVICES)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_for_exit(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.log.seek(0)
+            self.text = self.log.read()
+            self.log.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny_model_multi_host")))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model) -> dict:
+    return run_check(tiny_model, devices=4)
+
+
+def assert_same_generation(result: dict, reference: dict) -> None:
+    assert result["tokens"] == reference["tokens"]
+    for ours, theirs in zip(result["logprobs"], reference["logprobs"], strict=True):
+        np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_two_hosts_generate_what_one_host_does(tiny_model, reference):
+    address = f"127.0.0.1:{free_port()}"
+    follower = Follower(tiny_model, address)
+    result = run_check(tiny_model, address, devices=2)
+    assert follower.wait_for_exit(60) == 0, follower.text[-3000:]
+    assert "following host 0's steps" in follower.text
+    assert result["devices"] == 4 and result["compiles_after_warmup"] == 0
+    assert_same_generation(result, reference)
+    assert result["again_tokens"] == reference["tokens"]
+    assert result["cached_tokens"][0] >= 64  # the long prompt hit the prefix cache
+
+
+def test_two_host_server(tiny_model, reference):
+    address = f"127.0.0.1:{free_port()}"
+    follower = Follower(tiny_model, address)
+    args = [*SERVER_ARGS, *multi_host_flags(address, 0)]
+    with RemoteServer(tiny_model, args, env=TWO_DEVICES) as server:
+        client = openai.OpenAI(base_url=server.url_for("v1"), api_key="none", max_retries=0)
+        choices = client.completions.create(
+            model=MODEL_NAME, prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1
+        ).choices
+    assert [c.text for c in choices] == reference["texts"]
+    for choice, logprobs in zip(choices, reference["logprobs"], strict=True):
+        np.testing.assert_allclose(choice.logprobs.token_logprobs, logprobs, atol=1e-4, rtol=0)
+    # The server's engine told host 1 to stop as it shut down.
+    assert follower.wait_for_exit(60) == 0, follower.text[-3000:]
