@@ -53,7 +53,9 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model: nnx.Module | None = None):
+    def __init__(self, config: EngineConfig, model: nnx.Module | None = None, devices=None):
+        """`model`: an in-memory model instead of `config.model.model`'s checkpoint;
+        `devices`: the devices to run on (default: the first of `jax.devices()`)."""
         self.config = config
         self.broadcaster: StepBroadcaster | None = None
         if config.parallel.multi_host:
@@ -78,6 +80,7 @@ class EngineCore:
             seed=config.model.seed,
             attention_impl=config.model.attention_impl,
             tensor_parallel_size=config.parallel.tensor_parallel_size,
+            devices=devices,
         )
         logger.info(
             "model %s: %s, %s, %.1fM parameters; attention: %s",

@@ -1,9 +1,10 @@
 """LLM: the offline batch API, with vLLM's names — `LLM(model=...).generate(prompts, params)`.
 
 Where it sits: the top of the offline path: LLM -> LLMEngine -> InprocClient -> EngineCore,
-all in this process, so JAX research code can hand over a params pytree (`params=`) or a
-Flax module (`model=`), generate, `update_weights(...)` and generate again without
-recompiling.
+all in this process, so JAX research code can hand over a params pytree (`params=`, on
+its own `mesh=` if it likes) or a Flax module (`model=`), generate, `update_weights(...)`
+and generate again without recompiling. With `data_parallel_size > 1` the replicas run
+in their own processes instead (LLMEngine over a SyncMPClient).
 
 Promises: outputs in input order; every request either completes or raises a ValueError
 before anything runs (bad prompts and sampling values are checked up front), so a bad
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 
 from flax import nnx
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jengine.engine.arg_utils import EngineArgs
@@ -44,10 +46,14 @@ class LLM:
         model: str | nnx.Module | None = None,
         *,
         params=None,
+        mesh: Mesh | None = None,
         **engine_kwargs,
     ):
         """`model`: an HF folder (default: the bundled model) or a Flax module; `params`:
-        weights (a params State or nested dict) to use instead of the folder's. Other
+        weights (a params State or nested dict) to use instead of the folder's, host
+        arrays or jax arrays in any layout; `mesh`: the `jax.sharding.Mesh` to run on
+        (e.g. the training mesh `params` live on): the model is split tensor-parallel over
+        all its devices, and weights on it reach the engine device to device. Other
         keyword arguments are EngineArgs fields, with vLLM's names (`dtype`,
         `max_model_len`, `max_num_seqs`, `max_num_batched_tokens`, `block_size`,
         `enable_prefix_caching`, `kv_cache_memory_bytes`, `num_gpu_blocks_override`,
@@ -70,6 +76,14 @@ class LLM:
             self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=path, **engine_kwargs))
             return
         dtype = engine_kwargs.get("dtype", "auto")
+        devices = None
+        if mesh is not None:
+            devices = mesh.devices.flatten().tolist()
+            size = engine_kwargs.setdefault("tensor_parallel_size", len(devices))
+            if size != len(devices):
+                raise ValueError(
+                    f"tensor_parallel_size={size} but the mesh has {len(devices)} devices"
+                )
         if module is None and params is not None:
             module = _module_from_params(path, params, dtype)
         elif module is not None and params is not None:
@@ -77,7 +91,7 @@ class LLM:
         if module is not None and engine_kwargs.get("max_model_len") is None:
             engine_kwargs["max_model_len"] = module.config.max_position_embeddings
         config = EngineArgs(model=path, **engine_kwargs).create_engine_config()
-        self.engine_core = EngineCore(config, model=module)
+        self.engine_core = EngineCore(config, model=module, devices=devices)
         tokenizer = load_tokenizer(config)
         self.llm_engine = LLMEngine.from_engine_core(config, self.engine_core, tokenizer)
 

@@ -15,9 +15,12 @@ Promises:
 - the KV capacity comes from a memory budget (`kv_cache_memory_bytes`, or a fraction of
   accelerator memory) unless `num_blocks` is given, and `capacity_report()` reports it as
   tokens and max concurrency;
-- `update_weights(params)` swaps in new weights of the same shapes without recompiling.
+- `update_weights(params)` swaps in new weights of the same shapes without recompiling
+  the step; weights already on the engine's devices are resharded there, never through
+  the host.
 """
 
+from collections.abc import Sequence
 from functools import partial
 
 import jax
@@ -67,10 +70,15 @@ class ModelRunner:
         seed: int = 0,
         attention_impl: str | None = None,
         tensor_parallel_size: int = 1,
+        devices: Sequence[jax.Device] | None = None,
     ):
+        """`devices`: where to run (default: the first of `jax.devices()`), e.g. the
+        devices of the mesh a user's params live on."""
         self.tensor_parallel = None
         if tensor_parallel_size > 1:
-            self.tensor_parallel = TensorParallel.create(tensor_parallel_size, model.config)
+            self.tensor_parallel = TensorParallel.create(
+                tensor_parallel_size, model.config, devices
+            )
             model = self.tensor_parallel.fit_model(model)
         self.config = model.config
         self.dtype = model.dtype
@@ -84,7 +92,8 @@ class ModelRunner:
         # Committed to the device(s) from the start, like the weights update_weights puts
         # there later: committed and uncommitted inputs would be different jit cache keys.
         # Tensor parallel: weights and cache split over the mesh, the rest replicated.
-        self.device = jax.local_devices()[0]  # (jax.devices() spans every host)
+        # (jax.devices() spans every host; the local ones are this process's)
+        self.device = devices[0] if devices is not None else jax.local_devices()[0]
         tp = self.tensor_parallel
         self.replicated = tp.replicated() if tp else self.device
         self.params = jax.device_put(params, tp.param_shardings(params) if tp else self.device)
@@ -291,9 +300,12 @@ class ModelRunner:
     # -- weights --------------------------------------------------------------------------
 
     def update_weights(self, params) -> None:
-        """Swap in weights of the same shapes (a params State, pure dict or model).
+        """Swap in weights of the same shapes (a params State, pure dict or model), as
+        host arrays or as jax arrays in any layout over the engine's devices.
 
-        Arrays are cast on the host when their dtype differs, so nothing compiles.
+        Host arrays are cast on the host when their dtype differs; jax arrays on the
+        engine's devices never leave them. Either way each new weight ends up with its
+        old weight's sharding, so the step never recompiles.
         """
         if isinstance(params, nnx.Module):
             params = nnx.state(params)
@@ -314,10 +326,30 @@ class ModelRunner:
         if new_tree != old_tree:
             raise ValueError("update_weights: params have a different structure than the model")
         leaves = []
-        for new, old in zip(new_leaves, old_leaves, strict=True):
+        moves = {}  # leaf index -> a device array to reshard on its devices
+        for index, (new, old) in enumerate(zip(new_leaves, old_leaves, strict=True)):
             if new.shape != old.shape:
                 raise ValueError(f"update_weights: a weight of shape {old.shape} got {new.shape}")
-            if new.dtype != old.dtype:
-                new = np.asarray(new).astype(old.dtype)
-            leaves.append(jax.device_put(new, old.sharding))
+            on_device = isinstance(new, jax.Array)
+            if on_device and new.sharding == old.sharding and new.dtype == old.dtype:
+                # The engine's own layout: the same buffers (device_put only commits them:
+                # committed and uncommitted arrays are different jit cache keys).
+                leaves.append(jax.device_put(new, old.sharding))
+            elif on_device and new.sharding.device_set == old.sharding.device_set:
+                leaves.append(None)  # another layout on the same devices (a training mesh's)
+                moves[index] = new
+            else:
+                if new.dtype != old.dtype:
+                    new = np.asarray(new).astype(old.dtype)  # on the host: nothing compiles
+                leaves.append(jax.device_put(new, old.sharding))
+        if moves:
+            # One program moves (and casts) them all with the collectives XLA picks; a
+            # device_put would go through the host for most layout changes.
+            targets = [old_leaves[index] for index in moves]
+            moved = jax.jit(
+                lambda arrays: [a.astype(t.dtype) for a, t in zip(arrays, targets)],
+                out_shardings=[t.sharding for t in targets],
+            )(list(moves.values()))
+            for index, array in zip(moves, moved):
+                leaves[index] = array
         self.params = jax.tree.unflatten(old_tree, leaves)

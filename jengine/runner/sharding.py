@@ -21,6 +21,7 @@ Promises (Megatron's layout, vLLM's choices):
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -46,7 +47,9 @@ class TensorParallel:
     kv_repeats: int  # each KV head's copies, so every device holds one (1: none)
 
     @classmethod
-    def create(cls, size: int, config) -> "TensorParallel":
+    def create(cls, size: int, config, devices=None) -> "TensorParallel":
+        """`devices`: where the mesh goes (default: the first `size` of `jax.devices()`),
+        e.g. those of a user's training mesh."""
         for name, count in (
             ("attention heads", config.num_attention_heads),
             ("MLP width (intermediate_size)", config.intermediate_size),
@@ -59,7 +62,7 @@ class TensorParallel:
             raise ValueError(
                 f"tensor_parallel_size={size} and the {kv} KV heads: one must divide the other"
             )
-        devices = jax.devices()
+        devices = list(devices if devices is not None else jax.devices())
         if size > len(devices):
             raise ValueError(
                 f"tensor_parallel_size={size} needs {size} devices; "
@@ -119,9 +122,11 @@ class TensorParallel:
         return NamedSharding(self.mesh, P())
 
 
-def _repeat_heads(weight, head_dim: int, repeats: int) -> np.ndarray:
-    """[..., K * H] -> [..., K * repeats * H]: each head's columns `repeats` times in a row."""
-    weight = np.asarray(weight)
+def _repeat_heads(weight, head_dim: int, repeats: int):
+    """[..., K * H] -> [..., K * repeats * H]: each head's columns `repeats` times in a row.
+    A jax array stays on its devices (jnp); anything else is repeated on the host."""
+    xp = jnp if isinstance(weight, jax.Array) else np
+    weight = xp.asarray(weight)
     *lead, width = weight.shape
     heads = weight.reshape(*lead, width // head_dim, head_dim)
-    return np.repeat(heads, repeats, axis=-2).reshape(*lead, width * repeats)
+    return xp.repeat(heads, repeats, axis=-2).reshape(*lead, width * repeats)

@@ -10,7 +10,11 @@ import re
 import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jengine import LLM, SamplingParams
 from jengine.models import load_model
@@ -27,20 +31,29 @@ PROMPTS = [
 MAX_TOKENS = 16
 
 
+ENGINE = dict(
+    dtype="float32",
+    max_model_len=96,
+    max_num_seqs=4,
+    max_num_batched_tokens=32,
+    block_size=16,
+    num_gpu_blocks_override=9,  # 8 usable blocks for up to 4 x 4: preemption
+)
+
+
+def generate(llm: LLM, logprobs: int | None = None):
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=logprobs)
+    return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
 def run(path: str, tp: int) -> tuple[dict, LLM]:
-    llm = LLM(
-        path,
-        dtype="float32",
-        max_model_len=96,
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-        block_size=16,
-        num_gpu_blocks_override=9,  # 8 usable blocks for up to 4 x 4: preemption
-        tensor_parallel_size=tp,
-    )
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=2)
+    llm = LLM(path, tensor_parallel_size=tp, **ENGINE)
     # The shared prefix the second prompt computes is a cache hit for the fourth.
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    outputs = generate(llm, logprobs=2)
     core = llm.engine_core
     completions = [o.outputs[0] for o in outputs]
     return (
@@ -88,9 +101,66 @@ def update_weights(llm: LLM, path: str) -> list[list[int]]:
     """The checkpoint's own params (2 KV heads) swapped into the TP=4 engine (4, repeated),
     then the prompts again."""
     llm.update_weights(nnx.state(load_model(path, "float32"), nnx.Param))
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    return token_ids(generate(llm))
+
+
+def on_a_training_mesh(path: str) -> dict:
+    """Params laid out on a 2 x 2 ("data", "model") mesh, as a training step leaves them:
+    `LLM(params=, mesh=)` runs TP=4 on that mesh's devices; `update_weights` with other
+    weights on the mesh reshards them with no host transfer (a transfer guard would raise)
+    and compiles nothing; weights already in the engine's layout are taken as they are."""
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+
+    def training_layout(x) -> NamedSharding:
+        axes = [None] * x.ndim
+        if x.ndim >= 1 and x.shape[-1] % 2 == 0:
+            axes[-1] = "model"
+        if x.ndim >= 2 and x.shape[-2] % 2 == 0:
+            axes[-2] = "data"
+        return NamedSharding(mesh, P(*axes))
+
+    def on_mesh(tree):
+        return jax.tree.map(lambda x: jax.device_put(x, training_layout(x)), tree)
+
+    weights = nnx.to_pure_dict(nnx.state(load_model(path, "float32"), nnx.Param))
+    weights = jax.tree.map(np.asarray, weights)
+    rng = np.random.default_rng(0)
+    other = jax.tree.map(lambda x: x + 0.05 * rng.standard_normal(x.shape, x.dtype), weights)
+    reference = LLM(path, **ENGINE)
+    reference.update_weights(other)
+    other_tokens = token_ids(generate(reference))
+
+    llm = LLM(path, params=on_mesh(weights), mesh=mesh, **ENGINE)
+    runner = llm.engine_core.runner
+    first = token_ids(generate(llm))
+    other_on_mesh = on_mesh(other)
+    no_host = (
+        jax.transfer_guard_host_to_device("disallow_explicit"),
+        jax.transfer_guard_device_to_host("disallow_explicit"),
+    )
+    with no_host[0], no_host[1]:
+        llm.update_weights(other_on_mesh)
+    second = token_ids(generate(llm))
+    engine_layout = jax.tree.map(jnp.copy, nnx.to_pure_dict(runner.params))
+    with no_host[0], no_host[1]:
+        llm.update_weights(engine_layout)
+
+    def buffers(tree):
+        return [
+            shard.data.unsafe_buffer_pointer()
+            for leaf in jax.tree.leaves(tree)
+            for shard in leaf.addressable_shards
+        ]
+
+    return dict(
+        tp=runner.tensor_parallel.size,
+        same_devices=set(runner.tensor_parallel.mesh.devices.flat) == set(mesh.devices.flat),
+        first=first,
+        second=second,
+        other_reference=other_tokens,
+        taken_as_is=buffers(runner.params) == buffers(engine_layout),
+        compiles_after_warmup=llm.engine_core.compiles_after_warmup(),
+    )
 
 
 def main() -> None:
@@ -101,6 +171,7 @@ def main() -> None:
     results["layout"] = layout(llm)
     results["updated_tokens"] = update_weights(llm, path)
     results["compiles_after_update"] = llm.engine_core.compiles_after_warmup()
+    results["mesh"] = on_a_training_mesh(path)
     print(json.dumps(results))
 
 
