@@ -44,11 +44,12 @@ MAX_MODEL_LEN = 512
 
 
 class JengineOffline:
-    name = "jengine"
-
-    def __init__(self, path: str, args):
+    def __init__(self, path: str, args, name: str = "jengine", **engine_kwargs):
+        """`engine_kwargs`: more LLM arguments (bench/parallel.py's tensor and data
+        parallel sizes)."""
         from jengine import LLM, SamplingParams
 
+        self.name = name
         limits = dict(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
         )
@@ -58,6 +59,7 @@ class JengineOffline:
             max_model_len=MAX_MODEL_LEN,
             kv_cache_memory_bytes=args.kv_cache_gib << 30,
             **{name: value for name, value in limits.items() if value is not None},
+            **engine_kwargs,
         )
         self.sampling_params = SamplingParams
         self.configs = ["defaults"] * args.rounds
@@ -75,10 +77,11 @@ class JengineOffline:
         return [list(o.outputs[0].token_ids) for o in outputs]
 
     def details(self) -> dict:
-        return dict(compiles_after_warmup=self.llm.engine_core.compiles_after_warmup())
+        client = self.llm.llm_engine.client
+        return dict(compiles_after_warmup=client.call_utility("compiles_after_warmup"))
 
     def close(self) -> None:
-        pass
+        self.llm.shutdown()
 
 
 class JengineServe:

@@ -16,9 +16,15 @@ Promises (Megatron's layout, vLLM's choices):
   head still meets its own KV head's weights, the outputs do not change;
 - a clear ValueError for sizes that cannot work: more devices asked for than present, q
   heads, KV heads, MLP width or vocabulary not divisible by the TP size.
+
+`step_collectives` reads back what a compiled step sends between devices (the tests and
+`jengine bench parallel` use it): per layer two all-reduces of the [T, D] activations, one
+for the embedding, and one all-gather of the [R, V] logits.
 """
 
 import dataclasses
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -130,3 +136,38 @@ def _repeat_heads(weight, head_dim: int, repeats: int):
     *lead, width = weight.shape
     heads = weight.reshape(*lead, width // head_dim, head_dim)
     return xp.repeat(heads, repeats, axis=-2).reshape(*lead, width * repeats)
+
+
+# -- what the compiled step sends between devices ----------------------------------------
+
+_COLLECTIVE = re.compile(
+    r"^\s*%?\S+ = (\w+)\[([\d,]*)\]\S* "
+    r"(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\("
+)
+_COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_WHILE = re.compile(r"body=%?([\w.\-]+).*?\"known_trip_count\":\{\"n\":\"(\d+)\"\}")
+_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1}
+
+
+def step_collectives(compiled_hlo: str) -> list[dict]:
+    """The collectives in a compiled step's HLO text, each with its result's size in bytes
+    and how many times one step runs it (a layer-scan body's, once per layer)."""
+    trips = {body: int(n) for body, n in _WHILE.findall(compiled_hlo)}
+    found, computation = [], None
+    for line in compiled_hlo.splitlines():
+        if header := _COMPUTATION.match(line):
+            computation = header.group(2)
+            continue
+        if match := _COLLECTIVE.match(line):
+            dtype, dims, kind = match.groups()
+            shape = [int(d) for d in dims.split(",") if d]
+            found.append(
+                dict(
+                    kind=kind,
+                    dtype=dtype,
+                    shape=shape,
+                    bytes=math.prod(shape) * _DTYPE_BYTES.get(dtype, 4),
+                    times_per_step=trips.get(computation, 1),
+                )
+            )
+    return found

@@ -86,6 +86,11 @@ def forward_step(graphdef, attention_impl, mesh, params, kv_cache, inputs: Forwa
     )
     logits = model.compute_logits(hidden[inputs.logits_indices])
     if mesh is not None:
+        # Each device computes its vocab shard's logits, then the [R, V] logits are
+        # gathered. Asked for replicated logits outright, XLA gathers the [D, V] head
+        # instead: far more bytes than R rows of logits.
+        (axis,) = mesh.axis_names
+        logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P(None, axis)))
         logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
     return kv_cache, logits, hidden
 

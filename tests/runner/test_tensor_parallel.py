@@ -91,6 +91,23 @@ def test_weights_and_cache_are_split_and_attention_runs_per_shard(results):
     assert 0 <= layout["manual_computation_at"] < layout["custom_call_at"]
 
 
+def test_the_step_sends_activations_and_logits_only(checkpoint, results):
+    """What crosses devices in the TP=4 step: per layer two all-reduces of the [T, D]
+    activations (after o_proj and down_proj), one for the embedding, and the [R, V]
+    logits gathered once; never a weight."""
+    config = checkpoint[1].config
+    tokens, reqs = results["layout"]["step_shape"]
+    hidden, vocab = config.hidden_size, config.vocab_size
+    per_step = {}
+    for collective in results["layout"]["collectives"]:
+        key = (collective["kind"], tuple(collective["shape"]))
+        per_step[key] = per_step.get(key, 0) + collective["times_per_step"]
+    assert per_step == {
+        ("all-reduce", (tokens, hidden)): 2 * config.num_hidden_layers + 1,
+        ("all-gather", (reqs, vocab)): 1,
+    }
+
+
 def test_sizes_that_cannot_work_are_refused(checkpoint):
     from jengine.models import load_model
 

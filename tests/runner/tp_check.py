@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jengine import LLM, SamplingParams
 from jengine.models import load_model
 from jengine.pallas_kernels.ragged_paged_attention import cpu
+from jengine.runner.sharding import step_collectives
 from jengine.runner.step import ForwardInputs
 
 SHARED = list(range(10, 42))  # two full 16-token blocks: the second prompt hits them
@@ -80,9 +81,10 @@ def layout(llm: LLM) -> dict:
         (split if shard != leaf.shape else whole).append(name)
     cache = runner.kv_cache
     prepared = runner._dummy_step(runner.buckets.shape_for(1, 1, 2))
-    text = runner._forward_fn.lower(
+    lowered = runner._forward_fn.lower(
         runner.params, runner.kv_cache, ForwardInputs.from_prepared(prepared)
-    ).as_text()
+    )
+    text = lowered.as_text()
     manual = text.find("sdy.manual_computation")
     call = re.search(rf"custom_call @{cpu.TARGET_NAME}\((.*)", text)
     return dict(
@@ -93,6 +95,8 @@ def layout(llm: LLM) -> dict:
         num_devices=len(cache.sharding.device_set),
         capacity_report=runner.capacity_report(),
         manual_computation_at=manual,
+        collectives=step_collectives(lowered.compile().as_text()),
+        step_shape=[prepared.shape.num_tokens, prepared.shape.num_reqs],
         custom_call_at=call.start() if call else -1,
     )
 
