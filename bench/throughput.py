@@ -218,7 +218,8 @@ def run_passes(engines, prompts, max_tokens) -> tuple[dict, dict]:
     return passes, outputs
 
 
-def summarize(engines, passes, roofline_tok_per_s) -> tuple[list, dict]:
+def engine_results(engines, passes) -> list[dict]:
+    """Each engine's best pass, median and every pass, with its details."""
     results = []
     for engine in engines:
         rates = [p["output_tok_per_s"] for p in passes[engine.name]]
@@ -233,6 +234,11 @@ def summarize(engines, passes, roofline_tok_per_s) -> tuple[list, dict]:
                 **engine.details(),
             )
         )
+    return results
+
+
+def summarize(engines, passes, roofline_tok_per_s) -> tuple[list, dict]:
+    results = engine_results(engines, passes)
     by_name = {r["engine"]: r["output_tok_per_s"] for r in results}
     ratios = {}
     peers = [name for name in by_name if not name.startswith("jengine")]
@@ -276,10 +282,10 @@ def main(argv: list[str] | None = None) -> None:
     engines = build_engines(path, args)
     try:
         passes, outputs = run_passes(engines, prompts, max_tokens)
+        results, ratios = summarize(engines, passes, roofline)  # engines still up
     finally:
         for engine in engines:
             engine.close()
-    results, ratios = summarize(engines, passes, roofline)
     for name, ratio in ratios.items():
         print(f"{name} = {ratio:.2f}x")
     write_result(

@@ -113,17 +113,23 @@ class EngineReplica:
         )
 
 
-def run_engine_core(config: EngineConfig, *args) -> None:
+def run_engine_core(
+    config: EngineConfig,
+    input_address: str,
+    output_address: str,
+    identity: bytes,
+    engine_index: int,
+) -> None:
     """Spawn target of the engine process. Lives here, in a jax-free module, because the
     child imports the target's module first; jax loads only inside this call."""
-    engine_index = args[-1]
-    prefix = "engine-core" if config.parallel.data_parallel_size == 1 else f"replica {engine_index}"
+    data_parallel = config.parallel.data_parallel_size > 1
+    prefix = f"replica {engine_index}" if data_parallel else "engine-core"
     init_logging(prefix=f"[{prefix} {os.getpid()}] ")
-    if config.parallel.data_parallel_size > 1:
+    if data_parallel:
         _claim_devices(engine_index, config.parallel.tensor_parallel_size)
     from jengine.engine.core import EngineCoreProc
 
-    EngineCoreProc.run_engine_core(config, *args)
+    EngineCoreProc.run_engine_core(config, input_address, output_address, identity, engine_index)
 
 
 def _claim_devices(engine_index: int, devices_per_replica: int) -> None:

@@ -7,6 +7,10 @@ here tokenizes or detokenizes: that is the front end's job.
 Promises: at construction the model is loaded, the KV capacity is computed from the
 memory budget and logged, and every step shape is compiled, so `step()` never compiles.
 
+Across hosts (`--num-hosts`), host 0's step sends its SchedulerOutput to the other hosts
+before running it, and the others (`run_follower`) run each one they receive: one SPMD
+step over the devices of all hosts (jengine/runner/distributed.py).
+
 `EngineCoreProc` is the same engine in its own process (started with `spawn` by the MP
 clients): a busy loop on the main thread, one input thread (ZMQ DEALER -> decode ->
 queue) and one output thread (queue -> encode -> ZMQ PUSH), so (de)serialization and
@@ -46,7 +50,6 @@ from jengine.protocol import (
 from jengine.request import Request, RequestStatus
 from jengine.runner import distributed
 from jengine.runner.compilation import enable_compilation_cache
-from jengine.runner.distributed import StepBroadcaster
 from jengine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -57,7 +60,7 @@ class EngineCore:
         """`model`: an in-memory model instead of `config.model.model`'s checkpoint;
         `devices`: the devices to run on (default: the first of `jax.devices()`)."""
         self.config = config
-        self.broadcaster: StepBroadcaster | None = None
+        self.broadcaster: distributed.StepBroadcaster | None = None
         if config.parallel.multi_host:
             distributed.initialize(config.parallel)  # before anything starts a backend
         if config.compilation.cache_dir:
@@ -96,7 +99,7 @@ class EngineCore:
         self.num_preemptions = 0  # since start, for tests and metrics
         self.num_requests_added = 0
         if config.parallel.multi_host:
-            self.broadcaster = StepBroadcaster()
+            self.broadcaster = distributed.StepBroadcaster()
         self._warmup(started)
         if self.broadcaster is not None and self.broadcaster.is_source:
             self.broadcaster.start_keep_alive()

@@ -25,7 +25,7 @@ from jengine.models.default import default_model, describe_default
 logger = logging.getLogger("jengine")
 
 # `jengine bench NAME`: vLLM's names where vLLM has one.
-BENCHMARKS = ("throughput", "latency", "serve", "prefix", "overhead", "startup")
+BENCHMARKS = ("throughput", "latency", "serve", "prefix", "overhead", "startup", "parallel")
 
 
 def make_parser() -> argparse.ArgumentParser:
