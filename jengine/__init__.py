@@ -6,7 +6,7 @@ imports only `jengine.entrypoints.openai`, which does not):
 """
 
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput
-from jengine.sampling_params import SamplingParams
+from jengine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name):
@@ -19,4 +19,11 @@ def __getattr__(name):
     raise AttributeError(f"module 'jengine' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]

@@ -22,6 +22,7 @@ from jengine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
+    WAITING_FOR_GRAMMAR = -1  # its structured-output grammar is still compiling
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
@@ -58,6 +59,7 @@ class Request:
         "output_token_ids",
         "all_token_ids",
         "block_hashes",
+        "structured_output",
     )
 
     def __init__(
@@ -86,6 +88,8 @@ class Request:
         # concatenation on the hot path.
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.block_hashes: list[int] = []
+        # A constrained request's grammar and matcher (core/structured_output.py).
+        self.structured_output = None
 
     @property
     def num_tokens(self) -> int:

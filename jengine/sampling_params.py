@@ -33,6 +33,59 @@ def _require(ok: bool, field: str, msg: str, value: object) -> None:
         raise ValueError(f"{field} {msg}, got {value!r}")
 
 
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """A constraint on the output (vLLM's names); exactly one kind is set.
+
+    json: a JSON schema (dict or JSON text) the output must validate against.
+    regex: a regular expression the whole output must match.
+    choice: the output is exactly one of these strings.
+    grammar: a context-free grammar, in Lark or GBNF (llama.cpp's EBNF) syntax.
+    json_object: the output is any JSON object.
+    disable_any_whitespace: JSON without spaces (`{"a":1,"b":2}`); by default JSON is
+        spaced as `json.dumps` spaces it (`{"a": 1, "b": 2}`), and never more.
+    reasoning_end: enforce the constraint only after the output has produced this text
+        (the reasoning parser's `</think>`: the model thinks freely, then answers in form).
+
+    The grammar library (llguidance) checks the constraint when the request is made, so a
+    bad schema, regex or grammar is a ValueError before anything runs
+    (jengine/core/structured_output.py).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    reasoning_end: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if self._set(k)]
+        _require(
+            len(kinds) == 1,
+            "structured_outputs",
+            "must set exactly one of json, regex, choice, grammar, json_object",
+            kinds,
+        )
+        if self.choice is not None:
+            _require(
+                bool(self.choice) and all(isinstance(c, str) for c in self.choice),
+                "structured_outputs.choice",
+                "must be a non-empty list of strings",
+                self.choice,
+            )
+
+    def _set(self, kind: str) -> bool:
+        value = getattr(self, kind)
+        return bool(value) if kind == "json_object" else value is not None
+
+    @property
+    def kind(self) -> str:
+        return next(
+            k for k in ("json", "regex", "choice", "grammar", "json_object") if self._set(k)
+        )
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Sampling and stopping parameters of one request (vLLM semantics).
 
@@ -56,6 +109,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     logit_bias: token id -> additive bias on the logit.
     include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens,
     detokenize: detokenization options used by the front end.
+    structured_outputs: a constraint on the output (JSON schema, regex, choice, grammar),
+        enforced on device by masking the logits before any sampling rule.
     """
 
     n: int = 1
@@ -79,6 +134,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Normalize first so validation (and everything downstream) sees one shape.

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from jengine.sampling_params import SamplingParams
 
 
@@ -61,6 +63,10 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     removed_req_ids: set[str] = field(default_factory=set)
+    # Constrained requests that sample this step, and their rows of the packed int32
+    # token bitmask [rows, ceil(V / 32)] (None when there are none).
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: np.ndarray | None = None
 
     @property
     def is_empty(self) -> bool:

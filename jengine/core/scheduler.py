@@ -20,10 +20,16 @@ What it promises (vLLM V1 rules):
   preempted.
 - ``num_computed_tokens`` is advanced when a step is scheduled (so the next ``schedule``
   could run before the previous results arrive).
+- A request with structured outputs waits (``WAITING_FOR_GRAMMAR``) until its grammar has
+  compiled, without holding up anything else; each step the SchedulerOutput carries the
+  token-bitmask rows of the constrained requests it samples, and a request whose grammar
+  is complete ends with ``stop`` (``core/structured_output.py``).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -33,8 +39,11 @@ from jengine.core.kv_cache_manager import KVCacheManager
 from jengine.core.outputs import ModelRunnerOutput
 from jengine.core.request_queue import WaitingQueue
 from jengine.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from jengine.core.structured_output import StructuredOutputManager
 from jengine.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from jengine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -56,8 +65,10 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         log_stats: bool = True,
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         self.config = scheduler_config
+        self.structured_output_manager = structured_output_manager
         self.cache_config = cache_config
         self.max_model_len = scheduler_config.max_model_len
         self.log_stats = log_stats
@@ -79,6 +90,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(scheduler_config.policy)
         self.running: list[Request] = []
+        # Constrained requests whose grammar still compiles (they join `waiting` when it
+        # is ready), every live constrained request, and those whose grammar failed.
+        self.waiting_for_grammar: dict[str, Request] = {}
+        self.constrained_ids: set[str] = set()
+        self._grammar_failed: list[Request] = []
         # Ids whose runner state must go, reported with the next SchedulerOutput.
         self.removed_req_ids: set[str] = set()
         self._num_preemptions = 0  # since the last make_stats()
@@ -94,7 +110,16 @@ class Scheduler:
                 f"tokens; it must have between 1 and max_model_len={self.max_model_len}"
             )
         self.requests[request.request_id] = request
-        self.waiting.add(request)
+        if request.sampling_params.structured_outputs is None:
+            self.waiting.add(request)
+            return
+        if self.structured_output_manager is None:
+            del self.requests[request.request_id]
+            raise ValueError("this engine does not take structured outputs")
+        self.structured_output_manager.add_request(request)
+        request.status = RequestStatus.WAITING_FOR_GRAMMAR
+        self.waiting_for_grammar[request.request_id] = request
+        self.constrained_ids.add(request.request_id)
 
     def finish_requests(
         self,
@@ -111,6 +136,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                del self.waiting_for_grammar[req_id]
             else:
                 self.waiting.remove(request)
             request.status = finished_status
@@ -120,9 +147,11 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self.removed_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        if request.structured_output is not None:
+            self.constrained_ids.discard(request.request_id)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_grammar)
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
@@ -155,7 +184,29 @@ class Scheduler:
         self._num_preemptions += 1
         self.waiting.add_preempted(request)
 
+    def _admit_compiled_grammars(self) -> None:
+        """Requests whose grammar is ready join the waiting queue; failed ones end."""
+        if not self.running and not len(self.waiting):
+            # Nothing else to run: wait a little for a grammar instead of spinning.
+            futures = [r.structured_output.future for r in self.waiting_for_grammar.values()]
+            concurrent.futures.wait(futures, timeout=0.05, return_when="FIRST_COMPLETED")
+        for req_id, request in list(self.waiting_for_grammar.items()):
+            constraint = request.structured_output
+            if not constraint.ready:
+                continue
+            del self.waiting_for_grammar[req_id]
+            if constraint.error is not None:
+                logger.error("request %s: its grammar failed: %s", req_id, constraint.error)
+                request.status = RequestStatus.FINISHED_ABORTED
+                self._free_request(request)
+                self._grammar_failed.append(request)
+            else:
+                request.status = RequestStatus.WAITING
+                self.waiting.add(request)
+
     def schedule(self) -> SchedulerOutput:
+        if self.waiting_for_grammar:
+            self._admit_compiled_grammars()
         step = _StepPlan(budget=self.config.max_num_batched_tokens)
         self._schedule_running(step)
         # Waiting requests start only if memory was not just too tight for running ones.
@@ -273,13 +324,29 @@ class Scheduler:
         removed = self.removed_req_ids
         removed.update(r.request_id for r in step.preempted)
         self.removed_req_ids = set()
-        return SchedulerOutput(
+        output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=list(step.cached.values()),
             num_scheduled_tokens=step.num_scheduled,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - step.budget,
             removed_req_ids=removed,
         )
+        if self.constrained_ids:
+            self._add_grammar_bitmask(output)
+        return output
+
+    def _add_grammar_bitmask(self, output: SchedulerOutput) -> None:
+        """The bitmask rows of the constrained requests that sample in this step (their
+        scheduled tokens reach their last known token)."""
+        constrained = [
+            request
+            for req_id in output.num_scheduled_tokens
+            if req_id in self.constrained_ids
+            and (request := self.requests[req_id]).num_computed_tokens >= request.num_tokens
+        ]
+        if constrained:
+            output.structured_output_request_ids = [r.request_id for r in constrained]
+            output.grammar_bitmask = self.structured_output_manager.fill_bitmask(constrained)
 
     # -- results ----------------------------------------------------------------------
 
@@ -302,6 +369,11 @@ class Scheduler:
         if last in params.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = last
+            return True
+        if request.structured_output is not None and self.structured_output_manager.accept(
+            request, last
+        ):
+            request.status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
             return True
         return False
 
@@ -368,6 +440,12 @@ class Scheduler:
                 )
         if any_stopped:
             self.running = [r for r in self.running if not r.is_finished()]
+        if self._grammar_failed:
+            outputs += [
+                EngineCoreOutput(r.request_id, [], finish_reason=r.get_finished_reason())
+                for r in self._grammar_failed
+            ]
+            self._grammar_failed = []
         return EngineCoreOutputs(
             outputs=outputs,
             timestamp=time.monotonic(),

@@ -24,6 +24,7 @@ import queue
 import signal
 import threading
 import time
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,7 @@ from flax import nnx
 
 from jengine.config import EngineConfig
 from jengine.core.scheduler import Scheduler
+from jengine.core.structured_output import StructuredOutputManager
 from jengine.models import load_model
 from jengine.pallas_kernels.ragged_paged_attention import prepare as prepare_attention
 from jengine.protocol import (
@@ -95,7 +97,15 @@ class EngineCore:
         )
         self.capacity_report = self.runner.capacity_report()
         logger.info(self.capacity_report)
-        self.scheduler = Scheduler(scheduler_config, config.cache, self.runner.num_blocks)
+        vocab_size = self.runner.config.vocab_size
+        self.scheduler = Scheduler(
+            scheduler_config,
+            config.cache,
+            self.runner.num_blocks,
+            structured_output_manager=StructuredOutputManager(
+                partial(grammar_tokenizer, config, vocab_size), vocab_size
+            ),
+        )
         self.num_preemptions = 0  # since start, for tests and metrics
         self.num_requests_added = 0
         if config.parallel.multi_host:
@@ -202,6 +212,19 @@ class EngineCore:
             "compiles_after_warmup": self.compiles_after_warmup(),
             "attention_impl": self.runner.attention_impl,
         }
+
+
+def grammar_tokenizer(config: EngineConfig, vocab_size: int):
+    """llguidance's view of the model's tokenizer, over the model's whole (padded)
+    vocabulary; built when the first constrained request arrives (about a second)."""
+    from llguidance.hf import from_tokenizer
+
+    from jengine.engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(config)
+    if tokenizer is None:
+        raise ValueError("structured outputs need the model's tokenizer; none is configured")
+    return from_tokenizer(tokenizer, n_vocab=vocab_size)
 
 
 _PARENT_POLL_SECONDS = 1.0

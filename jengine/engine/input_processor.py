@@ -3,16 +3,17 @@
 Where it sits: first thing `LLMEngine.add_request` and `AsyncLLM.generate` do, in the
 front-end process (it never imports jax). Promises a clear ValueError, before anything
 reaches the engine core, for: an empty prompt, a prompt longer than `max_model_len`,
-token ids outside the vocabulary, a text prompt with no tokenizer, and logprob counts
-above the engine's limit.
+token ids outside the vocabulary, a text prompt with no tokenizer, logprob counts above
+the engine's limit, and a structured-output constraint the grammar library rejects.
 """
 
 import time
 
 from jengine.config import EngineConfig
+from jengine.core import structured_output
 from jengine.engine.tokenizer import eos_token_ids_of
 from jengine.protocol import EngineCoreRequest
-from jengine.sampling_params import MAX_LOGPROBS, SamplingParams
+from jengine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 PromptType = str | list[int] | dict
 
@@ -38,6 +39,7 @@ class InputProcessor:
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
         # Further EOS ids end a request like stop tokens do (unless ignore_eos).
         self.extra_eos_ids = list(eos_token_ids[1:])
+        self._valid_specs: set[tuple] = set()
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) for a string, token-id list or vLLM-style dict."""
@@ -96,6 +98,19 @@ class InputProcessor:
         bad_bias = [t for t in bias if not 0 <= int(t) < self.vocab_size]
         if bad_bias:
             raise ValueError(f"logit_bias token ids {bad_bias[:5]} are out of vocabulary")
+        if params.structured_outputs is not None:
+            self._validate_structured_outputs(params.structured_outputs)
+
+    def _validate_structured_outputs(self, constraint: StructuredOutputsParams) -> None:
+        """The grammar library checks the constraint here, before anything is sent (valid
+        specs are remembered: agents send the same schema over and over)."""
+        key = structured_output.spec_key(constraint)
+        if key in self._valid_specs:
+            return
+        structured_output.validate(constraint)
+        if len(self._valid_specs) >= 1024:
+            self._valid_specs.clear()
+        self._valid_specs.add(key)
 
     def process(
         self,

@@ -65,6 +65,7 @@ class RequestState:
     num_cached_tokens: int = 0
     sent_tokens: int = 0
     sent_logprobs: int = 0
+    eos_token_id: int | None = None
 
     def completion(self, delta: bool) -> CompletionOutput:
         finished = self.finish_reason is not None
@@ -141,6 +142,7 @@ class OutputProcessor:
                 num_prompt_logprobs=params.prompt_logprobs,
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
+                eos_token_id=sequence.eos_token_id,
             )
             parent.children[index] = state
             self.request_states[sequence.request_id] = state
@@ -236,11 +238,17 @@ class OutputProcessor:
                 state.finish_reason = str(FinishReason(finish_reason))
                 state.stop_reason = output.stop_reason
             # EOS or a stop token ended it: as vLLM, its text is not part of the output
-            # (the id stays in token_ids) unless include_stop_str_in_output.
+            # (the id stays in token_ids) unless include_stop_str_in_output. (A completed
+            # grammar also ends with "stop", on a token that is part of the output.)
+            params = state.detokenizer.params
             if (
                 finish_reason == FinishReason.STOP
                 and new_token_ids
-                and not state.detokenizer.params.include_stop_str_in_output
+                and not params.include_stop_str_in_output
+                and (
+                    new_token_ids[-1] == state.eos_token_id
+                    or new_token_ids[-1] in params.stop_token_ids
+                )
             ):
                 new_token_ids = new_token_ids[:-1]
         if state.finish_reason is None:

@@ -59,6 +59,17 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--log-stats-interval", type=float, default=10.0, help="seconds between stats lines"
     )
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": find tool calls in replies with --tool-call-parser',
+    )
+    serve.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"])
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=["deepseek_r1", "qwen3"],
+        help="move the text between <think> and </think> into reasoning_content",
+    )
     EngineArgs.add_cli_args(serve)
 
     generate = commands.add_parser("generate", help="complete one prompt offline")
@@ -104,6 +115,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         # Clients name the bundled model by its folder name, not a site-packages path.
         args.served_model_name = args.served_model_name or [os.path.basename(args.model)]
     args.model = args.model_tag or args.model
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("error: --enable-auto-tool-choice needs --tool-call-parser")
     if args.host_rank > 0:
         # Not a server: this host runs host 0's steps on its devices (it imports jax).
         from jengine.engine.core import EngineCore

@@ -91,8 +91,8 @@ class StepBroadcaster:
             out_shardings=NamedSharding(mesh, P()),
         )
         self._zeros = np.zeros((1, CHUNK_BYTES), np.uint8)
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=_encode_array)
+        self._decoder = msgspec.msgpack.Decoder(SchedulerOutput, dec_hook=_decode_array)
         # Held by host 0 from sending a step until its device work is done.
         self.lock = threading.Lock()
         self._busy = threading.Event()
@@ -161,3 +161,17 @@ class StepBroadcaster:
                 return self._decoder.decode(message[1:])
             if kind == MessageKind.STOP:
                 return None
+
+
+def _encode_array(value):
+    """The grammar bitmask in a SchedulerOutput: (shape, int32 bytes)."""
+    if isinstance(value, np.ndarray):
+        return (list(value.shape), value.astype(np.int32).tobytes())
+    raise NotImplementedError(f"cannot send {type(value).__name__}")
+
+
+def _decode_array(kind, value):
+    if kind is np.ndarray:
+        shape, data = value
+        return np.frombuffer(data, np.int32).reshape(shape)
+    raise NotImplementedError(f"cannot receive {kind}")

@@ -69,6 +69,9 @@ class PreparedStep:
     num_logprobs: list[int | None]  # per request
     prompt_logprob_rows: dict[str, tuple[int, int]] = field(default_factory=dict)
     prompt_targets: np.ndarray | None = None  # [T] next prompt token per position
+    # [R, ceil(V / 32)] packed allowed-token bits, every bit set on unconstrained rows
+    # (None: no request in the step is constrained).
+    grammar_bitmask: np.ndarray | None = None
 
     @property
     def sample_mask(self) -> np.ndarray:

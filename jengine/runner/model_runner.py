@@ -132,6 +132,7 @@ class ModelRunner:
         self._prompt_logprobs_fn = jax.jit(partial(prompt_logprobs_step, self.graphdef))
         self._write_history = jax.jit(write_slot_history, donate_argnums=0)
         self._compile_counter = CompileCounter()
+        self._allow_all_masks: dict[int, jax.Array] = {}
 
     # -- memory ---------------------------------------------------------------------------
 
@@ -218,13 +219,45 @@ class ModelRunner:
         inputs = ForwardInputs.from_prepared(prepared)
         self.kv_cache, logits, hidden = self._forward_fn(self.params, self.kv_cache, inputs)
         want_logprobs = np.bool_(any(n is not None for n in prepared.num_logprobs))
+        if prepared.grammar_bitmask is None:
+            # No constrained request: the all-ones mask already on the device, unused.
+            bitmask, use_grammar = self._allow_all(prepared.shape.num_reqs), np.False_
+        else:  # placed like the all-ones masks: the same jit cache key
+            bitmask, use_grammar = (
+                jax.device_put(prepared.grammar_bitmask, self.replicated),
+                np.True_,
+            )
         self.sampling_state, sampled = self._sample_fn(
-            self.sampling_state, logits, SamplingMetadata(**prepared.sampling), want_logprobs
+            self.sampling_state,
+            logits,
+            SamplingMetadata(**prepared.sampling),
+            want_logprobs,
+            bitmask,
+            use_grammar,
         )
         prompt_logprobs = None
         if prepared.prompt_logprob_rows:
             prompt_logprobs = self._prompt_logprobs_fn(self.params, hidden, prepared.prompt_targets)
         return sampled, prompt_logprobs
+
+    def _allow_all(self, num_reqs: int) -> jax.Array:
+        """An all-ones [R, ceil(V / 32)] bitmask on the device, made once per R bucket."""
+        mask = self._allow_all_masks.get(num_reqs)
+        if mask is None:
+            width = (self.config.vocab_size + 31) // 32
+            mask = jax.device_put(np.full((num_reqs, width), -1, np.int32), self.replicated)
+            self._allow_all_masks[num_reqs] = mask
+        return mask
+
+    def _grammar_bitmask(self, prepared: PreparedStep, scheduler_output: SchedulerOutput):
+        """The step's [R, W] bitmask: the scheduler's rows where their requests sit, every
+        token allowed elsewhere."""
+        rows = scheduler_output.grammar_bitmask
+        full = np.full((prepared.shape.num_reqs, rows.shape[1]), -1, np.int32)
+        position = {req_id: i for i, req_id in enumerate(prepared.req_ids)}
+        for row, req_id in enumerate(scheduler_output.structured_output_request_ids):
+            full[position[req_id]] = rows[row]
+        return full
 
     def _history_args(self, state: CachedRequestState | None):
         """Fixed-length (-1 padded) arguments of `write_slot_history` for one request."""
@@ -258,6 +291,8 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
         prepared = self.input_batch.prepare(scheduler_output)
+        if scheduler_output.grammar_bitmask is not None:
+            prepared.grammar_bitmask = self._grammar_bitmask(prepared, scheduler_output)
         return self._to_runner_output(prepared, *self._run(prepared))
 
     def _to_runner_output(

@@ -11,9 +11,10 @@ Promises:
 - `forward_step` is `(params, kv_cache, inputs) -> (kv_cache, logits, hidden)` (graphdef,
   attention implementation and tensor-parallel mesh bound); the runner donates the KV
   cache, so it is updated in place;
-- `sample_step` is `(sampling_state, logits, meta, want_logprobs) -> (sampling_state,
-  SampleOutputs)`; the runner donates the sampling state; the top-logprob work runs only
-  when `want_logprobs` is true (a `lax.cond`), else zeros come back;
+- `sample_step` is `(sampling_state, logits, meta, want_logprobs, grammar_bitmask,
+  use_grammar) -> (sampling_state, SampleOutputs)`; the runner donates the sampling
+  state; the top-logprob work runs only when `want_logprobs` is true and the
+  structured-output masking only when `use_grammar` is (`lax.cond`s);
 - logprobs are [R, MAX_LOGPROBS + 1] (the sampled or target token first), whatever a
   request asked for: the host slices what it wants.
 
@@ -30,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from jengine.models import AttentionMetadata
 from jengine.runner.input_batch import PreparedStep
-from jengine.runner.sampler import SamplingMetadata, sample, top_logprobs
+from jengine.runner.sampler import SamplingMetadata, apply_token_bitmask, sample, top_logprobs
 from jengine.sampling_params import MAX_LOGPROBS
 
 
@@ -95,8 +96,16 @@ def forward_step(graphdef, attention_impl, mesh, params, kv_cache, inputs: Forwa
     return kv_cache, logits, hidden
 
 
-def sample_step(sampling_state, logits, meta: SamplingMetadata, want_logprobs):
-    """Sample one token per request, with its top logprobs when `want_logprobs`."""
+def sample_step(
+    sampling_state, logits, meta: SamplingMetadata, want_logprobs, grammar_bitmask, use_grammar
+):
+    """Sample one token per request, with its top logprobs when `want_logprobs`.
+
+    With `use_grammar`, tokens `grammar_bitmask` forbids are masked first, so every
+    sampling rule and the logprobs see the masked logits (as vLLM's do); without it the
+    masking costs nothing.
+    """
+    logits = jax.lax.cond(use_grammar, apply_token_bitmask, lambda x, _: x, logits, grammar_bitmask)
     sampled, sampling_state = sample(logits, meta, sampling_state)
 
     def compute(_):

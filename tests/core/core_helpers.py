@@ -201,7 +201,7 @@ def check_step_invariants(scheduler: Scheduler, so: SchedulerOutput) -> None:
     assert so.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
     assert len(so.num_scheduled_tokens) <= cfg.max_num_seqs
     assert len(scheduler.running) <= cfg.max_num_seqs
-    if scheduler.has_unfinished_requests():
+    if scheduler.running or len(scheduler.waiting):  # (not: grammars still compiling)
         assert so.total_num_scheduled_tokens > 0, "no progress with requests pending"
     for r in scheduler.running:
         assert r.num_computed_tokens <= min(r.num_tokens, cfg.max_model_len)

@@ -1,11 +1,15 @@
 """A real instruction-tuned model as a user meets it: `jengine chat` with no model named
 (SmolLM2-135M-Instruct, installed by the test setup) answers a question, and `jengine serve
 smollm2` answers through `/v1/chat/completions` with the official `openai` client: the
-template's default system prompt applies and `<|im_end|>` ends the turn."""
+template's default system prompt applies and `<|im_end|>` ends the turn. Under a JSON schema
+it names Paris as the capital of France; forced to call `get_weather`, it passes the city
+the question names."""
 
+import json
 import subprocess
 import sys
 
+import jsonschema
 import openai
 import pytest
 
@@ -64,3 +68,66 @@ def test_streamed_chat_gives_the_same_answer(client):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+# -- structured outputs and tools on a real model -------------------------------------------
+
+
+def test_capital_as_json(client):
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    }
+    reply = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Give the capital of France as JSON."}],
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "capital", "schema": schema},
+        },
+        temperature=0,
+        max_tokens=60,
+    )
+    answer = json.loads(reply.choices[0].message.content)
+    jsonschema.validate(answer, schema)
+    assert "Paris" in answer["city"]
+    # Any JSON object: a real model closes it.
+    reply = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Describe France in JSON."}],
+        response_format={"type": "json_object"},
+        temperature=0,
+        max_tokens=120,
+    )
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_required_tool_call_names_the_city(client):
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+    reply = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "What is the weather like in Tokyo today?"}],
+        tools=[weather],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=60,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] == "Tokyo"

@@ -44,12 +44,22 @@ def build_app(
     served_model_names: list[str] | None = None,
     *,
     api_key: str | None = None,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     model_path = engine.config.model.model
     names = list(served_model_names or [model_path])
     prometheus = PrometheusStatLogger(names[0], engine.num_blocks)
     engine.stat_loggers.append(prometheus)
-    chat = OpenAIServingChat(engine, names, model_path)
+    chat = OpenAIServingChat(
+        engine,
+        names,
+        model_path,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
+    )
 
     app = FastAPI(title="jengine", version=version())
     app.state.engine = engine
@@ -164,7 +174,14 @@ async def serve_http(args) -> None:
     )
     try:
         names = args.served_model_name or [engine_args.model]
-        app = build_app(engine, names, api_key=args.api_key)
+        app = build_app(
+            engine,
+            names,
+            api_key=args.api_key,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
+        )
         config = uvicorn.Config(
             app,
             log_level=args.uvicorn_log_level,

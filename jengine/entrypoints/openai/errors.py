@@ -45,6 +45,7 @@ def error_response(error: OpenAIError) -> JSONResponse:
 # Request fields that SamplingParams and the input processor name first in their errors.
 _PARAM_NAMES = {
     "n",
+    "structured_outputs",
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",

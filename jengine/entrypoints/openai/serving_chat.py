@@ -10,11 +10,17 @@ choice, with a `{"role": "assistant", "content": ""}` delta, as OpenAI's do.
 fill the rest of the context. `echo` prepends the last message's content when it has the
 reply's role (vLLM's meaning for chat).
 
-Extension points (tool calling slots in here, not in the stream skeleton):
-`convert_message` (one request message -> the template's dict), `response_choice` (one
-finished sequence -> a choice of the full response), `delta_message` (one streamed delta).
+Tools and reasoning: `tools` reach the chat template; tool_choice "required" or a named
+function becomes a JSON-schema constraint on the reply (structured_outputs.py), "auto"
+(with `--enable-auto-tool-choice --tool-call-parser NAME`) parses the reply with a tool
+parser (tool_parsers.py); calls come back as `message.tool_calls` with finish_reason
+"tool_calls", streamed as `delta.tool_calls`. With `--reasoning-parser`, the thinking
+goes to `reasoning_content` (reasoning_parsers.py), and a constraint applies to the
+answer after it. A streamed reply goes through the same parsers as a growing text
+(`ReplyStream`), so its deltas join into the full response.
 """
 
+import json
 from collections.abc import AsyncIterator
 
 from jengine.engine.output_processor import RequestOutputKind
@@ -30,7 +36,16 @@ from jengine.entrypoints.openai.protocol import (
     ChatMessage,
     ChatMessageParam,
     DeltaMessage,
+    NamedToolChoice,
     OpenAIError,
+)
+from jengine.entrypoints.openai.reasoning_parsers import (
+    END as REASONING_END,
+)
+from jengine.entrypoints.openai.reasoning_parsers import (
+    ReasoningParser,
+    ReasoningStream,
+    get_reasoning_parser,
 )
 from jengine.entrypoints.openai.serving_engine import (
     EnginePrompt,
@@ -39,6 +54,14 @@ from jengine.entrypoints.openai.serving_engine import (
     StreamUsage,
     clamp_logprob,
     usage,
+)
+from jengine.entrypoints.openai.structured_outputs import tool_choice_constraint, tool_choice_of
+from jengine.entrypoints.openai.tool_parsers import (
+    NamedToolCallParser,
+    RequiredToolCallParser,
+    ToolCallStream,
+    ToolParser,
+    get_tool_parser,
 )
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -50,24 +73,51 @@ class OpenAIServingChat(OpenAIServing):
     chunk_type = ChatCompletionStreamResponse
     request_id_prefix = "chatcmpl"
 
+    def __init__(
+        self,
+        engine,
+        served_model_names: list[str],
+        model_path: str | None,
+        *,
+        enable_auto_tool_choice: bool = False,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
+    ):
+        """`tool_call_parser` (with `enable_auto_tool_choice`): how tool_choice "auto"
+        finds calls in a reply; `reasoning_parser`: how the reasoning is split off."""
+        super().__init__(engine, served_model_names, model_path)
+        if enable_auto_tool_choice and tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        self.auto_tool_parser = (
+            get_tool_parser(tool_call_parser) if enable_auto_tool_choice else None
+        )
+        self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
+
     def prepare(self, request: ChatCompletionRequest) -> PreparedRequest:
         """Validate and render; one EnginePrompt whose engine id is the response id."""
         self.check_request(request)
         self.require_tokenizer()
-        response_format = request.response_format
-        if response_format is not None and response_format.get("type", "text") != "text":
-            raise OpenAIError(
-                f"response_format type {response_format.get('type')!r} is not supported",
-                param="response_format",
-            )
         if request.top_logprobs and not request.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        tool_choice = tool_choice_of(request)
+        if tool_choice == "auto" and request.tools and self.auto_tool_parser is None:
+            raise OpenAIError(
+                'tool_choice "auto" needs the server started with --enable-auto-tool-choice '
+                "and --tool-call-parser",
+                param="tool_choice",
+            )
+        tool_constraint = tool_choice_constraint(request)
+        template_kwargs = dict(request.chat_template_kwargs or {})
+        if request.tools and tool_choice != "none":
+            template_kwargs["tools"] = [
+                tool.model_dump(exclude_none=True) for tool in request.tools
+            ]
         messages = self.convert_messages(request.messages)
         text, token_ids = self.render(
             messages,
             request.add_generation_prompt,
             request.continue_final_message,
-            request.chat_template_kwargs,
+            template_kwargs,
             request.add_special_tokens,
         )
         requested = request.max_completion_tokens
@@ -80,6 +130,15 @@ class OpenAIServingChat(OpenAIServing):
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
             prompt_logprobs=request.prompt_logprobs,
         )
+        if tool_constraint is not None:
+            if params.structured_outputs is not None:
+                raise OpenAIError(
+                    "a forced tool call and an output constraint cannot be combined",
+                    param="tool_choice",
+                )
+            params.structured_outputs = tool_constraint
+        if params.structured_outputs is not None and self.reasoning_parser is not None:
+            params.structured_outputs.reasoning_end = REASONING_END  # enforce on the answer
         try:
             self.validate_prompt(token_ids, params)
         except OpenAIError as e:
@@ -111,6 +170,21 @@ class OpenAIServingChat(OpenAIServing):
         entry = {"role": message.role, "content": content or ""}
         if message.name is not None:
             entry["name"] = message.name
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        if message.tool_calls:
+            # Templates read the arguments as a mapping (`| tojson`, `.items()`).
+            entry["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _arguments_object(call.function.arguments),
+                    },
+                }
+                for call in message.tool_calls
+            ]
         return entry
 
     def render(
@@ -167,7 +241,10 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionResponse(
             id=prepared.request_id,
             model=self.model_name,
-            choices=[self.response_choice(seq, role, echo, num_logprobs) for seq in final.outputs],
+            choices=[
+                self.response_choice(request, seq, role, echo, num_logprobs)
+                for seq in final.outputs
+            ],
             usage=usage(
                 len(prepared.prompts[0].token_ids),
                 sum(len(seq.token_ids) for seq in final.outputs),
@@ -175,18 +252,53 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     def response_choice(
-        self, seq: CompletionOutput, role: str, echo: str, num_logprobs: int | None
+        self,
+        request: ChatCompletionRequest,
+        seq: CompletionOutput,
+        role: str,
+        echo: str,
+        num_logprobs: int | None,
     ) -> ChatCompletionResponseChoice:
-        """One finished sequence as a choice of the full response."""
+        """One finished sequence as a choice of the full response: reasoning split off,
+        then tool calls parsed out of the answer."""
+        reasoning, answer = None, seq.text
+        if self.reasoning_parser is not None:
+            reasoning, answer = self.reasoning_parser.split(answer, finished=True)
+            reasoning = reasoning or None
+        content, tool_calls = answer, []
+        if self.reasoning_parser is not None and not answer:
+            content = None  # all reasoning, no answer (yet)
+        tool_parser = self.tool_parser_for(request)
+        if tool_parser is not None:
+            content, tool_calls = tool_parser.extract(answer)
+        finish_reason = seq.finish_reason
+        if tool_calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
         return ChatCompletionResponseChoice(
             index=seq.index,
-            message=ChatMessage(role=role, content=echo + seq.text),
+            message=ChatMessage(
+                role=role,
+                content=echo + content if content is not None else (echo or None),
+                reasoning_content=reasoning,
+                tool_calls=tool_calls,
+            ),
             logprobs=self._logprobs(seq.token_ids, seq.logprobs, num_logprobs)
             if num_logprobs is not None
             else None,
-            finish_reason=seq.finish_reason,
+            finish_reason=finish_reason,
             stop_reason=seq.stop_reason,
         )
+
+    def tool_parser_for(self, request: ChatCompletionRequest) -> ToolParser | None:
+        """How this request's reply turns into tool calls (None: it is all content)."""
+        if not request.tools:
+            return None
+        choice = tool_choice_of(request)
+        if choice == "required":
+            return RequiredToolCallParser()
+        if isinstance(choice, NamedToolChoice):
+            return NamedToolCallParser(choice.function.name)
+        return self.auto_tool_parser if choice == "auto" else None
 
     # -- streaming ------------------------------------------------------------------------
 
@@ -199,27 +311,34 @@ class OpenAIServingChat(OpenAIServing):
             yield self._chunk(prepared, index, DeltaMessage(role=role, content=""))
             if echo:
                 yield self._chunk(prepared, index, DeltaMessage(content=echo))
+        tool_parser = self.tool_parser_for(request)
+        streams = [ReplyStream(self.reasoning_parser, tool_parser) for _ in range(request.n)]
         async for _, output in self.generate(request, prepared, RequestOutputKind.DELTA):
             for seq in output.outputs:
                 counts.completion_tokens += len(seq.token_ids)
                 wants_logprobs = num_logprobs is not None and seq.token_ids
-                if not seq.text and seq.finish_reason is None and not wants_logprobs:
+                finished = seq.finish_reason is not None
+                stream = streams[seq.index]
+                deltas = stream.feed(seq.text, finished)
+                if not deltas and not finished and not wants_logprobs:
                     continue
                 logprobs = None
                 if num_logprobs is not None:
                     logprobs = self._logprobs(seq.token_ids, seq.logprobs, num_logprobs)
-                yield self._chunk(
-                    prepared,
-                    seq.index,
-                    self.delta_message(seq),
-                    logprobs,
-                    seq.finish_reason,
-                    seq.stop_reason,
-                )
-
-    def delta_message(self, seq: CompletionOutput) -> DeltaMessage:
-        """What one streamed delta of a sequence adds to the reply."""
-        return DeltaMessage(content=seq.text)
+                finish_reason = seq.finish_reason
+                if stream.called and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+                deltas = deltas or [DeltaMessage()]
+                for i, delta in enumerate(deltas):
+                    last = i == len(deltas) - 1
+                    yield self._chunk(
+                        prepared,
+                        seq.index,
+                        delta,
+                        logprobs if i == 0 else None,
+                        finish_reason if last else None,
+                        seq.stop_reason if last else None,
+                    )
 
     def _chunk(
         self,
@@ -269,3 +388,37 @@ class OpenAIServingChat(OpenAIServing):
                 )
             )
         return ChatCompletionLogProbs(content=content)
+
+
+class ReplyStream:
+    """One streamed choice through the reasoning parser, then the tool parser: each
+    delta's new reasoning, content and tool calls."""
+
+    def __init__(self, reasoning_parser: ReasoningParser | None, tool_parser: ToolParser | None):
+        self.reasoning = ReasoningStream(reasoning_parser) if reasoning_parser else None
+        self.tools = ToolCallStream(tool_parser) if tool_parser else None
+
+    @property
+    def called(self) -> bool:
+        return self.tools is not None and self.tools.called
+
+    def feed(self, text: str, finished: bool) -> list[DeltaMessage]:
+        deltas = []
+        answer = text
+        if self.reasoning is not None:
+            reasoning, answer = self.reasoning.feed(text, finished)
+            if reasoning:
+                deltas.append(DeltaMessage(reasoning_content=reasoning))
+        if self.tools is not None:
+            deltas += self.tools.feed(answer, finished)
+        elif answer:
+            deltas.append(DeltaMessage(content=answer))
+        return deltas
+
+
+def _arguments_object(arguments: str):
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+    return value if isinstance(value, dict) else arguments

@@ -33,6 +33,7 @@ from jengine.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
+from jengine.entrypoints.openai.structured_outputs import structured_outputs_of
 from jengine.outputs import Logprob, RequestOutput
 from jengine.sampling_params import SamplingParams
 
@@ -154,6 +155,7 @@ class OpenAIServing:
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 skip_special_tokens=request.skip_special_tokens,
                 spaces_between_special_tokens=request.spaces_between_special_tokens,
+                structured_outputs=structured_outputs_of(request),
             )
         except (ValueError, TypeError) as e:
             raise to_openai_error(e, param_of(str(e)), bad_input=(ValueError, TypeError)) from None

@@ -1,0 +1,203 @@
+"""Structured outputs: grammars compiled off the step loop, one matcher per constrained
+request, and each step's token bitmask.
+
+Where it sits: the front end calls `validate` (through the input processor) so a bad
+schema, regex or grammar is a ValueError before anything is sent. In the engine core the
+Scheduler hands every constrained request to its `StructuredOutputManager`: the request
+waits (vLLM's WAITING_FOR_FSM) while its grammar compiles on a thread pool, then runs
+like any other; each step `fill_bitmask` writes the packed int32 bitmask rows
+`[rows, ceil(V / 32)]` of the constrained requests that sample in it, which travel to the
+runner in the SchedulerOutput (the sampler masks the logits with them on device), and
+`accept` feeds each sampled token back to the request's matcher; a matcher that can take
+nothing more ends its request with `stop`.
+
+The grammar library is llguidance (vLLM's `guidance` backend): a Rust Earley parser with
+no dependency (xgrammar, vLLM's default, requires torch and triton, which jengine
+otherwise never installs), JSON schema, regex, Lark and GBNF grammars, and masks computed
+lazily per step in microseconds, so a grammar "compiles" in milliseconds. Jax-free.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jengine.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from jengine.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def bitmask_width(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def grammar_for(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar of a constraint (not yet checked: see `validate`)."""
+    from llguidance import LLMatcher, grammar_from
+
+    kind = params.kind
+    if kind in ("json", "json_object"):
+        schema = {"type": "object"} if kind == "json_object" else params.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from e
+        if not isinstance(schema, dict):
+            raise ValueError("structured_outputs.json must be a JSON schema object")
+        # Fixed separators (json.dumps' by default) and no free whitespace: a model cannot
+        # pad the output forever.
+        options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        if params.disable_any_whitespace:
+            options.update(item_separator=",", key_separator=":")
+        try:
+            return LLMatcher.grammar_from_json_schema(schema, overrides=options)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.json is not a usable JSON schema: {e}") from e
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(params.regex)
+    if kind == "choice":
+        return grammar_from("choice", json.dumps(params.choice))
+    try:  # a Lark grammar, or GBNF (converted to Lark)
+        return grammar_from("grammar", params.grammar)
+    except ValueError as e:
+        raise ValueError(f"structured_outputs.grammar is invalid: {e}") from e
+
+
+def validate(params: StructuredOutputsParams) -> None:
+    """Raise a ValueError naming the problem if llguidance rejects the constraint."""
+    from llguidance import LLMatcher
+
+    error = LLMatcher.validate_grammar(grammar_for(params))
+    if error:
+        raise ValueError(f"structured_outputs.{params.kind} is invalid: {error}")
+
+
+def spec_key(params: StructuredOutputsParams) -> tuple:
+    """What identifies a compiled grammar (equal specs share one)."""
+    value = getattr(params, params.kind)
+    if isinstance(value, dict | list):
+        value = json.dumps(value, sort_keys=True)
+    return params.kind, value, params.disable_any_whitespace
+
+
+class StructuredOutputRequest:
+    """One request's constraint: its compiling grammar, then its matcher; with a
+    `reasoning_end` marker, free until the output has produced it."""
+
+    __slots__ = ("future", "matcher", "reasoning_end", "reasoning_ended")
+
+    def __init__(self, future: Future, reasoning_end: str | None = None):
+        self.future = future
+        self.matcher = None
+        self.reasoning_end = reasoning_end
+        self.reasoning_ended = reasoning_end is None
+
+    @property
+    def ready(self) -> bool:
+        """Compiled (or failed); takes the matcher on first success."""
+        if self.matcher is not None:
+            return True
+        if not self.future.done():
+            return False
+        if self.future.exception() is None:
+            self.matcher = self.future.result()
+        return True
+
+    @property
+    def error(self) -> str | None:
+        if not self.future.done():
+            return None
+        exception = self.future.exception()
+        if exception is not None:
+            return str(exception)
+        return self.matcher.get_error() or None if self.matcher is not None else None
+
+
+class StructuredOutputManager:
+    """Compiles grammars on a thread pool (cached by spec) and keeps each constrained
+    request's matcher in step with its tokens."""
+
+    def __init__(self, make_tokenizer: Callable[[], object], vocab_size: int, max_workers: int = 2):
+        """`make_tokenizer`: builds the `llguidance.LLTokenizer` (about a second; done on
+        the pool the first time a constrained request arrives)."""
+        self.vocab_size = vocab_size
+        self.width = bitmask_width(vocab_size)
+        self._make_tokenizer = make_tokenizer
+        self._tokenizer = None
+        self._tokenizer_lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar")
+        self._compiled: dict[tuple, Future] = {}  # spec -> compiled matcher (a template)
+
+    def add_request(self, request: Request) -> None:
+        params = request.sampling_params.structured_outputs
+        key = spec_key(params)
+        template = self._compiled.get(key)
+        if template is None:
+            template = self._executor.submit(self._compile, params)
+            self._compiled[key] = template
+        request.structured_output = StructuredOutputRequest(
+            self._executor.submit(self._copy, template), params.reasoning_end
+        )
+
+    def _tokenizer_once(self):
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = self._make_tokenizer()
+            return self._tokenizer
+
+    def _compile(self, params: StructuredOutputsParams):
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self._tokenizer_once(), grammar_for(params))
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs.{params.kind} is invalid: {matcher.get_error()}")
+        return matcher
+
+    @staticmethod
+    def _copy(template: Future):
+        return template.result().deep_copy()  # a fresh matcher, the compiled grammar shared
+
+    def fill_bitmask(self, requests: list[Request]) -> np.ndarray:
+        """The bitmask rows of these requests (ready ones), in order: bit t % 32 of word
+        t // 32 set means token t may come next."""
+        from llguidance.numpy import fill_next_token_bitmask
+
+        bitmask = np.full((len(requests), self.width), -1, np.int32)
+        for row, request in enumerate(requests):
+            if request.structured_output.reasoning_ended:  # else: still thinking, free
+                fill_next_token_bitmask(request.structured_output.matcher, bitmask, row)
+        return bitmask
+
+    def accept(self, request: Request, token_id: int) -> bool:
+        """Feed a sampled token to the request's matcher; True if the grammar is now
+        complete (nothing but EOS may follow)."""
+        constraint = request.structured_output
+        if not constraint.reasoning_ended:
+            # The marker may span tokens: look for it in the last few tokens' text.
+            tail = self._tokenizer.decode_str(request.output_token_ids[-16:])
+            constraint.reasoning_ended = constraint.reasoning_end in tail
+            return False
+        matcher = constraint.matcher
+        if not matcher.consume_token(token_id):
+            logger.warning(
+                "request %s: token %d broke its grammar: %s",
+                request.request_id,
+                token_id,
+                matcher.get_error(),
+            )
+            return True
+        return matcher.is_stopped()
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

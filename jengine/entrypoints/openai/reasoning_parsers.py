@@ -1,0 +1,83 @@
+"""Reasoning parsers (`--reasoning-parser`, vLLM's names): the text a model thinks in,
+between `<think>` and `</think>`, moved out of the answer into `reasoning_content`.
+
+Where it sits: the chat route splits every reply here before anything else (tool calls
+are parsed from the answer part only); with a structured-output constraint the engine
+starts enforcing it after `END` (the request's `StructuredOutputsParams.reasoning_end`).
+`split` is prefix-stable like the tool parsers': a stream (`ReasoningStream`) sends only
+what each delta adds, and the pieces join into the full response. Jax-free.
+
+- `deepseek_r1`: the prompt opens the thinking, so the reply is reasoning up to
+  `</think>` (an opening `<think>` is dropped); with no `</think>`, it is all reasoning.
+- `qwen3`: reasoning only inside `<think>...</think>`; with no `<think>`, it is all answer
+  (Qwen3 with thinking off).
+"""
+
+from __future__ import annotations
+
+from jengine.entrypoints.openai.tool_parsers import _held_back
+
+START, END = "<think>", "</think>"
+
+
+class ReasoningParser:
+    name = ""
+    reasoning_without_start = True  # is text before `</think>` reasoning without `<think>`?
+
+    def split(self, text: str, finished: bool) -> tuple[str, str]:
+        """(reasoning so far, answer so far); both only grow while not finished."""
+        body = text
+        opened = body.lstrip().startswith(START)
+        if opened:
+            body = body.lstrip()[len(START) :]
+        elif not finished and START.startswith(body.lstrip()) and body.strip():
+            return "", ""  # perhaps `<think>` is still arriving
+        end = body.find(END)
+        if end != -1:
+            if opened or self.reasoning_without_start:
+                return body[:end], body[end + len(END) :]
+            return "", text
+        if opened or self.reasoning_without_start:
+            cut = len(body) if finished else len(body) - _held_back(body, END)
+            return body[:cut], ""
+        cut = len(text) if finished else len(text) - _held_back(text, START)
+        return "", text[:cut]
+
+
+class DeepSeekR1ReasoningParser(ReasoningParser):
+    name = "deepseek_r1"
+
+
+class Qwen3ReasoningParser(ReasoningParser):
+    name = "qwen3"
+    reasoning_without_start = False
+
+
+REASONING_PARSERS = {p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)}
+
+
+def get_reasoning_parser(name: str) -> ReasoningParser:
+    if name not in REASONING_PARSERS:
+        raise ValueError(
+            f"unknown reasoning parser {name!r}; choose from {sorted(REASONING_PARSERS)}"
+        )
+    return REASONING_PARSERS[name]()
+
+
+class ReasoningStream:
+    """One streamed choice: each delta's new reasoning and new answer text."""
+
+    def __init__(self, parser: ReasoningParser):
+        self.parser = parser
+        self.text = ""
+        self.sent_reasoning = 0
+        self.sent_answer = 0
+
+    def feed(self, delta: str, finished: bool) -> tuple[str, str]:
+        """(new reasoning, new answer text) this delta brings."""
+        self.text += delta
+        reasoning, answer = self.parser.split(self.text, finished)
+        new_reasoning = reasoning[self.sent_reasoning :]
+        new_answer = answer[self.sent_answer :]
+        self.sent_reasoning, self.sent_answer = len(reasoning), len(answer)
+        return new_reasoning, new_answer

@@ -1,0 +1,259 @@
+"""Tool-call parsers (`--tool-call-parser`, vLLM's names): a model's tool-call text ->
+OpenAI `tool_calls`, whole or streamed.
+
+Where it sits: the chat route, with `--enable-auto-tool-choice` and `tool_choice` "auto",
+runs the reply's content through one of these. Each parser says, for the text so far,
+which part is surely plain content and which tool calls are complete (`split`); the full
+response uses it once on the final text, a stream (`ToolCallStream`) on each growing
+prefix and sends only what is new, so the streamed pieces join into the full response.
+
+What it promises: plain text stays content; text that looks like a call but does not
+parse (malformed JSON, a missing name) stays content too, never an error; a marker cut
+across stream deltas is held back until it is whole. Jax-free.
+
+- `hermes` (Hermes, Qwen2.5/3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+  any number, after optional content.
+- `llama3_json` (Llama 3.1+): the whole reply is `{"name": ..., "parameters": {...}}`
+  (optionally after `<|python_tag|>`), several separated by `;`.
+- `mistral`: `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from jengine.entrypoints.openai.protocol import (
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+)
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text
+
+    def tool_call(self) -> ToolCall:
+        function = FunctionCall(name=self.name, arguments=self.arguments)
+        return ToolCall(id=new_call_id(), function=function)
+
+
+def new_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def _call_from(obj, arguments_keys=("arguments", "parameters")) -> ParsedCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = next((obj[k] for k in arguments_keys if k in obj), {})
+    if isinstance(arguments, str):  # some models send the arguments as JSON text already
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ParsedCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _parse_call(text: str) -> ParsedCall | None:
+    try:
+        return _call_from(json.loads(text))
+    except json.JSONDecodeError:
+        return None
+
+
+def _held_back(text: str, marker: str) -> int:
+    """How many trailing characters of `text` could be the start of `marker`."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
+class ToolParser:
+    name = ""
+
+    def split(self, text: str, finished: bool) -> tuple[str, list[ParsedCall]]:
+        """(the content so far, the complete calls so far). Both only grow as `text` grows
+        while not finished; with `finished`, they are the final answer."""
+        raise NotImplementedError
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The full response: (content, or None if only whitespace beside the calls;
+        tool calls)."""
+        content, calls = self.split(text, finished=True)
+        if calls and not content.strip():
+            content = None
+        return content, [c.tool_call() for c in calls]
+
+
+class HermesToolParser(ToolParser):
+    name = "hermes"
+    START, END = "<tool_call>", "</tool_call>"
+    _BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
+
+    def split(self, text: str, finished: bool) -> tuple[str, list[ParsedCall]]:
+        first = text.find(self.START)
+        if first == -1:
+            cut = len(text) if finished else len(text) - _held_back(text, self.START)
+            return text[:cut], []
+        # Streaming: the content before the first call, then the calls closed so far
+        # (stopping at one that is open or malformed). Finished: every valid call, and all
+        # other text (malformed blocks, text between calls) is content.
+        content, calls, position = text[:first], [], first
+        for block in self._BLOCK.finditer(text, first):
+            call = _parse_call(block.group(1)) if block.group(2) or finished else None
+            if call is None and not finished:
+                break
+            if finished:
+                content += text[position : block.start()]
+                if call is None:
+                    content += block.group(0)
+            position = block.end()
+            if call is not None:
+                calls.append(call)
+        if finished:
+            content += text[position:]
+        return content, calls
+
+
+class Llama3JsonToolParser(ToolParser):
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+
+    def split(self, text: str, finished: bool) -> tuple[str, list[ParsedCall]]:
+        body = text.lstrip()
+        if body.startswith(self.TAG):
+            body = body[len(self.TAG) :].lstrip()
+        looks_like_calls = body.startswith("{") or (not finished and self.TAG.startswith(body))
+        if not looks_like_calls:
+            return text, []
+        if not finished:
+            return "", []  # a call list is known only once the reply is complete
+        calls = []
+        for piece in body.split(";"):
+            call = _parse_call(piece)
+            if call is None:
+                return text, []
+            calls.append(call)
+        return "", calls
+
+
+class MistralToolParser(ToolParser):
+    name = "mistral"
+    MARKER = "[TOOL_CALLS]"
+
+    def split(self, text: str, finished: bool) -> tuple[str, list[ParsedCall]]:
+        at = text.find(self.MARKER)
+        if at == -1:
+            cut = len(text) if finished else len(text) - _held_back(text, self.MARKER)
+            return text[:cut], []
+        if not finished:
+            return text[:at], []
+        try:
+            items = json.loads(text[at + len(self.MARKER) :])
+        except json.JSONDecodeError:
+            return text, []
+        items = items if isinstance(items, list) else [items]
+        calls = [_call_from(item) for item in items]
+        if not calls or any(c is None for c in calls):
+            return text, []
+        return text[:at].strip(), calls
+
+
+class RequiredToolCallParser(ToolParser):
+    """tool_choice "required": the reply is the JSON array of `{"name", "parameters"}`
+    calls its grammar forced (structured_outputs.tool_choice_constraint)."""
+
+    def split(self, text: str, finished: bool) -> tuple[str, list[ParsedCall]]:
+        if not finished:
+            return "", []
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError:
+            return text, []  # cut short (max_tokens): left as text
+        calls = [_call_from(item) for item in items] if isinstance(items, list) else [None]
+        return ("", calls) if calls and None not in calls else (text, [])
+
+
+class NamedToolCallParser(ToolParser):
+    """tool_choice naming a function: the reply is that function's arguments object."""
+
+    def __init__(self, function_name: str):
+        self.function_name = function_name
+
+    def split(self, text: str, finished: bool) -> tuple[str, list[ParsedCall]]:
+        if not finished:
+            return "", []
+        call = _call_from({"name": self.function_name, "arguments": text})
+        return ("", [call]) if call is not None else (text, [])
+
+
+TOOL_PARSERS = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)}
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    if name not in TOOL_PARSERS:
+        raise ValueError(f"unknown tool-call parser {name!r}; choose from {sorted(TOOL_PARSERS)}")
+    return TOOL_PARSERS[name]()
+
+
+class ToolCallStream:
+    """One streamed choice through a parser: each delta's new content and new calls
+    (first a chunk with index, id and name, then the arguments in fragments)."""
+
+    ARGUMENT_FRAGMENT = 16  # characters per arguments chunk
+
+    def __init__(self, parser: ToolParser):
+        self.parser = parser
+        self.text = ""
+        self.sent_content = 0
+        self.sent_calls = 0
+
+    @property
+    def called(self) -> bool:
+        return self.sent_calls > 0
+
+    def feed(self, delta: str, finished: bool) -> list[DeltaMessage]:
+        self.text += delta
+        content, calls = self.parser.split(self.text, finished)
+        messages = []
+        # Whitespace alone is not sent (the full response drops it beside calls).
+        if len(content) > self.sent_content and content.strip():
+            messages.append(DeltaMessage(content=content[self.sent_content :]))
+            self.sent_content = len(content)
+        for index in range(self.sent_calls, len(calls)):
+            call = calls[index]
+            messages.append(
+                DeltaMessage(
+                    tool_calls=[
+                        DeltaToolCall(
+                            index=index,
+                            id=new_call_id(),
+                            type="function",
+                            function=DeltaFunctionCall(name=call.name, arguments=""),
+                        )
+                    ]
+                )
+            )
+            arguments = call.arguments
+            for start in range(0, len(arguments), self.ARGUMENT_FRAGMENT):
+                fragment = arguments[start : start + self.ARGUMENT_FRAGMENT]
+                messages.append(
+                    DeltaMessage(
+                        tool_calls=[
+                            DeltaToolCall(
+                                index=index, function=DeltaFunctionCall(arguments=fragment)
+                            )
+                        ]
+                    )
+                )
+        self.sent_calls = len(calls)
+        return messages

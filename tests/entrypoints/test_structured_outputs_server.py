@@ -1,0 +1,231 @@
+"""Structured outputs and tools over HTTP with the official `openai` client, on the tiny
+random-weight model (whose free output is noise, so only the constraint can make it
+valid): `response_format` json_schema and json_object's routes, vLLM's
+`structured_outputs` and `guided_*` fields, `tools` with tool_choice "required" and a
+named function (arguments validate against the function's parameters), streamed and not,
+n > 1; tool-result messages in the history; bad constraints are 400s naming the field;
+with `--reasoning-parser`, reasoning_content, streamed and not."""
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+from tests.engine.test_structured_outputs import GRAMMAR, GRAMMAR_LANGUAGE, REGEX
+from tests.entrypoints.remote_server import MODEL_NAME, SERVER_ARGS, RemoteServer
+
+# Small enough for the serving tests' 128-token context.
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,6}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"$ref": "#/$defs/tag"}, "minItems": 1, "maxItems": 2},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+    "$defs": {"tag": {"enum": ["red", "blue"]}},
+}
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER_TOOL, TIME_TOOL)}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    with RemoteServer(tiny_model, SERVER_ARGS) as remote:
+        yield remote
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url_for("v1"), api_key="none", max_retries=0, timeout=120)
+
+
+def chat(client, **kwargs):
+    return client.chat.completions.create(model=MODEL_NAME, **kwargs)  # to the context's end
+
+
+def streamed_chat(client, **kwargs) -> tuple[dict[int, str], dict[int, dict], dict[int, str]]:
+    """Per choice: joined content, tool calls {index: [name, arguments]}, finish reason."""
+    content, calls, finish = {}, {}, {}
+    for chunk in chat(client, stream=True, **kwargs):
+        for choice in chunk.choices:
+            delta = choice.delta
+            content[choice.index] = content.get(choice.index, "") + (delta.content or "")
+            for call in delta.tool_calls or []:
+                entry = calls.setdefault(choice.index, {}).setdefault(call.index, ["", ""])
+                if call.function.name:
+                    entry[0] = call.function.name
+                entry[1] += call.function.arguments or ""
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    return content, calls, finish
+
+
+def test_response_format_json_schema(client):
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+    }
+    reply = chat(client, messages=MESSAGES, response_format=response_format, n=2, seed=3,
+                 temperature=1.0)  # fmt: skip
+    for choice in reply.choices:
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+        assert choice.finish_reason == "stop"
+    greedy = dict(messages=MESSAGES, response_format=response_format, temperature=0.0)
+    whole = chat(client, **greedy).choices[0].message.content
+    content, _, finish = streamed_chat(client, **greedy)
+    assert content[0] == whole and finish[0] == "stop"
+    jsonschema.validate(json.loads(whole), PERSON)
+
+
+def test_vllm_fields_on_completions(client):
+    def complete(**extra):
+        return client.completions.create(
+            model=MODEL_NAME, prompt="Answer:", max_tokens=100, temperature=1.0, seed=5, n=3,
+            extra_body=extra,
+        ).choices  # fmt: skip
+
+    for choice in complete(structured_outputs={"regex": REGEX}):
+        assert re.fullmatch(REGEX, choice.text)
+    for choice in complete(guided_regex=REGEX):
+        assert re.fullmatch(REGEX, choice.text)
+    for choice in complete(guided_choice=["alpha", "beta"]):
+        assert choice.text in ("alpha", "beta")
+    for choice in complete(guided_grammar=GRAMMAR):
+        assert GRAMMAR_LANGUAGE.fullmatch(choice.text)
+    for choice in complete(guided_json=PERSON):
+        jsonschema.validate(json.loads(choice.text), PERSON)
+    # A stream joins into the same text.
+    kwargs = dict(model=MODEL_NAME, prompt="Answer:", max_tokens=60, temperature=0.0,
+                  extra_body={"guided_regex": REGEX})  # fmt: skip
+    whole = client.completions.create(**kwargs).choices[0].text
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices
+    )
+    assert streamed == whole and re.fullmatch(REGEX, whole)
+
+
+def test_tool_choice_required(client):
+    kwargs = dict(messages=MESSAGES, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required")
+    reply = chat(client, temperature=1.0, seed=11, n=3, **kwargs)
+    for choice in reply.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            assert call.type == "function" and call.id
+            jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+    whole = chat(client, temperature=0.0, **kwargs).choices[0]
+    content, calls, finish = streamed_chat(client, temperature=0.0, **kwargs)
+    assert finish[0] == "tool_calls" and content[0] == ""
+    assert [(name, json.loads(args)) for _, (name, args) in sorted(calls[0].items())] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls
+    ]
+
+
+def test_tool_choice_named(client):
+    kwargs = dict(
+        messages=MESSAGES,
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+    )
+    for choice in chat(client, temperature=1.0, seed=2, n=2, **kwargs).choices:
+        [call] = choice.message.tool_calls
+        assert call.function.name == "get_time" and choice.finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(call.function.arguments), PARAMETERS["get_time"])
+    _, calls, finish = streamed_chat(client, temperature=0.0, **kwargs)
+    [(name, arguments)] = calls[0].values()
+    assert name == "get_time" and finish[0] == "tool_calls"
+    jsonschema.validate(json.loads(arguments), PARAMETERS["get_time"])
+
+
+def test_tool_messages_in_the_history(client):
+    history = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"},
+    ]
+    reply = chat(client, messages=history, tools=[WEATHER_TOOL], tool_choice="none")
+    assert reply.choices[0].message.content and not reply.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"extra_body": {"guided_json": {"type": "objekt"}}}, "structured_outputs"),
+        ({"extra_body": {"guided_regex": "[a-"}}, "structured_outputs"),
+        ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["a"]}}},
+         "structured_outputs"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+         "response_format"),
+        ({"extra_body": {"guided_regex": "a"}, "response_format": {"type": "json_object"}},
+         "guided_regex"),
+        ({"tools": [WEATHER_TOOL]}, "tool_choice"),  # "auto" needs the server flags
+        ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function",
+                                                   "function": {"name": "nope"}}},
+         "tool_choice"),
+    ],
+)  # fmt: skip
+def test_bad_constraints_are_400s_naming_the_field(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as error:
+        chat(client, messages=MESSAGES, **kwargs)
+    assert error.value.body["param"] == param, error.value.body
+    assert chat(client, messages=MESSAGES, max_tokens=4).choices[0].message.content is not None
+
+
+def test_reasoning_content(tiny_model):
+    """deepseek_r1: the prompt opens the thinking, so a reply without `</think>` is all
+    reasoning; streamed, the deltas join into the same reasoning."""
+    args = [*SERVER_ARGS, "--reasoning-parser", "deepseek_r1"]
+    with RemoteServer(tiny_model, args) as server:
+        client = openai.OpenAI(base_url=server.url_for("v1"), api_key="none", max_retries=0)
+        kwargs = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=24, temperature=0.0)
+        message = client.chat.completions.create(**kwargs).choices[0].message
+        assert message.reasoning_content and message.content is None
+        reasoning = "".join(
+            getattr(c.choices[0].delta, "reasoning_content", None) or ""
+            for c in client.chat.completions.create(stream=True, **kwargs)
+            if c.choices
+        )
+        assert reasoning == message.reasoning_content

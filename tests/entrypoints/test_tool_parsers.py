@@ -1,0 +1,167 @@
+"""Tool-call and reasoning parsers on hand-written model outputs: plain text, one call,
+several calls, malformed JSON left as text, each parser's own format; and streamed in
+arbitrary fragment boundaries, the deltas join into exactly the full response."""
+
+import json
+import random
+
+import pytest
+
+from jengine.entrypoints.openai.reasoning_parsers import ReasoningStream, get_reasoning_parser
+from jengine.entrypoints.openai.serving_chat import ReplyStream
+from jengine.entrypoints.openai.tool_parsers import (
+    NamedToolCallParser,
+    RequiredToolCallParser,
+    ToolCallStream,
+    get_tool_parser,
+)
+
+WEATHER = {"city": "Paris", "unit": "celsius"}
+HERMES = {
+    "plain": ("The weather is fine.", "The weather is fine.", []),
+    "one call": (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+        '"celsius"}}\n</tool_call>',
+        None,
+        [("get_weather", WEATHER)],
+    ),
+    "text then two calls": (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+        '"unit": "celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": '
+        "{}}\n</tool_call>",
+        "Let me check.\n\n",
+        [("get_weather", WEATHER), ("get_time", {})],
+    ),
+    "malformed": (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}\n</tool_call>',
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}\n</tool_call>',
+        [],
+    ),
+    "unclosed at the end": (
+        '<tool_call>{"name": "get_time", "arguments": {}}',
+        None,
+        [("get_time", {})],
+    ),
+    "a marker look-alike": ("Use <tool> tags.", "Use <tool> tags.", []),
+}
+OTHERS = {
+    "llama3_json": [
+        ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', None,
+         [("get_weather", WEATHER)]),
+        ('<|python_tag|>{"name": "get_time", "parameters": {}}; {"name": "get_weather", '
+         '"parameters": {"city": "Paris", "unit": "celsius"}}', None,
+         [("get_time", {}), ("get_weather", WEATHER)]),
+        ("It is sunny in Paris.", "It is sunny in Paris.", []),
+        ('{"name": "get_weather", "parameters": {', '{"name": "get_weather", "parameters": {', []),
+    ],
+    "mistral": [
+        ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+         '"celsius"}}]', None, [("get_weather", WEATHER)]),
+        ("Sunny.", "Sunny.", []),
+        ("[TOOL_CALLS] [{oops}]", "[TOOL_CALLS] [{oops}]", []),
+    ],
+}  # fmt: skip
+
+
+def cases():
+    for name, case in HERMES.items():
+        yield pytest.param("hermes", *case, id=f"hermes-{name}")
+    for parser, items in OTHERS.items():
+        for i, case in enumerate(items):
+            yield pytest.param(parser, *case, id=f"{parser}-{i}")
+
+
+def as_pairs(tool_calls) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in tool_calls]
+
+
+def streamed(parser, text: str, seed: int) -> tuple[str | None, list[tuple[str, dict]]]:
+    """Feed `text` in random fragments; join the deltas as a client would."""
+    rng = random.Random(seed)
+    stream = ToolCallStream(parser)
+    deltas, start = [], 0
+    while start < len(text):
+        end = min(len(text), start + rng.randint(1, 7))
+        deltas += stream.feed(text[start:end], finished=end == len(text))
+        start = end
+    content = "".join(d.content or "" for d in deltas) or None
+    calls: dict[int, list] = {}
+    for delta in deltas:
+        for call in delta.tool_calls or []:
+            if call.id is not None:  # the first chunk of a call: index, id and name
+                assert call.function.name and call.function.arguments == ""
+                calls[call.index] = [call.function.name, ""]
+            else:
+                calls[call.index][1] += call.function.arguments
+    return content, [(name, json.loads(args)) for _, (name, args) in sorted(calls.items())]
+
+
+@pytest.mark.parametrize(("parser_name", "text", "content", "calls"), cases())
+def test_parsers_whole_and_streamed(parser_name, text, content, calls):
+    parser = get_tool_parser(parser_name)
+    got_content, tool_calls = parser.extract(text)
+    assert got_content == content
+    assert as_pairs(tool_calls) == calls
+    assert all(c.id.startswith("chatcmpl-tool-") and c.type == "function" for c in tool_calls)
+    for seed in range(5):
+        assert streamed(parser, text, seed) == (content, calls)
+
+
+def test_forced_tool_choice_outputs():
+    required = RequiredToolCallParser()
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}]'
+    content, calls = required.extract(text)
+    assert content is None and as_pairs(calls) == [("get_weather", WEATHER)]
+    assert streamed(required, text, 0) == (None, [("get_weather", WEATHER)])
+    cut_short = '[{"name": "get_weather", "parameters": {"ci'
+    assert required.extract(cut_short) == (cut_short, [])
+    named = NamedToolCallParser("get_weather")
+    content, calls = named.extract(json.dumps(WEATHER))
+    assert content is None and as_pairs(calls) == [("get_weather", WEATHER)]
+
+
+def test_unknown_parser_is_refused():
+    with pytest.raises(ValueError, match="unknown tool-call parser"):
+        get_tool_parser("nope")
+
+
+REASONING = [
+    ("qwen3", "<think>Paris is in France.</think>The capital is Paris.",
+     "Paris is in France.", "The capital is Paris."),
+    ("qwen3", "The capital is Paris.", "", "The capital is Paris."),
+    ("qwen3", "<think>still thinking", "still thinking", ""),
+    ("deepseek_r1", "Paris is in France.</think>The capital is Paris.",
+     "Paris is in France.", "The capital is Paris."),
+    ("deepseek_r1", "<think>Hmm.</think>Paris.", "Hmm.", "Paris."),
+    ("deepseek_r1", "no end marker", "no end marker", ""),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "text", "reasoning", "answer"), REASONING)
+def test_reasoning_parsers_whole_and_streamed(name, text, reasoning, answer):
+    parser = get_reasoning_parser(name)
+    assert parser.split(text, finished=True) == (reasoning, answer)
+    for seed in range(5):
+        rng = random.Random(seed)
+        stream, got, start = ReasoningStream(parser), ["", ""], 0
+        while start < len(text):
+            end = min(len(text), start + rng.randint(1, 4))
+            new_reasoning, new_answer = stream.feed(text[start:end], end == len(text))
+            got[0] += new_reasoning
+            got[1] += new_answer
+            start = end
+        assert tuple(got) == (reasoning, answer)
+
+
+def test_reasoning_then_a_tool_call_in_one_stream():
+    text = (
+        '<think>The user wants weather.</think><tool_call>{"name": "get_weather", '
+        '"arguments": {"city": "Paris", "unit": "celsius"}}</tool_call>'
+    )
+    stream = ReplyStream(get_reasoning_parser("qwen3"), get_tool_parser("hermes"))
+    deltas = []
+    for start in range(0, len(text), 5):
+        deltas += stream.feed(text[start : start + 5], start + 5 >= len(text))
+    assert "".join(d.reasoning_content or "" for d in deltas) == "The user wants weather."
+    assert not any(d.content for d in deltas)
+    assert stream.called
