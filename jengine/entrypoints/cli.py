@@ -25,7 +25,9 @@ from jengine.models.default import default_model, describe_default
 logger = logging.getLogger("jengine")
 
 # `jengine bench NAME`: vLLM's names where vLLM has one.
-BENCHMARKS = ("throughput", "latency", "serve", "prefix", "overhead", "startup", "parallel")
+BENCHMARKS = (
+    "throughput", "latency", "serve", "prefix", "overhead", "startup", "parallel", "structured",
+)  # fmt: skip
 
 
 def make_parser() -> argparse.ArgumentParser:
