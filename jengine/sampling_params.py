@@ -149,6 +149,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             self.top_k = 0  # vLLM accepts both spellings of "disabled"; keep one.
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
         if self.temperature < GREEDY_TEMPERATURE_EPS:
             # Greedy ignores the truncation knobs; neutral values let the runner skip them.
