@@ -473,7 +473,7 @@ BAD_CHATS = [
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
         "messages.0.content",
     ),
-    ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": MESSAGES, "response_format": {"type": "xml"}}, "response_format.type"),
 ]
 
 
