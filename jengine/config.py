@@ -15,8 +15,9 @@ the engine.
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 
@@ -236,6 +237,64 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `--speculative-config` JSON).
+
+    method: "ngram" (prompt lookup over the request's own tokens; jengine/core/
+        ngram_proposer.py) or "draft_model" (a smaller model with the same tokenizer).
+    num_speculative_tokens: drafts proposed per step for each decoding request (k).
+    prompt_lookup_min / prompt_lookup_max: n-gram lengths tried, longest first.
+    model: the draft model's checkpoint (draft_model only).
+    disable_by_batch_size: no speculation while more requests than this run (None: always).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    model: str | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            self.method in ("ngram", "draft_model"),
+            "speculative_config.method",
+            'must be "ngram" or "draft_model"',
+            self.method,
+        )
+        _require(
+            self.num_speculative_tokens >= 1,
+            "speculative_config.num_speculative_tokens",
+            "must be >= 1",
+            self.num_speculative_tokens,
+        )
+        _require(
+            1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+            "speculative_config.prompt_lookup_min",
+            f"must be in [1, prompt_lookup_max={self.prompt_lookup_max}]",
+            self.prompt_lookup_min,
+        )
+        if self.method == "draft_model":
+            _require(
+                self.model is not None,
+                "speculative_config.model",
+                "is needed for method draft_model",
+                self.model,
+            )
+
+    @classmethod
+    def from_value(cls, value) -> SpeculativeConfig | None:
+        """From a dict, a JSON string (the CLI flag), an instance or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            value = json.loads(value)
+        unknown = set(value) - {f.name for f in fields(cls)}
+        _require(not unknown, "speculative_config", "has unknown keys", sorted(unknown))
+        return cls(**value)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """All parts together; what `EngineCore` is built from."""
 
@@ -244,3 +303,4 @@ class EngineConfig:
     scheduler: SchedulerConfig
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig | None = None

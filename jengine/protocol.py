@@ -118,6 +118,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which found
     num_preemptions: int = 0
+    spec_num_drafts: int = 0  # speculative decoding: requests that verified drafts
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

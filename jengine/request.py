@@ -60,6 +60,7 @@ class Request:
         "all_token_ids",
         "block_hashes",
         "structured_output",
+        "spec_token_ids",
     )
 
     def __init__(
@@ -90,6 +91,8 @@ class Request:
         self.block_hashes: list[int] = []
         # A constrained request's grammar and matcher (core/structured_output.py).
         self.structured_output = None
+        # Draft tokens proposed for the next step (speculative decoding), not yet verified.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

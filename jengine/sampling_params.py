@@ -230,6 +230,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 _require(math.isfinite(bias), "logit_bias", "values must be finite", bias)
 
     @property
+    def uses_history(self) -> bool:
+        """Penalties or a logit bias: the sampler reads the request's token history."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or bool(self.logit_bias)
+        )
+
+    @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS
 

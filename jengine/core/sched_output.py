@@ -67,6 +67,9 @@ class SchedulerOutput:
     # token bitmask [rows, ceil(V / 32)] (None when there are none).
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: np.ndarray | None = None
+    # Speculative decoding: the draft tokens each request verifies this step (they follow
+    # its last known token in its scheduled tokens; the runner samples every position).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

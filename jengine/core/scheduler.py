@@ -34,8 +34,9 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from jengine.config import CacheConfig, SchedulerConfig
+from jengine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from jengine.core.kv_cache_manager import KVCacheManager
+from jengine.core.ngram_proposer import NgramProposer
 from jengine.core.outputs import ModelRunnerOutput
 from jengine.core.request_queue import WaitingQueue
 from jengine.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -56,6 +57,8 @@ class _StepPlan:
     cached: dict[str, CachedRequestData] = field(default_factory=dict)
     new: list[Request] = field(default_factory=list)  # requests started this step
     preempted: list[Request] = field(default_factory=list)
+    spec: dict[str, list[int]] = field(default_factory=dict)  # drafts scheduled to verify
+    num_drafts: int = 0  # draft tokens scheduled (each one a sampling row)
 
 
 class Scheduler:
@@ -66,9 +69,20 @@ class Scheduler:
         num_blocks: int,
         log_stats: bool = True,
         structured_output_manager: StructuredOutputManager | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.config = scheduler_config
         self.structured_output_manager = structured_output_manager
+        self.speculative_config = speculative_config
+        self.proposer = None
+        if speculative_config is not None and speculative_config.method == "ngram":
+            self.proposer = NgramProposer(
+                speculative_config.prompt_lookup_min,
+                speculative_config.prompt_lookup_max,
+                speculative_config.num_speculative_tokens,
+            )
+        # Speculative decoding counts since the last make_stats().
+        self._spec_counts = [0, 0, 0]  # drafts, draft tokens, accepted tokens
         self.cache_config = cache_config
         self.max_model_len = scheduler_config.max_model_len
         self.log_stats = log_stats
@@ -180,6 +194,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self._num_preemptions += 1
         self.waiting.add_preempted(request)
@@ -223,6 +238,8 @@ class Scheduler:
         max_model_len = self.max_model_len
         running, num_scheduled, cached = self.running, step.num_scheduled, step.cached
         budget = step.budget
+        # Each draft is one more sampling row; rows never exceed max_num_seqs.
+        spec_rows = self.config.max_num_seqs - len(running)
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -239,6 +256,10 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            spec = request.spec_token_ids
+            if spec and n == 1:  # decoding: verify the drafts in the same query block
+                spec = spec[: min(budget - 1, max_model_len - num_computed - 1, spec_rows)]
+                n += len(spec)
             if num_computed + n <= no_op_limit.get(req_id, 0):
                 new_block_ids = []  # allocate_slots would change nothing
             else:
@@ -256,8 +277,12 @@ class Scheduler:
             cached[req_id] = CachedRequestData(req_id, new_block_ids, num_computed)
             request.num_computed_tokens = num_computed + n
             budget -= n
+            if spec and n > 1:
+                step.spec[req_id] = spec
+                spec_rows -= len(spec)
             i += 1
         step.budget = budget
+        step.num_drafts = sum(map(len, step.spec.values()))
 
     def _preempt_for(self, request: Request, n: int, i: int, step: _StepPlan):
         """Preempt running requests until ``request`` (at index i) gets room for n tokens.
@@ -270,6 +295,7 @@ class Scheduler:
             if step.cached.pop(victim.request_id, None) is not None:
                 # Priority policy may pick a request already scheduled this step: undo.
                 step.budget += step.num_scheduled.pop(victim.request_id)
+                step.spec.pop(victim.request_id, None)
             self._preempt(victim)
             step.preempted.append(victim)
             if victim is request:
@@ -283,7 +309,7 @@ class Scheduler:
         while (
             len(self.waiting) > 0
             and step.budget > 0
-            and len(self.running) < self.config.max_num_seqs
+            and len(self.running) + step.num_drafts < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
             hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
@@ -330,6 +356,7 @@ class Scheduler:
             num_scheduled_tokens=step.num_scheduled,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - step.budget,
             removed_req_ids=removed,
+            scheduled_spec_decode_tokens=step.spec,
         )
         if self.constrained_ids:
             self._add_grammar_bitmask(output)
@@ -400,12 +427,22 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         any_stopped = False
         running = RequestStatus.RUNNING
+        spec = scheduler_output.scheduled_spec_decode_tokens
         for req_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(req_id)
             # Aborted (or preempted) while the step ran: its results are void.
             if request is None or request.status != running:
                 continue
             sampled = sampled_token_ids[index[req_id]]
+            if spec and req_id in spec:
+                # The accepted drafts and one more token came back; the rejected drafts'
+                # slots are computed again (and overwritten) from the next step on.
+                num_drafts = len(spec[req_id])
+                request.num_computed_tokens -= num_drafts + 1 - len(sampled)
+                counts = self._spec_counts
+                counts[0] += 1
+                counts[1] += num_drafts
+                counts[2] += len(sampled) - 1
             if len(sampled) == 1:  # the common case, inline
                 token_id = sampled[0]
                 request.output_token_ids.append(token_id)
@@ -440,6 +477,8 @@ class Scheduler:
                 )
         if any_stopped:
             self.running = [r for r in self.running if not r.is_finished()]
+        if self.proposer is not None:
+            self._propose_drafts()
         if self._grammar_failed:
             outputs += [
                 EngineCoreOutput(r.request_id, [], finish_reason=r.get_finished_reason())
@@ -452,12 +491,40 @@ class Scheduler:
             scheduler_stats=self.make_stats() if self.log_stats else None,
         )
 
+    def _propose_drafts(self) -> None:
+        """Drafts for the next step of every decoding request that may speculate."""
+        limit = self.speculative_config.disable_by_batch_size
+        speculate = limit is None or len(self.running) <= limit
+        for request in self.running:
+            params = request.sampling_params
+            max_tokens = params.max_tokens
+            room = self.max_model_len - request.num_tokens - 1
+            if max_tokens is not None:
+                room = min(room, max_tokens - request.num_output_tokens - 1)
+            if (
+                not speculate
+                or room <= 0
+                or request.num_computed_tokens < request.num_tokens - 1  # still prefilling
+                # Exact verification needs the sampler's history (penalties) and grammar
+                # state only as of the last real token: such requests do not speculate.
+                or params.uses_history
+                or request.structured_output is not None
+            ):
+                request.spec_token_ids = []
+            else:
+                request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)
+
     # -- metrics and maintenance ------------------------------------------------------
 
     def make_stats(self) -> SchedulerStats:
         queries, hits = self.kv_cache_manager.take_prefix_cache_stats()
         num_preemptions, self._num_preemptions = self._num_preemptions, 0
+        num_drafts, num_draft_tokens, num_accepted = self._spec_counts
+        self._spec_counts = [0, 0, 0]
         return SchedulerStats(
+            spec_num_drafts=num_drafts,
+            spec_num_draft_tokens=num_draft_tokens,
+            spec_num_accepted_tokens=num_accepted,
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,

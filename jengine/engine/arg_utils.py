@@ -19,6 +19,7 @@ from jengine.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     default_compilation_cache_dir,
 )
 from jengine.models.checkpoint import read_hf_config, resolve_model
@@ -52,6 +53,8 @@ class EngineArgs:
     coordinator_address: str | None = ParallelConfig.coordinator_address
     num_hosts: int = ParallelConfig.num_hosts
     host_rank: int = ParallelConfig.host_rank
+    # vLLM's --speculative-config: a dict, or JSON text on the command line.
+    speculative_config: dict | str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Validate and build; `model` may be None only for an in-memory model (then
@@ -106,6 +109,7 @@ class EngineArgs:
                 num_hosts=self.num_hosts,
                 host_rank=self.host_rank,
             ),
+            speculative=SpeculativeConfig.from_value(self.speculative_config),
         )
 
     @staticmethod
@@ -165,6 +169,11 @@ class EngineArgs:
             "--host-rank",
             type=int,
             help="this host's rank; 0 serves, the others follow its steps",
+        )
+        add(
+            "--speculative-config",
+            help='speculative decoding as JSON, e.g. {"method": "ngram", '
+            '"num_speculative_tokens": 3, "prompt_lookup_max": 3}',
         )
         add(
             "--warmup",

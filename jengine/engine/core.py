@@ -65,6 +65,8 @@ class EngineCore:
         self.broadcaster: distributed.StepBroadcaster | None = None
         if config.parallel.multi_host:
             distributed.initialize(config.parallel)  # before anything starts a backend
+        if config.speculative is not None and config.speculative.method == "draft_model":
+            raise ValueError("speculative decoding with a draft model is not available yet")
         if config.compilation.cache_dir:
             enable_compilation_cache(config.compilation.cache_dir)
         started = time.perf_counter()
@@ -105,9 +107,11 @@ class EngineCore:
             structured_output_manager=StructuredOutputManager(
                 partial(grammar_tokenizer, config, vocab_size), vocab_size
             ),
+            speculative_config=config.speculative,
         )
         self.num_preemptions = 0  # since start, for tests and metrics
         self.num_requests_added = 0
+        self.spec_decode_counts = dict(drafts=0, draft_tokens=0, accepted_tokens=0)
         if config.parallel.multi_host:
             self.broadcaster = distributed.StepBroadcaster()
         self._warmup(started)
@@ -162,8 +166,13 @@ class EngineCore:
                 self.broadcaster.send_step(scheduler_output)
                 runner_output = self.runner.execute(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if outputs.scheduler_stats is not None:
-            self.num_preemptions += outputs.scheduler_stats.num_preemptions
+        stats = outputs.scheduler_stats
+        if stats is not None:
+            self.num_preemptions += stats.num_preemptions
+            counts = self.spec_decode_counts
+            counts["drafts"] += stats.spec_num_drafts
+            counts["draft_tokens"] += stats.spec_num_draft_tokens
+            counts["accepted_tokens"] += stats.spec_num_accepted_tokens
         return outputs
 
     def run_follower(self) -> None:
@@ -209,6 +218,7 @@ class EngineCore:
             "kv_cache_usage": scheduler.kv_cache_manager.usage,
             "num_preemptions": self.num_preemptions,
             "num_requests_added": self.num_requests_added,
+            **{f"spec_decode_{name}": count for name, count in self.spec_decode_counts.items()},
             "compiles_after_warmup": self.compiles_after_warmup(),
             "attention_impl": self.runner.attention_impl,
         }

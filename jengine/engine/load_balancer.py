@@ -86,6 +86,9 @@ class DataParallelBalancer:
             prefix_cache_queries=delta.prefix_cache_queries,
             prefix_cache_hits=delta.prefix_cache_hits,
             num_preemptions=delta.num_preemptions,
+            spec_num_drafts=delta.spec_num_drafts,
+            spec_num_draft_tokens=delta.spec_num_draft_tokens,
+            spec_num_accepted_tokens=delta.spec_num_accepted_tokens,
         )
 
     def replica_died(self, index: int) -> list[str]:
@@ -127,6 +130,9 @@ def combine_stats(per_replica: list[dict]) -> dict:
             "num_preemptions",
             "compiles_after_warmup",
             "num_requests_added",
+            "spec_decode_drafts",
+            "spec_decode_draft_tokens",
+            "spec_decode_accepted_tokens",
         )
     }
     # Each replica's pool holds one null block; `num_blocks - 1` stays the usable total.

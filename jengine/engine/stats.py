@@ -138,12 +138,16 @@ class LoggingStatLogger(StatLoggerBase):
         self.num_generation_tokens = 0
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.spec_drafts = self.spec_draft_tokens = self.spec_accepted = 0
 
     def record(self, scheduler_stats, iteration_stats) -> None:
         if scheduler_stats is not None:
             self.scheduler_stats = scheduler_stats
             self.prefix_queries += scheduler_stats.prefix_cache_queries
             self.prefix_hits += scheduler_stats.prefix_cache_hits
+            self.spec_drafts += scheduler_stats.spec_num_drafts
+            self.spec_draft_tokens += scheduler_stats.spec_num_draft_tokens
+            self.spec_accepted += scheduler_stats.spec_num_accepted_tokens
         if iteration_stats is not None:
             self.num_prompt_tokens += iteration_stats.num_prompt_tokens
             self.num_generation_tokens += iteration_stats.num_generation_tokens
@@ -174,4 +178,13 @@ class LoggingStatLogger(StatLoggerBase):
             100.0 * s.kv_cache_usage,
             100.0 * hit_rate,
         )
+        if self.spec_drafts:
+            logger.info(
+                "Speculative decoding: acceptance rate %.1f%%, mean accepted length %.2f, "
+                "%d drafts of %d tokens",
+                100.0 * self.spec_accepted / max(self.spec_draft_tokens, 1),
+                1 + self.spec_accepted / self.spec_drafts,
+                self.spec_drafts,
+                self.spec_draft_tokens,
+            )
         self._reset(now)

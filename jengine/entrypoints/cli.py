@@ -27,6 +27,7 @@ logger = logging.getLogger("jengine")
 # `jengine bench NAME`: vLLM's names where vLLM has one.
 BENCHMARKS = (
     "throughput", "latency", "serve", "prefix", "overhead", "startup", "parallel", "structured",
+    "spec_decode",
 )  # fmt: skip
 
 

@@ -46,10 +46,7 @@ class CachedRequestState:
 
     @property
     def uses_history(self) -> bool:
-        p = self.sampling_params
-        return bool(
-            p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.logit_bias
-        )
+        return self.sampling_params.uses_history
 
 
 @dataclass(slots=True)
@@ -72,6 +69,9 @@ class PreparedStep:
     # [R, ceil(V / 32)] packed allowed-token bits, every bit set on unconstrained rows
     # (None: no request in the step is constrained).
     grammar_bitmask: np.ndarray | None = None
+    # Speculative decoding: each request's drafts; then the sampling rows (logits_indices,
+    # sampling, num_logprobs) are one per verified position, a request's rows in a run.
+    spec_drafts: list[list[int]] | None = None
 
     @property
     def sample_mask(self) -> np.ndarray:
@@ -262,7 +262,15 @@ class InputBatch:
         starts = self.num_computed_tokens[slots]
         kv_lens = starts + counts
         total = int(counts.sum())
-        shape = self.buckets.shape_for(total, n, cdiv(int(kv_lens.max()), self.block_size))
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        num_rows = n
+        if spec:  # drafts follow the last known token: their slots of the buffer hold them
+            for req_id, drafts in spec.items():
+                slot = self.requests[req_id].slot
+                end = int(self.num_tokens[slot])
+                self.token_ids[slot, end : end + len(drafts)] = drafts
+            num_rows += sum(map(len, spec.values()))
+        shape = self.buckets.shape_for(total, num_rows, cdiv(int(kv_lens.max()), self.block_size))
         T, R, P = shape.num_tokens, shape.num_reqs, shape.num_pages
         if total == n:  # one token per request: the common decode step
             token_slots, positions = slots, starts
@@ -285,7 +293,7 @@ class InputBatch:
             prompt_logprob_rows = self._prompt_targets(
                 req_ids, slots, starts, kv_lens, query_start_loc, prompt_targets
             )
-        return PreparedStep(
+        prepared = PreparedStep(
             shape=shape,
             req_ids=req_ids,
             input_ids=_padded(self.token_ids[token_slots, positions], T),
@@ -300,6 +308,41 @@ class InputBatch:
             prompt_logprob_rows=prompt_logprob_rows,
             prompt_targets=prompt_targets,
         )
+        if spec:
+            self._spec_rows(prepared, spec, order, query_start_loc)
+        return prepared
+
+    def _spec_rows(self, prepared: PreparedStep, spec, order: "_Order", query_start_loc) -> None:
+        """Speculative decoding: a sampling row for every position a request verifies
+        (its drafts and the token after them), each sampled exactly as a step without
+        drafts would sample that output index (same parameters, seed and index)."""
+        req_ids, slots, n = prepared.req_ids, order.slots, len(order.slots)
+        R = prepared.shape.num_reqs
+        num_drafts = np.array([len(spec.get(r, ())) for r in req_ids], np.int32)
+        rows_per_request = num_drafts + 1
+        row_request = np.repeat(np.arange(n), rows_per_request)
+        first_row = np.cumsum(rows_per_request) - rows_per_request
+        offset = np.arange(len(row_request)) - np.repeat(first_row, rows_per_request)
+        last = query_start_loc[1 : n + 1] - 1  # each request's last scheduled token
+        logits_indices = last[row_request] - num_drafts[row_request] + offset
+        row_slots = slots[row_request]
+        arrays = neutral_sampling_arrays(R)
+        rows = len(row_request)
+        arrays["slots"][:rows] = row_slots
+        for name in _PARAM_COLUMNS:
+            arrays[name][:rows] = self.params[name][row_slots]
+        output_index = self.num_tokens[row_slots] - self.num_prompt_tokens[row_slots] + offset
+        arrays["output_index"][:rows] = output_index
+        if order.any_min_tokens:
+            suppressing = output_index < self.min_tokens[row_slots]
+            arrays["suppressed_ids"][:rows] = np.where(
+                suppressing[:, None], self.params["suppressed_ids"][row_slots], -1
+            )
+        arrays["sample_mask"][:rows] = prepared.sample_mask[:n][row_request]
+        prepared.logits_indices = _padded(logits_indices.astype(np.int32), R)
+        prepared.sampling = arrays
+        prepared.num_logprobs = [order.num_logprobs[i] for i in row_request.tolist()]
+        prepared.spec_drafts = [spec.get(r, []) for r in req_ids]
 
     def _prompt_targets(self, req_ids, slots, starts, kv_lens, query_start_loc, targets):
         """Fill `targets` for requests that want prompt logprobs; returns their rows."""

@@ -254,7 +254,13 @@ class ModelRunner:
         token allowed elsewhere."""
         rows = scheduler_output.grammar_bitmask
         full = np.full((prepared.shape.num_reqs, rows.shape[1]), -1, np.int32)
-        position = {req_id: i for i, req_id in enumerate(prepared.req_ids)}
+        # A constrained request has one sampling row (it does not speculate); other
+        # requests' drafts may put more rows before it.
+        rows_before = [0] * len(prepared.req_ids)
+        if prepared.spec_drafts is not None:
+            rows_before = np.cumsum([0] + [len(d) + 1 for d in prepared.spec_drafts]).tolist()
+        position = {req_id: rows_before[i] if prepared.spec_drafts else i
+                    for i, req_id in enumerate(prepared.req_ids)}  # fmt: skip
         for row, req_id in enumerate(scheduler_output.structured_output_request_ids):
             full[position[req_id]] = rows[row]
         return full
@@ -298,6 +304,8 @@ class ModelRunner:
     def _to_runner_output(
         self, prepared: PreparedStep, outputs: SampleOutputs, prompt_logprobs
     ) -> ModelRunnerOutput:
+        if prepared.spec_drafts is not None:
+            return self._verified_output(prepared, outputs, prompt_logprobs)
         num = len(prepared.req_ids)
         sampled = np.asarray(outputs.sampled)[:num]
         mask = prepared.sample_mask[:num]
@@ -317,19 +325,64 @@ class ModelRunner:
                 np.asarray(outputs.logprobs)[rows],
                 np.asarray(outputs.ranks)[rows],
             )
-        prompt_logprobs_dict = {}
-        if prompt_logprobs is not None:
-            ids, values, ranks = (np.asarray(x) for x in prompt_logprobs)
-            for req_id, (begin, end) in prepared.prompt_logprob_rows.items():
-                prompt_logprobs_dict[req_id] = LogprobsArrays(
-                    ids[begin:end], values[begin:end], ranks[begin:end]
-                )
         return ModelRunnerOutput(
             req_ids=prepared.req_ids,
             req_id_to_index=dict(zip(prepared.req_ids, range(num))),
             sampled_token_ids=sampled_token_ids,
             logprobs=logprobs,
-            prompt_logprobs_dict=prompt_logprobs_dict,
+            prompt_logprobs_dict=self._prompt_logprobs_dict(prepared, prompt_logprobs),
+        )
+
+    @staticmethod
+    def _prompt_logprobs_dict(prepared: PreparedStep, prompt_logprobs) -> dict:
+        rows = {}
+        if prompt_logprobs is not None:
+            ids, values, ranks = (np.asarray(x) for x in prompt_logprobs)
+            for req_id, (begin, end) in prepared.prompt_logprob_rows.items():
+                rows[req_id] = LogprobsArrays(ids[begin:end], values[begin:end], ranks[begin:end])
+        return rows
+
+    def _verified_output(
+        self, prepared: PreparedStep, outputs: SampleOutputs, prompt_logprobs
+    ) -> ModelRunnerOutput:
+        """Speculative decoding: every verified position was sampled as the target model
+        samples it; a request keeps its drafts up to the first that differs from the
+        target's token there, plus the target's token at that position (the correction,
+        or after all drafts the bonus token). With greedy this is the argmax rule; sampled,
+        it is exact rejection sampling for drafts with q = one-hot (n-gram): a draft d is
+        kept with probability p(d), and otherwise the token comes from p without d."""
+        drafts, num = prepared.spec_drafts, len(prepared.req_ids)
+        num_rows = sum(len(d) + 1 for d in drafts)
+        sampled = np.asarray(outputs.sampled)[:num_rows].tolist()
+        mask = prepared.sample_mask[:num_rows].tolist()
+        sampled_token_ids, kept_rows, row = [], [], 0
+        for request_drafts in drafts:
+            if not mask[row]:  # mid-prefill: nothing sampled
+                sampled_token_ids.append([])
+                row += len(request_drafts) + 1
+                continue
+            tokens = [sampled[row]]
+            for j, draft in enumerate(request_drafts):
+                if tokens[-1] != draft:
+                    break
+                tokens.append(sampled[row + j + 1])
+            sampled_token_ids.append(tokens)
+            kept_rows.extend(range(row, row + len(tokens)))
+            row += len(request_drafts) + 1
+        self.input_batch.record_sampled(prepared.req_ids, sampled_token_ids)
+        logprobs = None
+        if any(n is not None for n in prepared.num_logprobs):
+            logprobs = LogprobsArrays(
+                np.asarray(outputs.logprob_ids)[kept_rows],
+                np.asarray(outputs.logprobs)[kept_rows],
+                np.asarray(outputs.ranks)[kept_rows],
+            )
+        return ModelRunnerOutput(
+            req_ids=prepared.req_ids,
+            req_id_to_index=dict(zip(prepared.req_ids, range(num))),
+            sampled_token_ids=sampled_token_ids,
+            logprobs=logprobs,
+            prompt_logprobs_dict=self._prompt_logprobs_dict(prepared, prompt_logprobs),
         )
 
     # -- weights --------------------------------------------------------------------------

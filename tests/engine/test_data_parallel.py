@@ -49,6 +49,7 @@ def test_combined_stats_sum_counts_and_keep_each_replica():
         "num_running_reqs": 2, "num_waiting_reqs": 1, "num_free_blocks": 200,
         "num_preemptions": 0, "compiles_after_warmup": 0, "num_requests_added": 10,
         "num_blocks": 256, "kv_cache_usage": 0.2, "attention_impl": "cpu",
+        "spec_decode_drafts": 0, "spec_decode_draft_tokens": 0, "spec_decode_accepted_tokens": 0,
     }  # fmt: skip
     two = {**one, "num_running_reqs": 3, "num_free_blocks": 100, "kv_cache_usage": 0.6}
     stats = combine_stats([one, two])

@@ -77,6 +77,16 @@ class PrometheusStatLogger(StatLoggerBase):
             "jengine:prefix_cache_hit_rate", "Prefix-cache hits / queries since start"
         )
         self.preemptions = counter("jengine:num_preemptions", "Requests preempted")
+        self.spec_drafts = counter(
+            "jengine:spec_decode_num_drafts", "Speculative decoding: draft runs verified"
+        )
+        self.spec_draft_tokens = counter(
+            "jengine:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed"
+        )
+        self.spec_accepted = counter(
+            "jengine:spec_decode_num_accepted_tokens",
+            "Speculative decoding: draft tokens accepted",
+        )
         self.prompt_tokens = counter("jengine:prompt_tokens", "Prompt tokens processed")
         self.generation_tokens = counter("jengine:generation_tokens", "Tokens generated")
         success = Counter(
@@ -126,6 +136,9 @@ class PrometheusStatLogger(StatLoggerBase):
             self.prefix_queries.inc(s.prefix_cache_queries)
             self.prefix_hits.inc(s.prefix_cache_hits)
             self.preemptions.inc(s.num_preemptions)
+            self.spec_drafts.inc(s.spec_num_drafts)
+            self.spec_draft_tokens.inc(s.spec_num_draft_tokens)
+            self.spec_accepted.inc(s.spec_num_accepted_tokens)
             self._queries += s.prefix_cache_queries
             self._hits += s.prefix_cache_hits
             if self._queries:

@@ -1,0 +1,131 @@
+"""Speculative decoding with n-gram drafts, on the bundled model (which repeats itself, so
+drafts are proposed and accepted): with k = 1, 3, 5 the greedy tokens equal those without
+speculation and transformers', logprobs of accepted tokens within 1e-4, under batching,
+chunked prefill, prefix hits, preemption and stop strings; seeded sampling at temperature
+1 (and with top-k) gives exactly the tokens it gives without speculation; a deliberately
+wrong acceptance rule does not; nothing compiles after warmup and no block leaks."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jengine import LLM, SamplingParams
+from jengine.models.default import BUNDLED_MODEL_PATH
+from jengine.runner.model_runner import ModelRunner
+from tests.engine.engine_helpers import hf_greedy_logprobs
+
+PROMPTS = [
+    "ROMEO:\nBut soft, what light",
+    "JULIET:\nO Romeo, Romeo, wherefore art thou Romeo?",
+    "First Citizen:\nBefore we proceed any further, hear me speak. " * 3,  # chunked
+    "KING RICHARD III:\nNow is the winter of our discontent",
+]
+MAX_TOKENS = 48
+# 16-token budget: long prompts are chunked; 12 usable blocks of 16 for 4 requests of
+# 60-110 tokens: preemption.
+ENGINE = dict(
+    dtype="float32",
+    max_model_len=192,
+    max_num_seqs=4,
+    max_num_batched_tokens=16,
+    block_size=16,
+    num_gpu_blocks_override=13,
+)
+
+
+def ngram(k: int) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    llm = LLM(BUNDLED_MODEL_PATH, **ENGINE)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1)
+    return llm, llm.generate(PROMPTS, greedy, use_tqdm=False)
+
+
+@pytest.fixture(scope="module", params=[1, 3, 5])
+def spec_llm(request):
+    return LLM(BUNDLED_MODEL_PATH, speculative_config=ngram(request.param), **ENGINE)
+
+
+def test_greedy_equals_no_speculation_and_transformers(spec_llm, baseline):
+    core = spec_llm.engine_core
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1)
+    preemptions = core.num_preemptions
+    outputs = spec_llm.generate(PROMPTS, greedy, use_tqdm=False)
+    for ours, theirs in zip(outputs, baseline[1], strict=True):
+        a, b = ours.outputs[0], theirs.outputs[0]
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(
+            [row[t].logprob for row, t in zip(a.logprobs, a.token_ids)],
+            [row[t].logprob for row, t in zip(b.logprobs, b.token_ids)],
+            atol=1e-4,
+            rtol=0,
+        )
+    again = spec_llm.generate(PROMPTS[2], greedy, use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0  # a prefix hit, then the same tokens
+    assert again.outputs[0].token_ids == baseline[1][2].outputs[0].token_ids
+    assert core.num_preemptions > preemptions, "no preemption was forced"
+    counts = core.spec_decode_counts
+    assert counts["draft_tokens"] > 0 and counts["accepted_tokens"] > 0
+    assert core.compiles_after_warmup() == 0
+    assert core.num_free_blocks() == core.runner.num_blocks - 1
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        BUNDLED_MODEL_PATH, torch_dtype=torch.float32
+    )
+    tokenizer = spec_llm.get_tokenizer()
+    for prompt, output in zip(PROMPTS[:2], outputs, strict=False):
+        tokens, logprobs = hf_greedy_logprobs(hf, tokenizer.encode(prompt), MAX_TOKENS)
+        completion = output.outputs[0]
+        n = len(tokens)
+        assert completion.token_ids[:n] == tokens
+        chosen = [row[t].logprob for row, t in zip(completion.logprobs, completion.token_ids)]
+        np.testing.assert_allclose(chosen[:n], logprobs, atol=1e-4, rtol=0)
+
+
+def test_stop_strings_cut_accepted_drafts(spec_llm, baseline):
+    text = baseline[1][0].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=[stop])
+    ours = spec_llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
+    theirs = baseline[0].generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
+    assert ours.text == theirs.text and ours.finish_reason == theirs.finish_reason == "stop"
+
+
+def sampled(llm, **kwargs) -> list[list[int]]:
+    params = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=32, **kwargs) for seed in range(8)
+    ]
+    prompts = [PROMPTS[i % 2] for i in range(8)]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_seeded_sampling_is_the_same_with_speculation(spec_llm, baseline):
+    """Each verified position is sampled with the key of its output index, exactly as
+    without speculation, so the sampled tokens (not just their distribution) agree."""
+    assert sampled(spec_llm) == sampled(baseline[0])
+    assert sampled(spec_llm, top_k=5) == sampled(baseline[0], top_k=5)
+    assert spec_llm.engine_core.spec_decode_counts["accepted_tokens"] > 0
+
+
+def test_a_wrong_acceptance_rule_is_caught(baseline, monkeypatch):
+    """Keeping every draft regardless of the target's token must change the output."""
+    llm = LLM(BUNDLED_MODEL_PATH, speculative_config=ngram(3), **ENGINE)
+
+    def accept_all(self, prepared, outputs, prompt_logprobs):
+        sampled_rows = np.asarray(outputs.sampled).copy()
+        row = 0
+        for drafts in prepared.spec_drafts:  # pretend the target agreed with every draft
+            sampled_rows[row : row + len(drafts)] = drafts
+            row += len(drafts) + 1
+        wrong = dataclasses.replace(outputs, sampled=sampled_rows)
+        return original(self, prepared, wrong, prompt_logprobs)
+
+    original = ModelRunner._verified_output
+    monkeypatch.setattr(ModelRunner, "_verified_output", accept_all)
+    assert sampled(llm) != sampled(baseline[0])
