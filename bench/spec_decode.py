@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     print_header("spec_decode", args, versions)
     results = {}
 
-    single = dict(dtype="float32", max_model_len=512, max_num_seqs=4)
+    # Drafts take sampling rows, which max_num_seqs bounds: room for k = 5 beside the request.
+    single = dict(dtype="float32", max_model_len=512, max_num_seqs=8)
     story = SamplingParams(temperature=0, max_tokens=256, min_tokens=256)
     engines = {
         "off": LLM(BUNDLED_MODEL_PATH, **single),

@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from jengine import LLM, SamplingParams
+from jengine.core.kv_cache_utils import extend_block_hashes
 from jengine.models.default import BUNDLED_MODEL_PATH
 from jengine.runner.model_runner import ModelRunner
 from tests.engine.engine_helpers import hf_greedy_logprobs
@@ -72,6 +73,14 @@ def test_greedy_equals_no_speculation_and_transformers(spec_llm, baseline):
     assert core.num_preemptions > preemptions, "no preemption was forced"
     counts = core.spec_decode_counts
     assert counts["draft_tokens"] > 0 and counts["accepted_tokens"] > 0
+    # Every block in the prefix cache holds verified tokens: its hash is one of the hash
+    # chains of the requests' final prompt + output (a draft in it would hash otherwise).
+    verified = set()
+    for output in [*outputs, again]:
+        tokens = [*output.prompt_token_ids, *output.outputs[0].token_ids]
+        verified.update(extend_block_hashes([], tokens, ENGINE["block_size"]))
+    cached = set(core.scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block)
+    assert cached and cached <= verified
     assert core.compiles_after_warmup() == 0
     assert core.num_free_blocks() == core.runner.num_blocks - 1
 
