@@ -124,17 +124,114 @@ def test_seeded_sampling_is_the_same_with_speculation(spec_llm, baseline):
 
 def test_a_wrong_acceptance_rule_is_caught(baseline, monkeypatch):
     """Keeping every draft regardless of the target's token must change the output."""
+    monkeypatch.setattr(ModelRunner, "_verified_output", _accepting_everything())
     llm = LLM(BUNDLED_MODEL_PATH, speculative_config=ngram(3), **ENGINE)
+    assert sampled(llm) != sampled(baseline[0])
+
+
+# -- the output distribution -----------------------------------------------------------------
+
+NUM_SAMPLES = 20_000
+CHUNK = 64  # requests at a time: spare sampling rows for their drafts (max_num_seqs 128)
+
+
+def next_token_distribution(llm, context: list[int], top_k: int = 0) -> dict[int, float]:
+    """The target's sampling distribution after `context` at temperature 1 (its top 20
+    tokens; with top_k, renormalized over the k most likely)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20)
+    row = llm.generate({"prompt_token_ids": context}, params, use_tqdm=False)[0].outputs[0]
+    probs = {token: float(np.exp(lp.logprob)) for token, lp in row.logprobs[0].items()}
+    if top_k:
+        kept = sorted(probs, key=probs.get, reverse=True)[:top_k]
+        total = sum(probs[t] for t in kept)
+        probs = {t: probs[t] / total for t in kept}
+    return probs
+
+
+def chi_square_p(observed: list[int], distribution: dict[int, float]) -> float:
+    """p-value of `observed` tokens against `distribution` (tokens expected fewer than 5
+    times, and all others, pooled into one bin)."""
+    from scipy.stats import chisquare
+
+    n = len(observed)
+    bins = [t for t, p in distribution.items() if p * n >= 5]
+    counts = [observed.count(b) for b in bins]
+    expected = [distribution[b] * n for b in bins]
+    rest = n - sum(expected)
+    if rest > 1e-6 * n:
+        counts.append(n - sum(counts))
+        expected.append(rest)
+    return float(chisquare(counts, expected).pvalue)
+
+
+def sample_three(llm, prompt_ids, top_k: int, num: int = NUM_SAMPLES) -> list[list[int]]:
+    samples = []
+    for first in range(0, num, CHUNK):
+        params = [
+            SamplingParams(temperature=1.0, top_k=top_k, seed=seed, max_tokens=3)
+            for seed in range(first, first + CHUNK)
+        ]
+        outputs = llm.generate([{"prompt_token_ids": prompt_ids}] * CHUNK, params, use_tqdm=False)
+        samples += [o.outputs[0].token_ids for o in outputs]
+    return samples
+
+
+@pytest.fixture(scope="module")
+def cycle_prompt(baseline) -> list[int]:
+    """The bundled model's own greedy text, which falls into a loop: n-gram lookup finds
+    drafts after almost any next token, and with top-k they are often right."""
+    llm = baseline[0]
+    prompt = llm.get_tokenizer().encode("ROMEO:")
+    greedy = SamplingParams(temperature=0.0, max_tokens=120)
+    continuation = llm.generate({"prompt_token_ids": prompt}, greedy, use_tqdm=False)[0]
+    return prompt + list(continuation.outputs[0].token_ids)
+
+
+def distribution_p_values(samples, reference, prompt, top_k) -> tuple[float, float]:
+    """Chi-square p-values: given the most common first token, of the second (sampled
+    where the drafts are verified); given also the most common second, of the third (a
+    kept draft's successor or sampled next step)."""
+    firsts = [s[0] for s in samples]
+    first = max(set(firsts), key=firsts.count)
+    given_first = [s for s in samples if s[0] == first]
+    seconds = [s[1] for s in given_first]
+    second = max(set(seconds), key=seconds.count)
+    thirds = [s[2] for s in given_first if s[1] == second]
+    assert len(seconds) > 200 and len(thirds) > 50
+    p_second = next_token_distribution(reference, [*prompt, first], top_k)
+    p_third = next_token_distribution(reference, [*prompt, first, second], top_k)
+    return chi_square_p(seconds, p_second), chi_square_p(thirds, p_third)
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_sampled_tokens_follow_the_target_distribution(baseline, cycle_prompt, top_k):
+    """20,000 seeded samples of three tokens after a fixed prompt, with speculation on,
+    match the target distribution (chi-square, p > 0.001)."""
+    llm = LLM(BUNDLED_MODEL_PATH, speculative_config=ngram(3), max_model_len=256)
+    samples = sample_three(llm, cycle_prompt, top_k)
+    assert llm.engine_core.spec_decode_counts["accepted_tokens"] > (1000 if top_k else 0)
+    assert min(distribution_p_values(samples, baseline[0], cycle_prompt, top_k)) > 1e-3
+
+
+def test_a_wrong_acceptance_rule_fails_the_distribution_test(baseline, cycle_prompt, monkeypatch):
+    monkeypatch.setattr(ModelRunner, "_verified_output", _accepting_everything())
+    llm = LLM(BUNDLED_MODEL_PATH, speculative_config=ngram(3), max_model_len=256)
+    samples = sample_three(llm, cycle_prompt, top_k=3, num=4000)  # far off: fewer will do
+    assert min(distribution_p_values(samples, baseline[0], cycle_prompt, top_k=3)) < 1e-3
+
+
+def _accepting_everything():
+    """`ModelRunner._verified_output` with the target's tokens replaced by the drafts: a
+    rule that keeps every draft."""
+    original = ModelRunner._verified_output
 
     def accept_all(self, prepared, outputs, prompt_logprobs):
         sampled_rows = np.asarray(outputs.sampled).copy()
         row = 0
-        for drafts in prepared.spec_drafts:  # pretend the target agreed with every draft
+        for drafts in prepared.spec_drafts:
             sampled_rows[row : row + len(drafts)] = drafts
             row += len(drafts) + 1
         wrong = dataclasses.replace(outputs, sampled=sampled_rows)
         return original(self, prepared, wrong, prompt_logprobs)
 
-    original = ModelRunner._verified_output
-    monkeypatch.setattr(ModelRunner, "_verified_output", accept_all)
-    assert sampled(llm) != sampled(baseline[0])
+    return accept_all
