@@ -1,0 +1,31 @@
+"""`jengine serve --speculative-config ...`: the flag reaches the engine, completions equal
+those of an engine without speculation, and /metrics counts the drafts."""
+
+import httpx2
+import openai
+
+from tests.entrypoints.remote_server import MODEL_NAME, SERVER_ARGS, RemoteServer, metric
+from tests.entrypoints.tiny_model import ENGINE_ARGS
+
+SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+# Repeated words: prompt lookup has something to propose.
+PROMPTS = ["the cat and the dog and the cat and the", "one two one two one two one"]
+
+
+def test_speculative_serving(tiny_model):
+    from jengine import LLM, SamplingParams
+
+    llm = LLM(tiny_model, **ENGINE_ARGS)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    expected = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    with RemoteServer(tiny_model, [*SERVER_ARGS, "--speculative-config", SPEC]) as server:
+        client = openai.OpenAI(base_url=server.url_for("v1"), api_key="none", max_retries=0)
+        choices = client.completions.create(
+            model=MODEL_NAME, prompt=PROMPTS, max_tokens=40, temperature=0.0,
+            extra_body={"ignore_eos": True},
+        ).choices  # fmt: skip
+        assert [c.text for c in choices] == expected
+        text = httpx2.get(server.url_for("metrics"), timeout=30).text
+        assert metric(text, "jengine:spec_decode_num_draft_tokens_total") > 0
+        assert metric(text, "jengine:spec_decode_num_drafts_total") > 0
+        assert metric(text, "jengine:compiles_after_warmup") == 0
