@@ -16,7 +16,11 @@ Promises:
   preallocated per-slot arrays, so `prepare` gathers a step with a fixed number of
   vectorized numpy calls (as vLLM V1's persistent batch) rather than a loop per request;
 - the arrays of a `PreparedStep` are read-only: the request-only sampling columns are
-  shared by the steps that schedule the same requests in the same order.
+  shared by the steps that schedule the same requests in the same order;
+- with speculative decoding, a request's drafts sit after its known tokens in its row
+  (so they are its next inputs) and each verified position gets its own sampling row
+  (`_spec_rows`), at the output index it would have without drafts; the rows of a step
+  never outnumber its request bucket (the scheduler keeps them within max_num_seqs).
 
 Axis letters: T tokens, R requests, P pages per request.
 """

@@ -15,6 +15,10 @@ Promises:
 - the KV capacity comes from a memory budget (`kv_cache_memory_bytes`, or a fraction of
   accelerator memory) unless `num_blocks` is given, and `capacity_report()` reports it as
   tokens and max concurrency;
+- speculative decoding: a request's drafts run as one query block after its last token,
+  every position is sampled as it would be without drafts, and the drafts are kept up to
+  the first the model disagrees with (`_verified_output`): the same tokens as without
+  speculation, and for one-hot (n-gram) drafts exact rejection sampling;
 - `update_weights(params)` swaps in new weights of the same shapes without recompiling
   the step; weights already on the engine's devices are resharded there, never through
   the host.
@@ -317,30 +321,9 @@ class ModelRunner:
         else:
             sampled_token_ids = [[t] if m else [] for t, m in zip(tokens, mask.tolist())]
 
-        logprobs = None
-        if prepared.num_logprobs.count(None) != num:
-            rows = np.nonzero(mask)[0]
-            logprobs = LogprobsArrays(
-                np.asarray(outputs.logprob_ids)[rows],
-                np.asarray(outputs.logprobs)[rows],
-                np.asarray(outputs.ranks)[rows],
-            )
-        return ModelRunnerOutput(
-            req_ids=prepared.req_ids,
-            req_id_to_index=dict(zip(prepared.req_ids, range(num))),
-            sampled_token_ids=sampled_token_ids,
-            logprobs=logprobs,
-            prompt_logprobs_dict=self._prompt_logprobs_dict(prepared, prompt_logprobs),
-        )
-
-    @staticmethod
-    def _prompt_logprobs_dict(prepared: PreparedStep, prompt_logprobs) -> dict:
-        rows = {}
-        if prompt_logprobs is not None:
-            ids, values, ranks = (np.asarray(x) for x in prompt_logprobs)
-            for req_id, (begin, end) in prepared.prompt_logprob_rows.items():
-                rows[req_id] = LogprobsArrays(ids[begin:end], values[begin:end], ranks[begin:end])
-        return rows
+        wants_logprobs = prepared.num_logprobs.count(None) != num
+        rows = np.nonzero(mask)[0] if wants_logprobs else None
+        return runner_output(prepared, outputs, prompt_logprobs, sampled_token_ids, rows)
 
     def _verified_output(
         self, prepared: PreparedStep, outputs: SampleOutputs, prompt_logprobs
@@ -351,7 +334,7 @@ class ModelRunner:
         or after all drafts the bonus token). With greedy this is the argmax rule; sampled,
         it is exact rejection sampling for drafts with q = one-hot (n-gram): a draft d is
         kept with probability p(d), and otherwise the token comes from p without d."""
-        drafts, num = prepared.spec_drafts, len(prepared.req_ids)
+        drafts = prepared.spec_drafts
         num_rows = sum(len(d) + 1 for d in drafts)
         sampled = np.asarray(outputs.sampled)[:num_rows].tolist()
         mask = prepared.sample_mask[:num_rows].tolist()
@@ -370,20 +353,9 @@ class ModelRunner:
             kept_rows.extend(range(row, row + len(tokens)))
             row += len(request_drafts) + 1
         self.input_batch.record_sampled(prepared.req_ids, sampled_token_ids)
-        logprobs = None
-        if any(n is not None for n in prepared.num_logprobs):
-            logprobs = LogprobsArrays(
-                np.asarray(outputs.logprob_ids)[kept_rows],
-                np.asarray(outputs.logprobs)[kept_rows],
-                np.asarray(outputs.ranks)[kept_rows],
-            )
-        return ModelRunnerOutput(
-            req_ids=prepared.req_ids,
-            req_id_to_index=dict(zip(prepared.req_ids, range(num))),
-            sampled_token_ids=sampled_token_ids,
-            logprobs=logprobs,
-            prompt_logprobs_dict=self._prompt_logprobs_dict(prepared, prompt_logprobs),
-        )
+        wants_logprobs = any(n is not None for n in prepared.num_logprobs)
+        rows = kept_rows if wants_logprobs else None
+        return runner_output(prepared, outputs, prompt_logprobs, sampled_token_ids, rows)
 
     # -- weights --------------------------------------------------------------------------
 
@@ -441,3 +413,34 @@ class ModelRunner:
             for index, array in zip(moves, moved):
                 leaves[index] = array
         self.params = jax.tree.unflatten(old_tree, leaves)
+
+
+def runner_output(
+    prepared: PreparedStep, outputs: SampleOutputs, prompt_logprobs, sampled, rows
+) -> ModelRunnerOutput:
+    """The step's ModelRunnerOutput: `sampled` tokens per request, and the logprobs of
+    sampling `rows` (one per sampled token, in order; None when nobody asked)."""
+    logprobs = None
+    if rows is not None:
+        logprobs = LogprobsArrays(
+            np.asarray(outputs.logprob_ids)[rows],
+            np.asarray(outputs.logprobs)[rows],
+            np.asarray(outputs.ranks)[rows],
+        )
+    return ModelRunnerOutput(
+        req_ids=prepared.req_ids,
+        req_id_to_index=dict(zip(prepared.req_ids, range(len(prepared.req_ids)))),
+        sampled_token_ids=sampled,
+        logprobs=logprobs,
+        prompt_logprobs_dict=prompt_logprobs_dict(prepared, prompt_logprobs),
+    )
+
+
+def prompt_logprobs_dict(prepared: PreparedStep, prompt_logprobs) -> dict:
+    """Each request's rows of the step's prompt logprobs."""
+    rows = {}
+    if prompt_logprobs is not None:
+        ids, values, ranks = (np.asarray(x) for x in prompt_logprobs)
+        for req_id, (begin, end) in prepared.prompt_logprob_rows.items():
+            rows[req_id] = LogprobsArrays(ids[begin:end], values[begin:end], ranks[begin:end])
+    return rows
