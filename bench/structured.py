@@ -79,7 +79,7 @@ def compile_times(llm) -> dict:
     from llguidance import LLMatcher
 
     from jengine.core.structured_output import grammar_for
-    from jengine.engine.core import grammar_tokenizer
+    from jengine.engine.tokenizer import grammar_tokenizer
     from jengine.sampling_params import StructuredOutputsParams
 
     runner = llm.engine_core.runner

@@ -14,8 +14,13 @@ sliding-window comparison per n, no Python loop over positions); at most
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+if TYPE_CHECKING:
+    from jengine.request import Request
 
 
 class NgramProposer:
@@ -23,6 +28,30 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
         self.k = num_speculative_tokens
+
+    def propose_for(
+        self, running: list[Request], max_model_len: int, disable_by_batch_size: int | None
+    ) -> None:
+        """Set `spec_token_ids` of every running request: drafts for those decoding that
+        may speculate, none for the others (or for all, above `disable_by_batch_size`)."""
+        speculate = disable_by_batch_size is None or len(running) <= disable_by_batch_size
+        for request in running:
+            params = request.sampling_params
+            room = max_model_len - request.num_tokens - 1
+            if params.max_tokens is not None:
+                room = min(room, params.max_tokens - request.num_output_tokens - 1)
+            if (
+                not speculate
+                or room <= 0
+                or request.num_computed_tokens < request.num_tokens - 1  # still prefilling
+                # Exact verification needs the sampler's history (penalties) and grammar
+                # state only as of the last real token: such requests do not speculate.
+                or params.uses_history
+                or request.structured_output is not None
+            ):
+                request.spec_token_ids = []
+            else:
+                request.spec_token_ids = self.propose(request.all_token_ids, room)
 
     def propose(self, token_ids: list[int], max_drafts: int | None = None) -> list[int]:
         """Drafts following the latest earlier occurrence of the longest matching suffix."""

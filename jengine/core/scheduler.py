@@ -4,7 +4,8 @@ Where it sits: ``EngineCore.step()`` is ``schedule() -> runner.execute() ->
 update_from_output()``. ``schedule()`` returns a ``SchedulerOutput``; the runner answers
 with a ``ModelRunnerOutput``; ``update_from_output()`` appends the sampled tokens, checks
 stop conditions, frees finished requests and returns the ``EngineCoreOutputs`` for the
-front end. It owns the ``KVCacheManager`` and every live ``Request``.
+front end (that half lives in ``step_results.py``, a mixin of ``Scheduler``). It owns the
+``KVCacheManager`` and every live ``Request``.
 
 What it promises (vLLM V1 rules):
 - No prefill or decode phase. Each step hands out one budget of
@@ -28,23 +29,17 @@ What it promises (vLLM V1 rules):
 
 from __future__ import annotations
 
-import concurrent.futures
-import logging
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from jengine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from jengine.core.kv_cache_manager import KVCacheManager
 from jengine.core.ngram_proposer import NgramProposer
-from jengine.core.outputs import ModelRunnerOutput
 from jengine.core.request_queue import WaitingQueue
 from jengine.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from jengine.core.step_results import StepResults
 from jengine.core.structured_output import StructuredOutputManager
-from jengine.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from jengine.request import Request, RequestStatus
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -61,7 +56,7 @@ class _StepPlan:
     num_drafts: int = 0  # draft tokens scheduled (each one a sampling row)
 
 
-class Scheduler:
+class Scheduler(StepResults):
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -201,23 +196,15 @@ class Scheduler:
 
     def _admit_compiled_grammars(self) -> None:
         """Requests whose grammar is ready join the waiting queue; failed ones end."""
-        if not self.running and not len(self.waiting):
-            # Nothing else to run: wait a little for a grammar instead of spinning.
-            futures = [r.structured_output.future for r in self.waiting_for_grammar.values()]
-            concurrent.futures.wait(futures, timeout=0.05, return_when="FIRST_COMPLETED")
-        for req_id, request in list(self.waiting_for_grammar.items()):
-            constraint = request.structured_output
-            if not constraint.ready:
-                continue
-            del self.waiting_for_grammar[req_id]
-            if constraint.error is not None:
-                logger.error("request %s: its grammar failed: %s", req_id, constraint.error)
-                request.status = RequestStatus.FINISHED_ABORTED
-                self._free_request(request)
-                self._grammar_failed.append(request)
-            else:
-                request.status = RequestStatus.WAITING
-                self.waiting.add(request)
+        idle = not self.running and not len(self.waiting)
+        ready, failed = self.structured_output_manager.take_compiled(self.waiting_for_grammar, idle)
+        for request in ready:
+            request.status = RequestStatus.WAITING
+            self.waiting.add(request)
+        for request in failed:
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._free_request(request)
+            self._grammar_failed.append(request)
 
     def schedule(self) -> SchedulerOutput:
         if self.waiting_for_grammar:
@@ -374,164 +361,6 @@ class Scheduler:
         if constrained:
             output.structured_output_request_ids = [r.request_id for r in constrained]
             output.grammar_bitmask = self.structured_output_manager.fill_bitmask(constrained)
-
-    # -- results ----------------------------------------------------------------------
-
-    def _check_stop(self, request: Request, last: int) -> bool:
-        """Set the finished status if the last appended token (``last``) ends the
-        request."""
-        params = request.sampling_params
-        num_output = len(request.output_token_ids)
-        max_tokens = params.max_tokens
-        if len(request.all_token_ids) >= self.max_model_len or (
-            max_tokens is not None and num_output >= max_tokens
-        ):
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        if num_output < params.min_tokens:
-            return False
-        if not params.ignore_eos and last == request.eos_token_id:
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
-        if last in params.stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = last
-            return True
-        if request.structured_output is not None and self.structured_output_manager.accept(
-            request, last
-        ):
-            request.status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
-            return True
-        return False
-
-    def _append_sampled(self, request: Request, sampled: list[int]) -> list[int]:
-        """Append sampled tokens up to the first that stops the request; returns those
-        appended (``sampled`` itself when all were)."""
-        for i, token_id in enumerate(sampled):
-            request.output_token_ids.append(token_id)
-            request.all_token_ids.append(token_id)
-            if self._check_stop(request, token_id):
-                return sampled[: i + 1]
-        return sampled
-
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> EngineCoreOutputs:
-        any_logprobs = runner_output.logprobs is not None or bool(
-            runner_output.prompt_logprobs_dict
-        )
-        row_start = runner_output.logprob_row_starts()
-        requests = self.requests
-        index = runner_output.req_id_to_index
-        sampled_token_ids = runner_output.sampled_token_ids
-        outputs: list[EngineCoreOutput] = []
-        any_stopped = False
-        running = RequestStatus.RUNNING
-        spec = scheduler_output.scheduled_spec_decode_tokens
-        for req_id in scheduler_output.num_scheduled_tokens:
-            request = requests.get(req_id)
-            # Aborted (or preempted) while the step ran: its results are void.
-            if request is None or request.status != running:
-                continue
-            sampled = sampled_token_ids[index[req_id]]
-            if spec and req_id in spec:
-                # The accepted drafts and one more token came back; the rejected drafts'
-                # slots are computed again (and overwritten) from the next step on.
-                num_drafts = len(spec[req_id])
-                request.num_computed_tokens -= num_drafts + 1 - len(sampled)
-                counts = self._spec_counts
-                counts[0] += 1
-                counts[1] += num_drafts
-                counts[2] += len(sampled) - 1
-            if len(sampled) == 1:  # the common case, inline
-                token_id = sampled[0]
-                request.output_token_ids.append(token_id)
-                request.all_token_ids.append(token_id)
-                stopped = self._check_stop(request, token_id)
-                new_token_ids = sampled  # no copy: nothing writes to the runner's lists
-            elif sampled or any_logprobs:
-                new_token_ids = self._append_sampled(request, sampled)
-                stopped = request.status != running
-            else:
-                continue  # a prefill chunk that ended mid-prompt: nothing to report
-
-            new_logprobs = new_prompt_logprobs = None
-            if any_logprobs:
-                new_logprobs, new_prompt_logprobs = runner_output.logprobs_lists(
-                    req_id, len(new_token_ids), row_start, request.sampling_params
-                )
-            if stopped:
-                any_stopped = True
-                self._free_request(request)
-            if new_token_ids or stopped or new_prompt_logprobs is not None:
-                outputs.append(
-                    EngineCoreOutput(
-                        req_id,
-                        new_token_ids,
-                        new_logprobs,
-                        new_prompt_logprobs,
-                        request.get_finished_reason() if stopped else None,
-                        request.stop_reason,
-                        request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
-                    )
-                )
-        if any_stopped:
-            self.running = [r for r in self.running if not r.is_finished()]
-        if self.proposer is not None:
-            self._propose_drafts()
-        if self._grammar_failed:
-            outputs += [
-                EngineCoreOutput(r.request_id, [], finish_reason=r.get_finished_reason())
-                for r in self._grammar_failed
-            ]
-            self._grammar_failed = []
-        return EngineCoreOutputs(
-            outputs=outputs,
-            timestamp=time.monotonic(),
-            scheduler_stats=self.make_stats() if self.log_stats else None,
-        )
-
-    def _propose_drafts(self) -> None:
-        """Drafts for the next step of every decoding request that may speculate."""
-        limit = self.speculative_config.disable_by_batch_size
-        speculate = limit is None or len(self.running) <= limit
-        for request in self.running:
-            params = request.sampling_params
-            max_tokens = params.max_tokens
-            room = self.max_model_len - request.num_tokens - 1
-            if max_tokens is not None:
-                room = min(room, max_tokens - request.num_output_tokens - 1)
-            if (
-                not speculate
-                or room <= 0
-                or request.num_computed_tokens < request.num_tokens - 1  # still prefilling
-                # Exact verification needs the sampler's history (penalties) and grammar
-                # state only as of the last real token: such requests do not speculate.
-                or params.uses_history
-                or request.structured_output is not None
-            ):
-                request.spec_token_ids = []
-            else:
-                request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)
-
-    # -- metrics and maintenance ------------------------------------------------------
-
-    def make_stats(self) -> SchedulerStats:
-        queries, hits = self.kv_cache_manager.take_prefix_cache_stats()
-        num_preemptions, self._num_preemptions = self._num_preemptions, 0
-        num_drafts, num_draft_tokens, num_accepted = self._spec_counts
-        self._spec_counts = [0, 0, 0]
-        return SchedulerStats(
-            spec_num_drafts=num_drafts,
-            spec_num_draft_tokens=num_draft_tokens,
-            spec_num_accepted_tokens=num_accepted,
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=self.kv_cache_manager.usage,
-            prefix_cache_queries=queries,
-            prefix_cache_hits=hits,
-            num_preemptions=num_preemptions,
-        )
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

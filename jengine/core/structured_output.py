@@ -19,6 +19,7 @@ lazily per step in microseconds, so a grammar "compiles" in milliseconds. Jax-fr
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import threading
@@ -167,6 +168,28 @@ class StructuredOutputManager:
     @staticmethod
     def _copy(template: Future):
         return template.result().deep_copy()  # a fresh matcher, the compiled grammar shared
+
+    @staticmethod
+    def take_compiled(
+        waiting: dict[str, Request], idle: bool
+    ) -> tuple[list[Request], list[Request]]:
+        """Remove the requests whose grammar is done from `waiting`: (compiled, failed).
+        `idle` (nothing else to run): first wait a little for one instead of spinning."""
+        if idle:
+            futures = [r.structured_output.future for r in waiting.values()]
+            concurrent.futures.wait(futures, timeout=0.05, return_when="FIRST_COMPLETED")
+        compiled, failed = [], []
+        for req_id, request in list(waiting.items()):
+            constraint = request.structured_output
+            if not constraint.ready:
+                continue
+            del waiting[req_id]
+            if constraint.error is None:
+                compiled.append(request)
+            else:
+                logger.error("request %s: its grammar failed: %s", req_id, constraint.error)
+                failed.append(request)
+        return compiled, failed
 
     def fill_bitmask(self, requests: list[Request]) -> np.ndarray:
         """The bitmask rows of these requests (ready ones), in order: bit t % 32 of word

@@ -22,8 +22,9 @@ from collections.abc import AsyncGenerator, Iterable
 
 from jengine.config import EngineConfig
 from jengine.engine.arg_utils import EngineArgs
-from jengine.engine.client import AsyncMPClient, EngineDeadError, LostRequests
+from jengine.engine.client import EngineDeadError, LostRequests
 from jengine.engine.input_processor import InputProcessor, PromptType
+from jengine.engine.mp_clients import AsyncMPClient
 from jengine.engine.output_processor import OutputProcessor, RequestOutputKind
 from jengine.engine.stats import LoggingStatLogger, StatLoggerBase, StatsTracker
 from jengine.engine.tokenizer import load_tokenizer

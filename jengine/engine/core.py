@@ -11,43 +11,26 @@ Across hosts (`--num-hosts`), host 0's step sends its SchedulerOutput to the oth
 before running it, and the others (`run_follower`) run each one they receive: one SPMD
 step over the devices of all hosts (jengine/runner/distributed.py).
 
-`EngineCoreProc` is the same engine in its own process (started with `spawn` by the MP
-clients): a busy loop on the main thread, one input thread (ZMQ DEALER -> decode ->
-queue) and one output thread (queue -> encode -> ZMQ PUSH), so (de)serialization and
-socket I/O overlap the device step.
+`EngineCoreProc` (jengine/engine/core_proc.py) is the same engine in its own process.
 """
 
-import gc
 import logging
-import os
-import queue
-import signal
-import threading
 import time
 from functools import partial
 
 import jax
 import jax.numpy as jnp
-import msgspec
-import zmq
 from flax import nnx
 
 from jengine.config import EngineConfig
 from jengine.core.scheduler import Scheduler
 from jengine.core.structured_output import StructuredOutputManager
+from jengine.engine.tokenizer import grammar_tokenizer
 from jengine.models import load_model
 from jengine.pallas_kernels.ragged_paged_attention import prepare as prepare_attention
 from jengine.protocol import (
-    UTILITY_METHODS,
-    EngineCoreOutput,
     EngineCoreOutputs,
-    EngineCoreOutputType,
-    EngineCoreReady,
     EngineCoreRequest,
-    EngineCoreRequestType,
-    FinishReason,
-    UtilityOutput,
-    UtilityRequest,
 )
 from jengine.request import Request, RequestStatus
 from jengine.runner import distributed
@@ -222,199 +205,3 @@ class EngineCore:
             "compiles_after_warmup": self.compiles_after_warmup(),
             "attention_impl": self.runner.attention_impl,
         }
-
-
-def grammar_tokenizer(config: EngineConfig, vocab_size: int):
-    """llguidance's view of the model's tokenizer, over the model's whole (padded)
-    vocabulary; built when the first constrained request arrives (about a second)."""
-    from llguidance.hf import from_tokenizer
-
-    from jengine.engine.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(config)
-    if tokenizer is None:
-        raise ValueError("structured outputs need the model's tokenizer; none is configured")
-    return from_tokenizer(tokenizer, n_vocab=vocab_size)
-
-
-_PARENT_POLL_SECONDS = 1.0
-
-
-class EngineCoreProc(EngineCore):
-    """EngineCore behind ZeroMQ, in a process of its own.
-
-    Messages in (DEALER, from the front end's ROUTER): [request type byte, msgpack payload].
-    Messages out (PUSH, to the front end's PULL): [EngineCoreOutputType byte, payload].
-    The first message in either direction is the `EngineCoreReady` handshake, sent once
-    warmup is done. The process exits on SIGTERM or when its parent is gone.
-    """
-
-    def __init__(
-        self,
-        config: EngineConfig,
-        input_address: str,
-        output_address: str,
-        identity: bytes,
-        engine_index: int = 0,
-    ):
-        super().__init__(config)
-        self.engine_index = engine_index  # which data-parallel replica this is
-        self.input_queue: queue.Queue = queue.Queue()
-        self.output_queue: queue.Queue = queue.Queue()
-        self._parent_pid = os.getppid()
-        self._stats_dirty = False
-        self._zmq = zmq.Context()
-        ready = EngineCoreReady(
-            pid=os.getpid(),
-            vocab_size=self.runner.config.vocab_size,
-            num_blocks=self.runner.num_blocks,
-            capacity_report=self.capacity_report,
-            startup_seconds=self.startup_seconds,
-        )
-        for target, args in (
-            (self._run_input_thread, (input_address, identity, ready)),
-            (self._run_output_thread, (output_address,)),
-        ):
-            threading.Thread(target=target, args=args, daemon=True).start()
-
-    # -- I/O threads ----------------------------------------------------------------------
-
-    def _run_input_thread(self, address: str, identity: bytes, ready: EngineCoreReady) -> None:
-        decoders = {
-            EngineCoreRequestType.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
-            EngineCoreRequestType.ABORT: msgspec.msgpack.Decoder(list[str]),
-            EngineCoreRequestType.UTILITY: msgspec.msgpack.Decoder(UtilityRequest),
-        }
-        sock = self._zmq.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, identity)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(address)
-        sock.send(msgspec.msgpack.encode(ready))
-        while True:
-            type_frame, payload = sock.recv_multipart(copy=False)
-            try:
-                request_type = EngineCoreRequestType(type_frame.bytes[0])
-                message = decoders[request_type].decode(payload.buffer)
-            except (ValueError, msgspec.DecodeError) as e:
-                # The front end validates everything it sends; this is a bug, not bad input.
-                logger.error("dropped an undecodable engine-core message: %s", e)
-                continue
-            self.input_queue.put_nowait((request_type, message))
-
-    def _run_output_thread(self, address: str) -> None:
-        encoder = msgspec.msgpack.Encoder()
-        sock = self._zmq.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(address)
-        while True:
-            kind, message = self.output_queue.get()
-            sock.send_multipart((bytes((kind,)), encoder.encode(message)), copy=False)
-
-    # -- busy loop (main thread) ----------------------------------------------------------
-
-    def run_busy_loop(self) -> None:
-        while True:
-            self._process_input_queue()
-            self._process_engine_step()
-
-    def _process_input_queue(self) -> None:
-        if not self.has_unfinished_requests():
-            if self._stats_dirty:
-                # Going idle (e.g. after aborts): publish fresh gauges, since no step will.
-                self._send_outputs(
-                    EngineCoreOutputs(
-                        timestamp=time.monotonic(), scheduler_stats=self.scheduler.make_stats()
-                    )
-                )
-                self._stats_dirty = False
-            while True:
-                try:
-                    item = self.input_queue.get(timeout=_PARENT_POLL_SECONDS)
-                    break
-                except queue.Empty:
-                    if os.getppid() != self._parent_pid:
-                        logger.info("front-end process is gone; engine core exits")
-                        raise SystemExit(0) from None
-            self._handle_client_request(*item)
-        while not self.input_queue.empty():
-            self._handle_client_request(*self.input_queue.get_nowait())
-
-    def _process_engine_step(self) -> None:
-        if not self.has_unfinished_requests():
-            return
-        outputs = self.step()
-        self._stats_dirty = False
-        if outputs.outputs or outputs.scheduler_stats is not None:
-            self._send_outputs(outputs)
-
-    def _send_outputs(self, outputs: EngineCoreOutputs) -> None:
-        outputs.engine_index = self.engine_index
-        self.output_queue.put_nowait((EngineCoreOutputType.OUTPUTS, outputs))
-
-    def _handle_client_request(self, request_type: EngineCoreRequestType, message) -> None:
-        if request_type != EngineCoreRequestType.UTILITY:
-            self._stats_dirty = True
-        if request_type == EngineCoreRequestType.ADD:
-            try:
-                self.add_request(message)
-            except Exception as e:
-                # Never let one bad request take the engine down: end it, keep serving.
-                logger.error("rejected request %s: %s", message.request_id, e)
-                self._send_outputs(
-                    EngineCoreOutputs(
-                        outputs=[
-                            EngineCoreOutput(
-                                message.request_id, [], finish_reason=FinishReason.ABORT
-                            )
-                        ],
-                        timestamp=time.monotonic(),
-                    )
-                )
-        elif request_type == EngineCoreRequestType.ABORT:
-            self.abort_requests(message)
-        else:
-            self.output_queue.put_nowait((EngineCoreOutputType.UTILITY, self._call(message)))
-
-    def _call(self, call: UtilityRequest) -> UtilityOutput:
-        if call.method not in UTILITY_METHODS:
-            return UtilityOutput(call.call_id, failure_message=f"unknown utility {call.method!r}")
-        try:
-            return UtilityOutput(call.call_id, result=getattr(self, call.method)(*call.args))
-        except Exception as e:
-            logger.exception("utility %s failed", call.method)
-            return UtilityOutput(call.call_id, failure_message=f"{type(e).__name__}: {e}")
-
-    # -- process entry point --------------------------------------------------------------
-
-    @staticmethod
-    def run_engine_core(
-        config: EngineConfig,
-        input_address: str,
-        output_address: str,
-        identity: bytes,
-        engine_index: int = 0,
-    ) -> None:
-        """Body of the engine process (reached through the jax-free spawn target in
-        jengine/engine/client.py): build the engine, hand-shake, run until told to stop."""
-
-        def on_signal(signum, frame):
-            raise SystemExit(0)
-
-        signal.signal(signal.SIGTERM, on_signal)
-        # Ctrl-C reaches the whole process group; the front end owns shutdown (it sends
-        # SIGTERM), so the engine does not die under its in-flight requests first.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            engine = EngineCoreProc(config, input_address, output_address, identity, engine_index)
-            # Everything built so far lives for the whole process: keep it out of GC scans.
-            gc.collect()
-            gc.freeze()
-            try:
-                engine.run_busy_loop()
-            finally:
-                engine.shutdown()
-        except SystemExit:
-            logger.debug("engine core exits")
-        except BaseException:
-            logger.exception("engine core failed")
-            raise

@@ -12,8 +12,9 @@ import itertools
 
 from jengine.config import EngineConfig
 from jengine.engine.arg_utils import EngineArgs
-from jengine.engine.client import InprocClient, LostRequests, SyncMPClient
+from jengine.engine.client import InprocClient, LostRequests
 from jengine.engine.input_processor import InputProcessor, PromptType
+from jengine.engine.mp_clients import SyncMPClient
 from jengine.engine.output_processor import OutputProcessor, RequestOutputKind
 from jengine.engine.tokenizer import load_tokenizer
 from jengine.outputs import RequestOutput

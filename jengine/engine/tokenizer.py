@@ -93,3 +93,16 @@ def eos_token_ids_of(path: str | None, tokenizer) -> list[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         return [tokenizer.eos_token_id]
     return []
+
+
+def grammar_tokenizer(config: EngineConfig, vocab_size: int):
+    """llguidance's view of the model's tokenizer, over the model's whole (padded)
+    vocabulary; built when the first constrained request arrives (about a second)."""
+    from llguidance.hf import from_tokenizer
+
+    from jengine.engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(config)
+    if tokenizer is None:
+        raise ValueError("structured outputs need the model's tokenizer; none is configured")
+    return from_tokenizer(tokenizer, n_vocab=vocab_size)

@@ -19,7 +19,8 @@ Promises:
   shared by the steps that schedule the same requests in the same order;
 - with speculative decoding, a request's drafts sit after its known tokens in its row
   (so they are its next inputs) and each verified position gets its own sampling row
-  (`_spec_rows`), at the output index it would have without drafts; the rows of a step
+  (`spec_decode.add_verification_rows`), at the output index it would have without
+  drafts; the rows of a step
   never outnumber its request bucket (the scheduler keeps them within max_num_seqs).
 
 Axis letters: T tokens, R requests, P pages per request.
@@ -313,40 +314,10 @@ class InputBatch:
             prompt_targets=prompt_targets,
         )
         if spec:
-            self._spec_rows(prepared, spec, order, query_start_loc)
-        return prepared
+            from jengine.runner.spec_decode import add_verification_rows  # (imports this)
 
-    def _spec_rows(self, prepared: PreparedStep, spec, order: "_Order", query_start_loc) -> None:
-        """Speculative decoding: a sampling row for every position a request verifies
-        (its drafts and the token after them), each sampled exactly as a step without
-        drafts would sample that output index (same parameters, seed and index)."""
-        req_ids, slots, n = prepared.req_ids, order.slots, len(order.slots)
-        R = prepared.shape.num_reqs
-        num_drafts = np.array([len(spec.get(r, ())) for r in req_ids], np.int32)
-        rows_per_request = num_drafts + 1
-        row_request = np.repeat(np.arange(n), rows_per_request)
-        first_row = np.cumsum(rows_per_request) - rows_per_request
-        offset = np.arange(len(row_request)) - np.repeat(first_row, rows_per_request)
-        last = query_start_loc[1 : n + 1] - 1  # each request's last scheduled token
-        logits_indices = last[row_request] - num_drafts[row_request] + offset
-        row_slots = slots[row_request]
-        arrays = neutral_sampling_arrays(R)
-        rows = len(row_request)
-        arrays["slots"][:rows] = row_slots
-        for name in _PARAM_COLUMNS:
-            arrays[name][:rows] = self.params[name][row_slots]
-        output_index = self.num_tokens[row_slots] - self.num_prompt_tokens[row_slots] + offset
-        arrays["output_index"][:rows] = output_index
-        if order.any_min_tokens:
-            suppressing = output_index < self.min_tokens[row_slots]
-            arrays["suppressed_ids"][:rows] = np.where(
-                suppressing[:, None], self.params["suppressed_ids"][row_slots], -1
-            )
-        arrays["sample_mask"][:rows] = prepared.sample_mask[:n][row_request]
-        prepared.logits_indices = _padded(logits_indices.astype(np.int32), R)
-        prepared.sampling = arrays
-        prepared.num_logprobs = [order.num_logprobs[i] for i in row_request.tolist()]
-        prepared.spec_drafts = [spec.get(r, []) for r in req_ids]
+            add_verification_rows(self, prepared, spec, order, query_start_loc)
+        return prepared
 
     def _prompt_targets(self, req_ids, slots, starts, kv_lens, query_start_loc, targets):
         """Fill `targets` for requests that want prompt logprobs; returns their rows."""

@@ -34,11 +34,12 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import SingleDeviceSharding
 
-from jengine.core.outputs import LogprobsArrays, ModelRunnerOutput
+from jengine.core.outputs import ModelRunnerOutput
 from jengine.core.sched_output import SchedulerOutput
 from jengine.pallas_kernels.ragged_paged_attention import resolve_impl
 from jengine.runner.buckets import BucketSpec, StepShape
 from jengine.runner.compilation import CompileCounter, compile_ahead_of_time
+from jengine.runner.grammar_mask import place_grammar_rows
 from jengine.runner.input_batch import (
     CachedRequestState,
     InputBatch,
@@ -48,6 +49,7 @@ from jengine.runner.input_batch import (
 from jengine.runner.kv_cache_sizing import KVCacheSizing, default_kv_budget
 from jengine.runner.sampler import SamplingMetadata, SamplingState, write_slot_history
 from jengine.runner.sharding import TensorParallel
+from jengine.runner.spec_decode import accept_drafts
 from jengine.runner.step import (
     ForwardInputs,
     SampleOutputs,
@@ -55,6 +57,7 @@ from jengine.runner.step import (
     prompt_logprobs_step,
     sample_step,
 )
+from jengine.runner.step_outputs import runner_output
 
 
 class ModelRunner:
@@ -253,22 +256,6 @@ class ModelRunner:
             self._allow_all_masks[num_reqs] = mask
         return mask
 
-    def _grammar_bitmask(self, prepared: PreparedStep, scheduler_output: SchedulerOutput):
-        """The step's [R, W] bitmask: the scheduler's rows where their requests sit, every
-        token allowed elsewhere."""
-        rows = scheduler_output.grammar_bitmask
-        full = np.full((prepared.shape.num_reqs, rows.shape[1]), -1, np.int32)
-        # A constrained request has one sampling row (it does not speculate); other
-        # requests' drafts may put more rows before it.
-        rows_before = [0] * len(prepared.req_ids)
-        if prepared.spec_drafts is not None:
-            rows_before = np.cumsum([0] + [len(d) + 1 for d in prepared.spec_drafts]).tolist()
-        position = {req_id: rows_before[i] if prepared.spec_drafts else i
-                    for i, req_id in enumerate(prepared.req_ids)}  # fmt: skip
-        for row, req_id in enumerate(scheduler_output.structured_output_request_ids):
-            full[position[req_id]] = rows[row]
-        return full
-
     def _history_args(self, state: CachedRequestState | None):
         """Fixed-length (-1 padded) arguments of `write_slot_history` for one request."""
         length = self.max_model_len
@@ -302,7 +289,7 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
         prepared = self.input_batch.prepare(scheduler_output)
         if scheduler_output.grammar_bitmask is not None:
-            prepared.grammar_bitmask = self._grammar_bitmask(prepared, scheduler_output)
+            prepared.grammar_bitmask = place_grammar_rows(prepared, scheduler_output)
         return self._to_runner_output(prepared, *self._run(prepared))
 
     def _to_runner_output(
@@ -328,30 +315,10 @@ class ModelRunner:
     def _verified_output(
         self, prepared: PreparedStep, outputs: SampleOutputs, prompt_logprobs
     ) -> ModelRunnerOutput:
-        """Speculative decoding: every verified position was sampled as the target model
-        samples it; a request keeps its drafts up to the first that differs from the
-        target's token there, plus the target's token at that position (the correction,
-        or after all drafts the bonus token). With greedy this is the argmax rule; sampled,
-        it is exact rejection sampling for drafts with q = one-hot (n-gram): a draft d is
-        kept with probability p(d), and otherwise the token comes from p without d."""
-        drafts = prepared.spec_drafts
-        num_rows = sum(len(d) + 1 for d in drafts)
-        sampled = np.asarray(outputs.sampled)[:num_rows].tolist()
-        mask = prepared.sample_mask[:num_rows].tolist()
-        sampled_token_ids, kept_rows, row = [], [], 0
-        for request_drafts in drafts:
-            if not mask[row]:  # mid-prefill: nothing sampled
-                sampled_token_ids.append([])
-                row += len(request_drafts) + 1
-                continue
-            tokens = [sampled[row]]
-            for j, draft in enumerate(request_drafts):
-                if tokens[-1] != draft:
-                    break
-                tokens.append(sampled[row + j + 1])
-            sampled_token_ids.append(tokens)
-            kept_rows.extend(range(row, row + len(tokens)))
-            row += len(request_drafts) + 1
+        """Speculative decoding: the tokens `spec_decode.accept_drafts` keeps."""
+        sampled_token_ids, kept_rows = accept_drafts(
+            np.asarray(outputs.sampled), prepared.sample_mask, prepared.spec_drafts
+        )
         self.input_batch.record_sampled(prepared.req_ids, sampled_token_ids)
         wants_logprobs = any(n is not None for n in prepared.num_logprobs)
         rows = kept_rows if wants_logprobs else None
@@ -413,34 +380,3 @@ class ModelRunner:
             for index, array in zip(moves, moved):
                 leaves[index] = array
         self.params = jax.tree.unflatten(old_tree, leaves)
-
-
-def runner_output(
-    prepared: PreparedStep, outputs: SampleOutputs, prompt_logprobs, sampled, rows
-) -> ModelRunnerOutput:
-    """The step's ModelRunnerOutput: `sampled` tokens per request, and the logprobs of
-    sampling `rows` (one per sampled token, in order; None when nobody asked)."""
-    logprobs = None
-    if rows is not None:
-        logprobs = LogprobsArrays(
-            np.asarray(outputs.logprob_ids)[rows],
-            np.asarray(outputs.logprobs)[rows],
-            np.asarray(outputs.ranks)[rows],
-        )
-    return ModelRunnerOutput(
-        req_ids=prepared.req_ids,
-        req_id_to_index=dict(zip(prepared.req_ids, range(len(prepared.req_ids)))),
-        sampled_token_ids=sampled,
-        logprobs=logprobs,
-        prompt_logprobs_dict=prompt_logprobs_dict(prepared, prompt_logprobs),
-    )
-
-
-def prompt_logprobs_dict(prepared: PreparedStep, prompt_logprobs) -> dict:
-    """Each request's rows of the step's prompt logprobs."""
-    rows = {}
-    if prompt_logprobs is not None:
-        ids, values, ranks = (np.asarray(x) for x in prompt_logprobs)
-        for req_id, (begin, end) in prepared.prompt_logprob_rows.items():
-            rows[req_id] = LogprobsArrays(ids[begin:end], values[begin:end], ranks[begin:end])
-    return rows

@@ -70,18 +70,6 @@ class SamplingMetadata:
     sample_mask: jax.Array  # bool: this step yields a token (False mid-prefill, padding)
 
 
-def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
-    """[R, V] logits with every token a row's bitmask forbids at -inf.
-
-    `bitmask` is [R, ceil(V / 32)] int32: bit t % 32 of word t // 32 set means token t is
-    allowed (llguidance's and xgrammar's packing; an unconstrained row is all ones).
-    """
-    rows, vocab = logits.shape
-    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [R, W, 32]
-    allowed = bits.reshape(rows, -1)[:, :vocab].astype(bool)
-    return jnp.where(allowed, logits, -jnp.inf)
-
-
 def argmax(x: jax.Array, block: int = 128) -> jax.Array:
     """[rows, V] -> [rows] int32 first index of each row's maximum, as `jnp.argmax`.
 

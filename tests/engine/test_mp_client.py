@@ -13,8 +13,9 @@ import msgspec
 import pytest
 
 from jengine.engine.arg_utils import EngineArgs
-from jengine.engine.client import EngineDeadError, SyncMPClient
+from jengine.engine.client import EngineDeadError
 from jengine.engine.llm_engine import LLMEngine
+from jengine.engine.mp_clients import SyncMPClient
 from jengine.protocol import EngineCoreReady, UtilityOutput, UtilityRequest
 from jengine.sampling_params import SamplingParams
 from tests.engine.engine_helpers import ATTENTION_SETUPS

@@ -7,8 +7,11 @@ import random
 
 import pytest
 
-from jengine.entrypoints.openai.reasoning_parsers import ReasoningStream, get_reasoning_parser
-from jengine.entrypoints.openai.serving_chat import ReplyStream
+from jengine.entrypoints.openai.reasoning_parsers import (
+    ReasoningStream,
+    ReplyStream,
+    get_reasoning_parser,
+)
 from jengine.entrypoints.openai.tool_parsers import (
     NamedToolCallParser,
     RequiredToolCallParser,

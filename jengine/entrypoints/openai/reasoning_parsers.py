@@ -5,7 +5,8 @@ Where it sits: the chat route splits every reply here before anything else (tool
 are parsed from the answer part only); with a structured-output constraint the engine
 starts enforcing it after `END` (the request's `StructuredOutputsParams.reasoning_end`).
 `split` is prefix-stable like the tool parsers': a stream (`ReasoningStream`) sends only
-what each delta adds, and the pieces join into the full response. Jax-free.
+what each delta adds, and the pieces join into the full response; `ReplyStream` chains it
+with a tool-call stream for one streamed chat choice. Jax-free.
 
 - `deepseek_r1`: the prompt opens the thinking, so the reply is reasoning up to
   `</think>` (an opening `<think>` is dropped); with no `</think>`, it is all reasoning.
@@ -15,7 +16,8 @@ what each delta adds, and the pieces join into the full response. Jax-free.
 
 from __future__ import annotations
 
-from jengine.entrypoints.openai.tool_parsers import _held_back
+from jengine.entrypoints.openai.protocol import DeltaMessage
+from jengine.entrypoints.openai.tool_parsers import ToolCallStream, ToolParser, _held_back
 
 START, END = "<think>", "</think>"
 
@@ -81,3 +83,29 @@ class ReasoningStream:
         new_answer = answer[self.sent_answer :]
         self.sent_reasoning, self.sent_answer = len(reasoning), len(answer)
         return new_reasoning, new_answer
+
+
+class ReplyStream:
+    """One streamed choice through the reasoning parser, then the tool parser: each
+    delta's new reasoning, content and tool calls."""
+
+    def __init__(self, reasoning_parser: ReasoningParser | None, tool_parser: ToolParser | None):
+        self.reasoning = ReasoningStream(reasoning_parser) if reasoning_parser else None
+        self.tools = ToolCallStream(tool_parser) if tool_parser else None
+
+    @property
+    def called(self) -> bool:
+        return self.tools is not None and self.tools.called
+
+    def feed(self, text: str, finished: bool) -> list[DeltaMessage]:
+        deltas = []
+        answer = text
+        if self.reasoning is not None:
+            reasoning, answer = self.reasoning.feed(text, finished)
+            if reasoning:
+                deltas.append(DeltaMessage(reasoning_content=reasoning))
+        if self.tools is not None:
+            deltas += self.tools.feed(answer, finished)
+        elif answer:
+            deltas.append(DeltaMessage(content=answer))
+        return deltas

@@ -42,11 +42,7 @@ from jengine.entrypoints.openai.protocol import (
 from jengine.entrypoints.openai.reasoning_parsers import (
     END as REASONING_END,
 )
-from jengine.entrypoints.openai.reasoning_parsers import (
-    ReasoningParser,
-    ReasoningStream,
-    get_reasoning_parser,
-)
+from jengine.entrypoints.openai.reasoning_parsers import ReplyStream, get_reasoning_parser
 from jengine.entrypoints.openai.serving_engine import (
     EnginePrompt,
     OpenAIServing,
@@ -59,7 +55,6 @@ from jengine.entrypoints.openai.structured_outputs import tool_choice_constraint
 from jengine.entrypoints.openai.tool_parsers import (
     NamedToolCallParser,
     RequiredToolCallParser,
-    ToolCallStream,
     ToolParser,
     get_tool_parser,
 )
@@ -388,32 +383,6 @@ class OpenAIServingChat(OpenAIServing):
                 )
             )
         return ChatCompletionLogProbs(content=content)
-
-
-class ReplyStream:
-    """One streamed choice through the reasoning parser, then the tool parser: each
-    delta's new reasoning, content and tool calls."""
-
-    def __init__(self, reasoning_parser: ReasoningParser | None, tool_parser: ToolParser | None):
-        self.reasoning = ReasoningStream(reasoning_parser) if reasoning_parser else None
-        self.tools = ToolCallStream(tool_parser) if tool_parser else None
-
-    @property
-    def called(self) -> bool:
-        return self.tools is not None and self.tools.called
-
-    def feed(self, text: str, finished: bool) -> list[DeltaMessage]:
-        deltas = []
-        answer = text
-        if self.reasoning is not None:
-            reasoning, answer = self.reasoning.feed(text, finished)
-            if reasoning:
-                deltas.append(DeltaMessage(reasoning_content=reasoning))
-        if self.tools is not None:
-            deltas += self.tools.feed(answer, finished)
-        elif answer:
-            deltas.append(DeltaMessage(content=answer))
-        return deltas
 
 
 def _arguments_object(arguments: str):
