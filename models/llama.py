@@ -236,6 +236,4 @@ class LlamaForCausalLM(nnx.Module):
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """[R, D] final hidden states -> [R, V] f32 logits (computed in the model dtype, as HF)."""
         head = self.embed_tokens.value if self.config.tie_word_embeddings else self.lm_head.value
-        if head.shape[0] == self.config.hidden_size:  # EXPERIMENT: stored [D, V]
-            return (hidden @ head).astype(jnp.float32)
         return (hidden @ head.T).astype(jnp.float32)

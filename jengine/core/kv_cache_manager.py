@@ -15,8 +15,9 @@ What it promises:
   K/V of all scheduled tokens of a layer before any attention of that layer reads the cache.
 - Blocks of a freed request go to the free queue tail-block first, so the end of a
   sequence is evicted before its (more shareable) beginning.
-- ``allocate_slots(request, n)`` changes nothing and returns [] whenever
-  ``request.num_computed_tokens + n <= no_op_limit.get(request_id, 0)`` (its blocks hold
+- ``allocate_slots(request, n, num_lookahead_tokens=a)`` changes nothing and returns []
+  whenever ``request.num_computed_tokens + n + a <= no_op_limit.get(request_id, 0)`` (its
+  blocks hold
   the tokens and no block fills): most decode steps. The scheduler checks this itself to
   skip the call.
 """
@@ -118,11 +119,14 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_new_computed_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` more tokens after the computed ones.
 
         new_computed_blocks / num_new_computed_tokens: a prefix hit from
         ``get_computed_blocks``, taken over by the request here.
+        num_lookahead_tokens: slots past those for a draft model's own K/V; they are
+        allocated (within max_model_len) but hold no known token, so never hashed.
         Returns the newly allocated blocks (possibly empty), or None, with nothing changed,
         when there are not enough free blocks.
         """
@@ -131,13 +135,16 @@ class KVCacheManager:
         request_id = request.request_id
         if (
             not new_computed_blocks
-            and request.num_computed_tokens + num_new_tokens <= self.no_op_limit.get(request_id, 0)
+            and request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
+            <= self.no_op_limit.get(request_id, 0)
         ):
             return []
         new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        num_slots = min(num_computed_tokens + num_new_tokens, self.max_model_len)
+        num_slots = min(
+            num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len
+        )
         num_to_allocate = (
             cdiv(num_slots, self.block_size) - len(req_blocks) - len(new_computed_blocks)
         )

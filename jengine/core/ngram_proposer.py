@@ -1,7 +1,8 @@
 """N-gram prompt lookup: draft tokens for speculative decoding from a request's own text.
 
 Where it sits: with `--speculative-config '{"method": "ngram", ...}'` the Scheduler asks
-its `NgramProposer` after every step, for each decoding request, what might come next:
+its `NgramProposer` after every step, for each request that may speculate
+(`step_results.draft_room`), what might come next:
 if the last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) occurred
 earlier in the prompt + output, the tokens that followed their latest earlier occurrence
 are the drafts. The target model verifies them in the next step (jengine/runner/
@@ -12,15 +13,8 @@ sliding-window comparison per n, no Python loop over positions); at most
 `num_speculative_tokens` drafts, fewer near the end of the text.
 """
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
-
-if TYPE_CHECKING:
-    from jengine.request import Request
 
 
 class NgramProposer:
@@ -28,30 +22,6 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
         self.k = num_speculative_tokens
-
-    def propose_for(
-        self, running: list[Request], max_model_len: int, disable_by_batch_size: int | None
-    ) -> None:
-        """Set `spec_token_ids` of every running request: drafts for those decoding that
-        may speculate, none for the others (or for all, above `disable_by_batch_size`)."""
-        speculate = disable_by_batch_size is None or len(running) <= disable_by_batch_size
-        for request in running:
-            params = request.sampling_params
-            room = max_model_len - request.num_tokens - 1
-            if params.max_tokens is not None:
-                room = min(room, params.max_tokens - request.num_output_tokens - 1)
-            if (
-                not speculate
-                or room <= 0
-                or request.num_computed_tokens < request.num_tokens - 1  # still prefilling
-                # Exact verification needs the sampler's history (penalties) and grammar
-                # state only as of the last real token: such requests do not speculate.
-                or params.uses_history
-                or request.structured_output is not None
-            ):
-                request.spec_token_ids = []
-            else:
-                request.spec_token_ids = self.propose(request.all_token_ids, room)
 
     def propose(self, token_ids: list[int], max_drafts: int | None = None) -> list[int]:
         """Drafts following the latest earlier occurrence of the longest matching suffix."""

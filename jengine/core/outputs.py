@@ -58,6 +58,8 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: LogprobsArrays | None = None
     prompt_logprobs_dict: dict[str, LogprobsArrays | None] = field(default_factory=dict)
+    # Draft-model speculation: each request's drafts for its next step (None: not drafted).
+    draft_token_ids: list[list[int]] | None = None
 
     def logprob_row_starts(self) -> dict[str, int]:
         """Each request's first row in ``logprobs`` (empty when there are none)."""

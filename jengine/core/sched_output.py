@@ -70,6 +70,9 @@ class SchedulerOutput:
     # Speculative decoding: the draft tokens each request verifies this step (they follow
     # its last known token in its scheduled tokens; the runner samples every position).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Draft-model speculation: after this step the runner drafts this many tokens for
+    # each request that samples (0: it does not); their slots are allocated.
+    num_lookahead_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:

@@ -54,6 +54,9 @@ class _StepPlan:
     preempted: list[Request] = field(default_factory=list)
     spec: dict[str, list[int]] = field(default_factory=dict)  # drafts scheduled to verify
     num_drafts: int = 0  # draft tokens scheduled (each one a sampling row)
+    # Slots allocated past each request's scheduled tokens for the draft model's decode
+    # steps after this step (0: no draft model, or speculation off at this batch size).
+    lookahead: int = 0
 
 
 class Scheduler(StepResults):
@@ -209,12 +212,21 @@ class Scheduler(StepResults):
     def schedule(self) -> SchedulerOutput:
         if self.waiting_for_grammar:
             self._admit_compiled_grammars()
-        step = _StepPlan(budget=self.config.max_num_batched_tokens)
+        step = _StepPlan(
+            budget=self.config.max_num_batched_tokens, lookahead=self._num_lookahead_tokens()
+        )
         self._schedule_running(step)
         # Waiting requests start only if memory was not just too tight for running ones.
         if not step.preempted:
             self._schedule_waiting(step)
         return self._make_scheduler_output(step)
+
+    def _num_lookahead_tokens(self) -> int:
+        """k when the runner drafts with a draft model after this step, else 0."""
+        config = self.speculative_config
+        if config is None or config.method != "draft_model" or not self.speculating():
+            return 0
+        return config.num_speculative_tokens
 
     def _schedule_running(self, step: _StepPlan) -> None:
         """Running requests, in order, until the budget is spent; preempt when blocks run
@@ -225,8 +237,11 @@ class Scheduler(StepResults):
         max_model_len = self.max_model_len
         running, num_scheduled, cached = self.running, step.num_scheduled, step.cached
         budget = step.budget
-        # Each draft is one more sampling row; rows never exceed max_num_seqs.
-        spec_rows = self.config.max_num_seqs - len(running)
+        # Each draft is one more sampling row; rows never exceed max_num_seqs, and drafts
+        # take only rows no waiting request could start in: speculation never holds back
+        # admission.
+        spec_rows = max(0, self.config.max_num_seqs - len(running) - len(self.waiting))
+        lookahead = step.lookahead
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -247,10 +262,10 @@ class Scheduler(StepResults):
             if spec and n == 1:  # decoding: verify the drafts in the same query block
                 spec = spec[: min(budget - 1, max_model_len - num_computed - 1, spec_rows)]
                 n += len(spec)
-            if num_computed + n <= no_op_limit.get(req_id, 0):
+            if num_computed + n + lookahead <= no_op_limit.get(req_id, 0):
                 new_block_ids = []  # allocate_slots would change nothing
             else:
-                blocks = kv_cache_manager.allocate_slots(request, n)
+                blocks = kv_cache_manager.allocate_slots(request, n, num_lookahead_tokens=lookahead)
                 if blocks is None:
                     step.budget = budget
                     blocks, i = self._preempt_for(request, n, i, step)
@@ -287,7 +302,9 @@ class Scheduler(StepResults):
             step.preempted.append(victim)
             if victim is request:
                 break
-            blocks = self.kv_cache_manager.allocate_slots(request, n)
+            blocks = self.kv_cache_manager.allocate_slots(
+                request, n, num_lookahead_tokens=step.lookahead
+            )
         return blocks, i
 
     def _schedule_waiting(self, step: _StepPlan) -> None:
@@ -303,7 +320,12 @@ class Scheduler(StepResults):
             n = self._num_new_tokens(request, step.budget, num_hit)
             if n == 0:
                 break
-            if self.kv_cache_manager.allocate_slots(request, n, hit_blocks, num_hit) is None:
+            if (
+                self.kv_cache_manager.allocate_slots(
+                    request, n, hit_blocks, num_hit, num_lookahead_tokens=step.lookahead
+                )
+                is None
+            ):
                 break  # head-of-line: later requests wait too, preserving the policy order
             self.waiting.pop()
             self.kv_cache_manager.record_prefix_lookup(request, num_hit)
@@ -344,6 +366,7 @@ class Scheduler(StepResults):
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - step.budget,
             removed_req_ids=removed,
             scheduled_spec_decode_tokens=step.spec,
+            num_lookahead_tokens=step.lookahead,
         )
         if self.constrained_ids:
             self._add_grammar_bitmask(output)

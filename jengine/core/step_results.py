@@ -18,6 +18,23 @@ from jengine.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from jengine.request import Request, RequestStatus
 
 
+def draft_room(request: Request, max_model_len: int) -> int:
+    """How many drafts a request may verify next step: 0 while it prefills, and for
+    requests whose exact verification would need the sampler's history (penalties) or
+    grammar state past the last real token; else what fits before its length limits."""
+    params = request.sampling_params
+    if (
+        request.num_computed_tokens < request.num_tokens - 1
+        or params.uses_history
+        or request.structured_output is not None
+    ):
+        return 0
+    room = max_model_len - request.num_tokens - 1
+    if params.max_tokens is not None:
+        room = min(room, params.max_tokens - request.num_output_tokens - 1)
+    return room
+
+
 class StepResults:
     """Mixin of `Scheduler`: its state (requests, running, the KV cache manager, ...)
     is the scheduler's."""
@@ -124,10 +141,8 @@ class StepResults:
                 )
         if any_stopped:
             self.running = [r for r in self.running if not r.is_finished()]
-        if self.proposer is not None:
-            self.proposer.propose_for(
-                self.running, self.max_model_len, self.speculative_config.disable_by_batch_size
-            )
+        if self.speculative_config is not None:
+            self._set_drafts(runner_output.draft_token_ids, index)
         if self._grammar_failed:
             outputs += [
                 EngineCoreOutput(r.request_id, [], finish_reason=r.get_finished_reason())
@@ -139,6 +154,28 @@ class StepResults:
             timestamp=time.monotonic(),
             scheduler_stats=self.make_stats() if self.log_stats else None,
         )
+
+    # -- speculative decoding ---------------------------------------------------------
+
+    def speculating(self) -> bool:
+        """Whether requests speculate at the current batch size."""
+        limit = self.speculative_config.disable_by_batch_size
+        return limit is None or len(self.running) <= limit
+
+    def _set_drafts(self, runner_drafts: list[list[int]] | None, index: dict[str, int]):
+        """Set `spec_token_ids` of every running request for the next step: the n-gram
+        proposer's, or what the runner's draft model proposed after this step."""
+        speculate = self.speculating()
+        for request in self.running:
+            room = draft_room(request, self.max_model_len) if speculate else 0
+            if room <= 0:
+                request.spec_token_ids = []
+            elif self.proposer is not None:
+                request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)
+            else:
+                i = index.get(request.request_id)
+                drafted = runner_drafts is not None and i is not None
+                request.spec_token_ids = runner_drafts[i][:room] if drafted else []
 
     # -- metrics and maintenance ------------------------------------------------------
 

@@ -26,7 +26,7 @@ from jengine.config import EngineConfig
 from jengine.core.scheduler import Scheduler
 from jengine.core.structured_output import StructuredOutputManager
 from jengine.engine.tokenizer import grammar_tokenizer
-from jengine.models import load_model
+from jengine.models import load_model, resolve_model
 from jengine.pallas_kernels.ragged_paged_attention import prepare as prepare_attention
 from jengine.protocol import (
     EngineCoreOutputs,
@@ -48,8 +48,6 @@ class EngineCore:
         self.broadcaster: distributed.StepBroadcaster | None = None
         if config.parallel.multi_host:
             distributed.initialize(config.parallel)  # before anything starts a backend
-        if config.speculative is not None and config.speculative.method == "draft_model":
-            raise ValueError("speculative decoding with a draft model is not available yet")
         if config.compilation.cache_dir:
             enable_compilation_cache(config.compilation.cache_dir)
         started = time.perf_counter()
@@ -57,6 +55,10 @@ class EngineCore:
         prepare_attention(config.model.attention_impl)
         if model is None:
             model = load_model(config.model.model, config.model.dtype)
+        speculative = config.speculative
+        draft_model = None
+        if speculative is not None and speculative.method == "draft_model":
+            draft_model = load_model(resolve_model(speculative.model), config.model.dtype)
         scheduler_config = config.scheduler
         self.runner = ModelRunner(
             model,
@@ -71,6 +73,8 @@ class EngineCore:
             attention_impl=config.model.attention_impl,
             tensor_parallel_size=config.parallel.tensor_parallel_size,
             devices=devices,
+            draft_model=draft_model,
+            num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
         )
         logger.info(
             "model %s: %s, %s, %.1fM parameters; attention: %s",

@@ -275,7 +275,10 @@ class InputBatch:
                 end = int(self.num_tokens[slot])
                 self.token_ids[slot, end : end + len(drafts)] = drafts
             num_rows += sum(map(len, spec.values()))
-        shape = self.buckets.shape_for(total, num_rows, cdiv(int(kv_lens.max()), self.block_size))
+        # A draft model's decode steps after this step reach num_lookahead_tokens further.
+        reach = int(kv_lens.max()) + scheduler_output.num_lookahead_tokens
+        num_pages = min(cdiv(reach, self.block_size), self.buckets.max_pages)
+        shape = self.buckets.shape_for(total, num_rows, num_pages)
         T, R, P = shape.num_tokens, shape.num_reqs, shape.num_pages
         if total == n:  # one token per request: the common decode step
             token_slots, positions = slots, starts

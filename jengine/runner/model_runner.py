@@ -24,6 +24,7 @@ Promises:
   the host.
 """
 
+import dataclasses
 from collections.abc import Sequence
 from functools import partial
 
@@ -39,6 +40,7 @@ from jengine.core.sched_output import SchedulerOutput
 from jengine.pallas_kernels.ragged_paged_attention import resolve_impl
 from jengine.runner.buckets import BucketSpec, StepShape
 from jengine.runner.compilation import CompileCounter, compile_ahead_of_time
+from jengine.runner.draft_model import DraftModel, VerifiedLayout, check_draft_model
 from jengine.runner.grammar_mask import place_grammar_rows
 from jengine.runner.input_batch import (
     CachedRequestState,
@@ -78,9 +80,16 @@ class ModelRunner:
         attention_impl: str | None = None,
         tensor_parallel_size: int = 1,
         devices: Sequence[jax.Device] | None = None,
+        draft_model: nnx.Module | None = None,
+        num_speculative_tokens: int = 0,
     ):
         """`devices`: where to run (default: the first of `jax.devices()`), e.g. the
-        devices of the mesh a user's params live on."""
+        devices of the mesh a user's params live on. `draft_model`: speculative decoding's
+        draft (`draft_model.py`), proposing `num_speculative_tokens` per step."""
+        if draft_model is not None:
+            if tensor_parallel_size > 1:
+                raise ValueError("a draft model does not run with tensor parallelism yet")
+            check_draft_model(draft_model.config, model.config)
         self.tensor_parallel = None
         if tensor_parallel_size > 1:
             self.tensor_parallel = TensorParallel.create(
@@ -112,6 +121,12 @@ class ModelRunner:
             max_pages=self.buckets.max_pages,
             num_shards=tp.size if tp else 1,
         )
+        if draft_model is not None:  # a block holds the draft's K/V as well
+            self.kv_sizing = dataclasses.replace(
+                self.kv_sizing,
+                bytes_per_block=self.kv_sizing.bytes_per_block
+                + DraftModel.bytes_per_block(draft_model, block_size),
+            )
         self.num_blocks = num_blocks or self._blocks_from_budget(
             kv_cache_memory_bytes, gpu_memory_utilization
         )
@@ -140,6 +155,17 @@ class ModelRunner:
         self._write_history = jax.jit(write_slot_history, donate_argnums=0)
         self._compile_counter = CompileCounter()
         self._allow_all_masks: dict[int, jax.Array] = {}
+        self.draft = None
+        if draft_model is not None:
+            self.draft = DraftModel(
+                draft_model,
+                num_speculative_tokens=num_speculative_tokens,
+                num_blocks=self.num_blocks,
+                block_size=block_size,
+                max_model_len=max_model_len,
+                device=self.device,
+                attention_impl=attention_impl,
+            )
 
     # -- memory ---------------------------------------------------------------------------
 
@@ -189,8 +215,19 @@ class ModelRunner:
         programs += [
             (self._prompt_logprobs_fn, self.params, hidden[t], targets[t]) for t in token_counts
         ]
+        if self.draft is not None:
+            programs += [
+                self.draft.program(inputs, self._dummy_sampled(shape))
+                for shape, (_, _, _, inputs) in zip(shapes, programs)
+            ]
         compile_ahead_of_time(programs)
         outputs = [self._run(self._dummy_step(shape)) for shape in shapes]
+        if self.draft is not None:
+            for shape, (sampled, _) in zip(shapes, list(outputs)):
+                program = self.draft.program(
+                    ForwardInputs.from_prepared(self._dummy_step(shape)), sampled.sampled
+                )
+                outputs.append(self.draft.propose(*program[3:]))
         outputs += [
             self._prompt_logprobs_fn(self.params, hidden[t], targets[t]) for t in token_counts
         ]
@@ -201,6 +238,10 @@ class ModelRunner:
         jax.block_until_ready((outputs, self.kv_cache, self.sampling_state))
         self._compile_counter.warmed_up = True
         return len(shapes)
+
+    def _dummy_sampled(self, shape: StepShape) -> jax.Array:
+        """Sampled rows on the device, as a step's (for compiling the draft proposal)."""
+        return jax.device_put(np.zeros(shape.num_reqs, np.int32), self.replicated)
 
     def _dummy_step(self, shape: StepShape) -> PreparedStep:
         T, R, P = shape.num_tokens, shape.num_reqs, shape.num_pages
@@ -290,7 +331,21 @@ class ModelRunner:
         prepared = self.input_batch.prepare(scheduler_output)
         if scheduler_output.grammar_bitmask is not None:
             prepared.grammar_bitmask = place_grammar_rows(prepared, scheduler_output)
-        return self._to_runner_output(prepared, *self._run(prepared))
+        outputs, prompt_logprobs = self._run(prepared)
+        drafts = None
+        if scheduler_output.num_lookahead_tokens and self.draft is not None:
+            # Dispatched before the host waits for the step: the host's work on the
+            # sampled tokens overlaps the proposal.
+            layout = VerifiedLayout.of(prepared, self.draft.num_speculative_tokens)
+            drafts = self.draft.propose(
+                ForwardInputs.from_prepared(prepared), outputs.sampled, layout
+            )
+        output = self._to_runner_output(prepared, outputs, prompt_logprobs)
+        if drafts is not None:
+            drafting = layout.drafting[: len(prepared.req_ids)].tolist()
+            drafts = np.asarray(drafts)[: len(drafting)].tolist()
+            output.draft_token_ids = [d if ok else [] for d, ok in zip(drafts, drafting)]
+        return output
 
     def _to_runner_output(
         self, prepared: PreparedStep, outputs: SampleOutputs, prompt_logprobs

@@ -42,6 +42,23 @@ def test_allocation_is_capped_at_max_model_len():
     assert len(kv.allocate_slots(req, 20)) == 3  # slots for 10 tokens, not 20
 
 
+def test_lookahead_slots_are_allocated_but_never_hashed():
+    """A draft model's slots past the scheduled tokens: allocated (within max_model_len),
+    part of the no-op check, and no block of them reaches the prefix cache."""
+    kv = manager(max_model_len=16)
+    a = make_request("a", [5, 6, 7])
+    assert len(kv.allocate_slots(a, 3, num_lookahead_tokens=3)) == 2  # 6 slots
+    assert kv.block_pool.cached_block_hash_to_block == {}  # block 0 holds no 4th token
+    a.num_computed_tokens = 3
+    a.append_output_token_ids(8)
+    assert kv.allocate_slots(a, 1, num_lookahead_tokens=3) == []  # 7 slots fit in 2 blocks
+    assert len(kv.block_pool.cached_block_hash_to_block) == 1  # block 0: 4 known tokens
+    a.num_computed_tokens = 4
+    assert len(kv.allocate_slots(a, 1, num_lookahead_tokens=5)) == 1  # 10 slots
+    assert len(kv.allocate_slots(a, 1, num_lookahead_tokens=50)) == 1  # capped at 16
+    assert len(kv.get_block_ids("a")) == 4
+
+
 def test_failed_allocation_changes_nothing():
     kv = manager(num_blocks=5)  # 4 usable
     a = make_request("a", 8)

@@ -1,9 +1,11 @@
-"""Speculative decoding with n-gram drafts, on the bundled model (which repeats itself, so
-drafts are proposed and accepted): with k = 1, 3, 5 the greedy tokens equal those without
-speculation and transformers', logprobs of accepted tokens within 1e-4, under batching,
-chunked prefill, prefix hits, preemption and stop strings; seeded sampling at temperature
-1 (and with top-k) gives exactly the tokens it gives without speculation; a deliberately
-wrong acceptance rule does not; nothing compiles after warmup and no block leaks."""
+"""Speculative decoding on the bundled model, with n-gram drafts (it repeats itself, so
+drafts are proposed and accepted) and with its bundled draft model: with k = 1, 3, 5 the
+greedy tokens equal those without speculation and transformers', logprobs of accepted
+tokens within 1e-4, under batching, chunked prefill, prefix hits, preemption, stop strings
+and up to max_model_len; seeded sampling at temperature 1 (and with top-k) gives exactly
+the tokens it gives without speculation, and 20,000 samples follow the target
+distribution; a deliberately wrong acceptance rule fails both; nothing compiles after
+warmup, no block leaks and only verified tokens reach the prefix cache."""
 
 import dataclasses
 
@@ -17,6 +19,7 @@ from jengine.core.kv_cache_utils import extend_block_hashes
 from jengine.models.default import BUNDLED_MODEL_PATH
 from jengine.runner.model_runner import ModelRunner
 from tests.engine.engine_helpers import hf_greedy_logprobs
+from tests.entrypoints.tiny_model import make_tiny_model
 
 PROMPTS = [
     "ROMEO:\nBut soft, what light",
@@ -30,7 +33,7 @@ MAX_TOKENS = 48
 ENGINE = dict(
     dtype="float32",
     max_model_len=192,
-    max_num_seqs=4,
+    max_num_seqs=8,
     max_num_batched_tokens=16,
     block_size=16,
     num_gpu_blocks_override=13,
@@ -41,6 +44,17 @@ def ngram(k: int) -> dict:
     return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}
 
 
+def draft(k: int) -> dict:
+    return {"method": "draft_model", "model": "shakespeare-draft", "num_speculative_tokens": k}
+
+
+SPECULATION = {
+    f"{s['method']}-k{s['num_speculative_tokens']}": s
+    for k in (1, 3, 5)
+    for s in (ngram(k), draft(k))
+}
+
+
 @pytest.fixture(scope="module")
 def baseline():
     llm = LLM(BUNDLED_MODEL_PATH, **ENGINE)
@@ -48,9 +62,9 @@ def baseline():
     return llm, llm.generate(PROMPTS, greedy, use_tqdm=False)
 
 
-@pytest.fixture(scope="module", params=[1, 3, 5])
+@pytest.fixture(scope="module", params=sorted(SPECULATION))
 def spec_llm(request):
-    return LLM(BUNDLED_MODEL_PATH, speculative_config=ngram(request.param), **ENGINE)
+    return LLM(BUNDLED_MODEL_PATH, speculative_config=SPECULATION[request.param], **ENGINE)
 
 
 def test_greedy_equals_no_speculation_and_transformers(spec_llm, baseline):
@@ -104,6 +118,24 @@ def test_stop_strings_cut_accepted_drafts(spec_llm, baseline):
     ours = spec_llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
     theirs = baseline[0].generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
     assert ours.text == theirs.text and ours.finish_reason == theirs.finish_reason == "stop"
+
+
+def test_drafts_up_to_max_model_len(spec_llm, baseline):
+    """Drafts stop at max_model_len (a draft model's own steps write no slot past it)."""
+    core = spec_llm.engine_core
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    ours = spec_llm.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0]
+    theirs = baseline[0].generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0]
+    assert ours.token_ids == theirs.token_ids and ours.finish_reason == "length"
+    assert core.compiles_after_warmup() == 0
+    assert core.num_free_blocks() == core.runner.num_blocks - 1
+
+
+def test_a_draft_model_needs_the_same_vocabulary(tmp_path):
+    other = make_tiny_model(str(tmp_path / "other_tokenizer"))
+    spec = {"method": "draft_model", "model": other, "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(BUNDLED_MODEL_PATH, speculative_config=spec, **ENGINE)
 
 
 def sampled(llm, **kwargs) -> list[list[int]]:

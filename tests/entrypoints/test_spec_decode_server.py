@@ -1,24 +1,35 @@
-"""`jengine serve --speculative-config ...`: the flag reaches the engine, completions equal
-those of an engine without speculation, and /metrics counts the drafts."""
+"""`jengine serve --speculative-config ...` (n-gram, and a draft model: another random
+model on the same tokenizer): the flag reaches the engine, completions equal those of an
+engine without speculation, and /metrics counts the drafts."""
+
+import json
 
 import httpx2
 import openai
+import pytest
 
 from tests.entrypoints.remote_server import MODEL_NAME, SERVER_ARGS, RemoteServer, metric
-from tests.entrypoints.tiny_model import ENGINE_ARGS
+from tests.entrypoints.tiny_model import ENGINE_ARGS, make_tiny_model
 
-SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
 # Repeated words: prompt lookup has something to propose.
 PROMPTS = ["the cat and the dog and the cat and the", "one two one two one two one"]
 
 
-def test_speculative_serving(tiny_model):
+@pytest.fixture(params=["ngram", "draft_model"])
+def spec(request, tmp_path) -> str:
+    if request.param == "ngram":
+        return '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    draft = make_tiny_model(str(tmp_path / "draft"), seed=1)
+    return json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": 3})
+
+
+def test_speculative_serving(tiny_model, spec):
     from jengine import LLM, SamplingParams
 
     llm = LLM(tiny_model, **ENGINE_ARGS)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     expected = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    with RemoteServer(tiny_model, [*SERVER_ARGS, "--speculative-config", SPEC]) as server:
+    with RemoteServer(tiny_model, [*SERVER_ARGS, "--speculative-config", spec]) as server:
         client = openai.OpenAI(base_url=server.url_for("v1"), api_key="none", max_retries=0)
         choices = client.completions.create(
             model=MODEL_NAME, prompt=PROMPTS, max_tokens=40, temperature=0.0,
