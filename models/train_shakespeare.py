@@ -232,8 +232,7 @@ def teacher_continuations(folder, train_ids, num, window, rng, prompt_len=32):
     greedy = SamplingParams(temperature=0.0, max_tokens=window - prompt_len, ignore_eos=True)
     outputs = llm.generate(prompts, greedy, use_tqdm=False)
     return [
-        np.array([*o.prompt_token_ids, *o.outputs[0].token_ids], train_ids.dtype)
-        for o in outputs
+        np.array([*o.prompt_token_ids, *o.outputs[0].token_ids], train_ids.dtype) for o in outputs
     ]
 
 
