@@ -37,6 +37,7 @@ from flax import nnx
 
 from jengine.models import AttentionMetadata
 from jengine.pallas_kernels.ragged_paged_attention import resolve_impl
+from jengine.runner.buckets import next_power_of_two
 from jengine.runner.input_batch import PreparedStep
 from jengine.runner.step import ForwardInputs
 
@@ -57,15 +58,26 @@ class VerifiedLayout:
     """Where each request's tokens sit in a step's sampling rows (host arrays): what the
     proposal needs to find, on device, the token each request now ends with."""
 
-    first_row: np.ndarray  # [R] the request's first sampling row
-    num_drafts: np.ndarray  # [R] drafts it verified this step (0: a plain row)
-    draft_tokens: np.ndarray  # [R, k] those drafts, zero padded
-    drafting: np.ndarray  # [R] bool: it got a token this step (not mid-prefill, not padding)
+    # One row per request, padded to `rows_for` the step: the draft decodes that many rows.
+    first_row: np.ndarray  # [r] the request's first sampling row
+    num_drafts: np.ndarray  # [r] drafts it verified this step (0: a plain row)
+    draft_tokens: np.ndarray  # [r, k] those drafts, zero padded
+    drafting: np.ndarray  # [r] bool: it got a token this step (not mid-prefill, not padding)
+
+    @staticmethod
+    def row_counts(num_reqs: int, k: int) -> list[int]:
+        """The row counts a step of R request rows may draft with: R, and (smaller,
+        what a step full of k-draft requests has) R / (k + 1) rounded up to a power of
+        two. Decoding the draft costs per row, and a speculating step's R counts its
+        drafts' sampling rows."""
+        compact = next_power_of_two(-(-num_reqs // (k + 1)))
+        return sorted({compact, num_reqs})
 
     @classmethod
     def of(cls, prepared: PreparedStep, k: int) -> "VerifiedLayout":
-        n, R = len(prepared.req_ids), prepared.shape.num_reqs
-        layout = cls.empty(R, k)
+        n = len(prepared.req_ids)
+        rows = next(r for r in cls.row_counts(prepared.shape.num_reqs, k) if r >= n)
+        layout = cls.empty(rows, k)
         drafts = prepared.spec_drafts or [()] * n
         counts = np.fromiter(map(len, drafts), np.int32, n)
         layout.num_drafts[:n] = counts
@@ -118,9 +130,10 @@ def propose_step(
         inputs.attention,
         attention_impl=attention_impl,
     )
-    tokens, starts = last_accepted(sampled, layout, inputs.attention.kv_lens)
-    block_tables = inputs.attention.block_tables
-    num_reqs, num_pages = block_tables.shape
+    num_reqs = layout.first_row.shape[0]  # the rows that decode (the step's first ones)
+    tokens, starts = last_accepted(sampled, layout, inputs.attention.kv_lens[:num_reqs])
+    block_tables = inputs.attention.block_tables[:num_reqs]
+    num_pages = block_tables.shape[1]
     block_size = kv_cache.shape[4]
     rows = jnp.arange(num_reqs)
     # Unrolled (k is small and static): a loop would carry the whole cache from iteration
@@ -188,10 +201,15 @@ class DraftModel:
         shape = model.kv_cache_shape(1, block_size)
         return int(np.prod(shape)) * jnp.dtype(model.dtype).itemsize
 
-    def program(self, inputs: ForwardInputs, sampled) -> tuple:
-        """`(jitted_fn, *args)` of the proposal after a step of `inputs`' shape (warmup)."""
-        layout = VerifiedLayout.empty(len(sampled), self.num_speculative_tokens)
-        return (self._propose_fn, self.params, self.kv_cache, inputs, sampled, layout)
+    def programs(self, inputs: ForwardInputs, sampled) -> list[tuple]:
+        """`(jitted_fn, *args)` of each proposal after a step of `inputs`' shape (warmup):
+        one per row count of `VerifiedLayout.row_counts`."""
+        k = self.num_speculative_tokens
+        return [
+            (self._propose_fn, self.params, self.kv_cache, inputs, sampled, layout)
+            for rows in VerifiedLayout.row_counts(len(sampled), k)
+            for layout in [VerifiedLayout.empty(rows, k)]
+        ]
 
     def propose(self, inputs: ForwardInputs, sampled, layout: VerifiedLayout) -> jax.Array:
         """Dispatch the proposal after a step (the draft cache is donated and replaced);

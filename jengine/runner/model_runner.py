@@ -217,17 +217,17 @@ class ModelRunner:
         ]
         if self.draft is not None:
             programs += [
-                self.draft.program(inputs, self._dummy_sampled(shape))
+                program
                 for shape, (_, _, _, inputs) in zip(shapes, programs)
+                for program in self.draft.programs(inputs, self._dummy_sampled(shape))
             ]
         compile_ahead_of_time(programs)
         outputs = [self._run(self._dummy_step(shape)) for shape in shapes]
         if self.draft is not None:
             for shape, (sampled, _) in zip(shapes, list(outputs)):
-                program = self.draft.program(
-                    ForwardInputs.from_prepared(self._dummy_step(shape)), sampled.sampled
-                )
-                outputs.append(self.draft.propose(*program[3:]))
+                inputs = ForwardInputs.from_prepared(self._dummy_step(shape))
+                for program in self.draft.programs(inputs, sampled.sampled):
+                    outputs.append(self.draft.propose(*program[3:]))
         outputs += [
             self._prompt_logprobs_fn(self.params, hidden[t], targets[t]) for t in token_counts
         ]
