@@ -27,6 +27,7 @@ What it promises:
 Axis letters: T tokens, R requests, P pages per request, k drafts per request.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 
@@ -39,15 +40,18 @@ from jengine.models import AttentionMetadata
 from jengine.pallas_kernels.ragged_paged_attention import resolve_impl
 from jengine.runner.buckets import next_power_of_two
 from jengine.runner.input_batch import PreparedStep
+from jengine.runner.kv_cache_sizing import KVCacheSizing
 from jengine.runner.step import ForwardInputs
 
 
-def check_draft_model(draft_config, target_config) -> None:
-    """A draft must speak the target's vocabulary (same ids, same size)."""
-    if draft_config.vocab_size != target_config.vocab_size:
+def check_draft_model(draft: nnx.Module, target: nnx.Module, tensor_parallel_size: int):
+    """A draft must speak the target's vocabulary (same ids, same size), on one device."""
+    if tensor_parallel_size > 1:
+        raise ValueError("a draft model does not run with tensor parallelism yet")
+    if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(
-            f"speculative_config.model: the draft model's vocabulary ({draft_config.vocab_size}"
-            f" tokens) differs from the target's ({target_config.vocab_size}); a draft model "
+            f"speculative_config.model: the draft model's vocabulary ({draft.config.vocab_size}"
+            f" tokens) differs from the target's ({target.config.vocab_size}); a draft model "
             "needs the target's tokenizer"
         )
 
@@ -196,20 +200,35 @@ class DraftModel:
         )
 
     @staticmethod
-    def bytes_per_block(model: nnx.Module, block_size: int) -> int:
-        """What one block of the draft's cache adds to one of the target's."""
-        shape = model.kv_cache_shape(1, block_size)
-        return int(np.prod(shape)) * jnp.dtype(model.dtype).itemsize
+    def sharing_blocks(sizing: KVCacheSizing, model: nnx.Module) -> KVCacheSizing:
+        """The target's cache sizing with each block holding the draft's K/V as well."""
+        shape = model.kv_cache_shape(1, sizing.block_size)
+        draft_bytes = int(np.prod(shape)) * jnp.dtype(model.dtype).itemsize
+        return dataclasses.replace(sizing, bytes_per_block=sizing.bytes_per_block + draft_bytes)
 
-    def programs(self, inputs: ForwardInputs, sampled) -> list[tuple]:
-        """`(jitted_fn, *args)` of each proposal after a step of `inputs`' shape (warmup):
-        one per row count of `VerifiedLayout.row_counts`."""
+    def programs(self, dummy_steps, sharding) -> list[tuple]:
+        """`(jitted_fn, *args)` of every proposal that can follow these (dummy) steps, for
+        warmup: one per row count of `VerifiedLayout.row_counts`; their sampled rows are
+        placed with `sharding`, as a step's are."""
         k = self.num_speculative_tokens
-        return [
-            (self._propose_fn, self.params, self.kv_cache, inputs, sampled, layout)
-            for rows in VerifiedLayout.row_counts(len(sampled), k)
-            for layout in [VerifiedLayout.empty(rows, k)]
-        ]
+        programs = []
+        for prepared in dummy_steps:
+            num_reqs = prepared.shape.num_reqs
+            sampled = jax.device_put(np.zeros(num_reqs, np.int32), sharding)
+            inputs = ForwardInputs.from_prepared(prepared)
+            for rows in VerifiedLayout.row_counts(num_reqs, k):
+                layout = VerifiedLayout.empty(rows, k)
+                programs.append(
+                    (self._propose_fn, self.params, self.kv_cache, inputs, sampled, layout)
+                )
+        return programs
+
+    def propose_after(self, prepared: PreparedStep, sampled) -> "Drafts":
+        """Dispatch the proposal after the step `prepared`, whose sampled rows are still
+        on device."""
+        layout = VerifiedLayout.of(prepared, self.num_speculative_tokens)
+        drafts = self.propose(ForwardInputs.from_prepared(prepared), sampled, layout)
+        return Drafts(drafts, layout.drafting[: len(prepared.req_ids)])
 
     def propose(self, inputs: ForwardInputs, sampled, layout: VerifiedLayout) -> jax.Array:
         """Dispatch the proposal after a step (the draft cache is donated and replaced);
@@ -218,3 +237,17 @@ class DraftModel:
             self.params, self.kv_cache, inputs, sampled, layout
         )
         return drafts
+
+
+@dataclass(frozen=True)
+class Drafts:
+    """A dispatched proposal: [r, k] drafts on device, and which requests drafted."""
+
+    tokens: jax.Array
+    drafting: np.ndarray  # [n] bool, one per request of the step
+
+    def lists(self) -> list[list[int]]:
+        """Each request's drafts (empty where it did not draft); waits for the device."""
+        drafting = self.drafting.tolist()
+        tokens = np.asarray(self.tokens)[: len(drafting)].tolist()
+        return [d if ok else [] for d, ok in zip(tokens, drafting)]

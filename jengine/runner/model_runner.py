@@ -24,7 +24,6 @@ Promises:
   the host.
 """
 
-import dataclasses
 from collections.abc import Sequence
 from functools import partial
 
@@ -40,7 +39,7 @@ from jengine.core.sched_output import SchedulerOutput
 from jengine.pallas_kernels.ragged_paged_attention import resolve_impl
 from jengine.runner.buckets import BucketSpec, StepShape
 from jengine.runner.compilation import CompileCounter, compile_ahead_of_time
-from jengine.runner.draft_model import DraftModel, VerifiedLayout, check_draft_model
+from jengine.runner.draft_model import DraftModel, check_draft_model
 from jengine.runner.grammar_mask import place_grammar_rows
 from jengine.runner.input_batch import (
     CachedRequestState,
@@ -60,6 +59,7 @@ from jengine.runner.step import (
     sample_step,
 )
 from jengine.runner.step_outputs import runner_output
+from jengine.runner.weight_update import updated_params
 
 
 class ModelRunner:
@@ -87,9 +87,7 @@ class ModelRunner:
         devices of the mesh a user's params live on. `draft_model`: speculative decoding's
         draft (`draft_model.py`), proposing `num_speculative_tokens` per step."""
         if draft_model is not None:
-            if tensor_parallel_size > 1:
-                raise ValueError("a draft model does not run with tensor parallelism yet")
-            check_draft_model(draft_model.config, model.config)
+            check_draft_model(draft_model, model, tensor_parallel_size)
         self.tensor_parallel = None
         if tensor_parallel_size > 1:
             self.tensor_parallel = TensorParallel.create(
@@ -121,12 +119,8 @@ class ModelRunner:
             max_pages=self.buckets.max_pages,
             num_shards=tp.size if tp else 1,
         )
-        if draft_model is not None:  # a block holds the draft's K/V as well
-            self.kv_sizing = dataclasses.replace(
-                self.kv_sizing,
-                bytes_per_block=self.kv_sizing.bytes_per_block
-                + DraftModel.bytes_per_block(draft_model, block_size),
-            )
+        if draft_model is not None:
+            self.kv_sizing = DraftModel.sharing_blocks(self.kv_sizing, draft_model)
         self.num_blocks = num_blocks or self._blocks_from_budget(
             kv_cache_memory_bytes, gpu_memory_utilization
         )
@@ -216,18 +210,14 @@ class ModelRunner:
             (self._prompt_logprobs_fn, self.params, hidden[t], targets[t]) for t in token_counts
         ]
         if self.draft is not None:
-            programs += [
-                program
-                for shape, (_, _, _, inputs) in zip(shapes, programs)
-                for program in self.draft.programs(inputs, self._dummy_sampled(shape))
-            ]
+            programs += self.draft.programs(map(self._dummy_step, shapes), self.replicated)
         compile_ahead_of_time(programs)
         outputs = [self._run(self._dummy_step(shape)) for shape in shapes]
         if self.draft is not None:
-            for shape, (sampled, _) in zip(shapes, list(outputs)):
-                inputs = ForwardInputs.from_prepared(self._dummy_step(shape))
-                for program in self.draft.programs(inputs, sampled.sampled):
-                    outputs.append(self.draft.propose(*program[3:]))
+            dummies = map(self._dummy_step, shapes)
+            outputs += [
+                self.draft.propose(*p[3:]) for p in self.draft.programs(dummies, self.replicated)
+            ]
         outputs += [
             self._prompt_logprobs_fn(self.params, hidden[t], targets[t]) for t in token_counts
         ]
@@ -238,10 +228,6 @@ class ModelRunner:
         jax.block_until_ready((outputs, self.kv_cache, self.sampling_state))
         self._compile_counter.warmed_up = True
         return len(shapes)
-
-    def _dummy_sampled(self, shape: StepShape) -> jax.Array:
-        """Sampled rows on the device, as a step's (for compiling the draft proposal)."""
-        return jax.device_put(np.zeros(shape.num_reqs, np.int32), self.replicated)
 
     def _dummy_step(self, shape: StepShape) -> PreparedStep:
         T, R, P = shape.num_tokens, shape.num_reqs, shape.num_pages
@@ -336,15 +322,10 @@ class ModelRunner:
         if scheduler_output.num_lookahead_tokens and self.draft is not None:
             # Dispatched before the host waits for the step: the host's work on the
             # sampled tokens overlaps the proposal.
-            layout = VerifiedLayout.of(prepared, self.draft.num_speculative_tokens)
-            drafts = self.draft.propose(
-                ForwardInputs.from_prepared(prepared), outputs.sampled, layout
-            )
+            drafts = self.draft.propose_after(prepared, outputs.sampled)
         output = self._to_runner_output(prepared, outputs, prompt_logprobs)
         if drafts is not None:
-            drafting = layout.drafting[: len(prepared.req_ids)].tolist()
-            drafts = np.asarray(drafts)[: len(drafting)].tolist()
-            output.draft_token_ids = [d if ok else [] for d, ok in zip(drafts, drafting)]
+            output.draft_token_ids = drafts.lists()
         return output
 
     def _to_runner_output(
@@ -389,49 +370,6 @@ class ModelRunner:
         engine's devices never leave them. Either way each new weight ends up with its
         old weight's sharding, so the step never recompiles.
         """
-        if isinstance(params, nnx.Module):
-            params = nnx.state(params)
-        if self.tensor_parallel and self.tensor_parallel.kv_repeats > 1:
-            # The caller's weights have the checkpoint's KV heads; the engine repeats them.
-            if isinstance(params, nnx.State):
-                params = nnx.to_pure_dict(params)
-            params = self.tensor_parallel.fit_params(params, self.config.head_dim)
-        if not isinstance(params, nnx.State):
-            state = jax.tree.map(lambda x: x, self.params)
-            try:
-                nnx.replace_by_pure_dict(state, params)
-            except (KeyError, ValueError) as e:
-                raise ValueError(f"update_weights: params do not fit the model: {e}") from e
-            params = state
-        new_leaves, new_tree = jax.tree.flatten(params)
-        old_leaves, old_tree = jax.tree.flatten(self.params)
-        if new_tree != old_tree:
-            raise ValueError("update_weights: params have a different structure than the model")
-        leaves = []
-        moves = {}  # leaf index -> a device array to reshard on its devices
-        for index, (new, old) in enumerate(zip(new_leaves, old_leaves, strict=True)):
-            if new.shape != old.shape:
-                raise ValueError(f"update_weights: a weight of shape {old.shape} got {new.shape}")
-            on_device = isinstance(new, jax.Array)
-            if on_device and new.sharding == old.sharding and new.dtype == old.dtype:
-                # The engine's own layout: the same buffers (device_put only commits them:
-                # committed and uncommitted arrays are different jit cache keys).
-                leaves.append(jax.device_put(new, old.sharding))
-            elif on_device and new.sharding.device_set == old.sharding.device_set:
-                leaves.append(None)  # another layout on the same devices (a training mesh's)
-                moves[index] = new
-            else:
-                if new.dtype != old.dtype:
-                    new = np.asarray(new).astype(old.dtype)  # on the host: nothing compiles
-                leaves.append(jax.device_put(new, old.sharding))
-        if moves:
-            # One program moves (and casts) them all with the collectives XLA picks; a
-            # device_put would go through the host for most layout changes.
-            targets = [old_leaves[index] for index in moves]
-            moved = jax.jit(
-                lambda arrays: [a.astype(t.dtype) for a, t in zip(arrays, targets)],
-                out_shardings=[t.sharding for t in targets],
-            )(list(moves.values()))
-            for index, array in zip(moves, moved):
-                leaves[index] = array
-        self.params = jax.tree.unflatten(old_tree, leaves)
+        self.params = updated_params(
+            self.params, params, self.tensor_parallel, self.config.head_dim
+        )
