@@ -11,9 +11,10 @@ the host reads both results with one wait. The drafts go back to the scheduler i
 like the n-gram proposer's.
 
 What it promises:
-- one jitted program per step shape (compiled at warmup, never while serving) does the
-  whole proposal: the draft model runs over the step's own ragged tokens (so its cache
-  holds every position the target computed, in the same slots of the same blocks), then
+- one jitted program per step shape and row count (`VerifiedLayout.row_counts`; all
+  compiled at warmup, never while serving) does the whole proposal: the draft model runs
+  over the step's own ragged tokens (so its cache holds every position the target
+  computed, in the same slots of the same blocks), then
   `num_speculative_tokens` greedy decode steps from the token each drafting request now
   ends with (found on device by the acceptance rule of `spec_decode.accept_drafts`);
 - drafts are greedy, so the draft distribution q is one-hot and the runner's acceptance
