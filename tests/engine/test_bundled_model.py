@@ -14,7 +14,7 @@ from flax import nnx
 from jengine import LLM, SamplingParams
 from jengine.models import LlamaForCausalLM, default
 from jengine.models.default import BUNDLED_MODEL_PATH, default_model, describe_default
-from jengine.models.train_shakespeare import evaluate_with_transformers
+from jengine.models.shakespeare_eval import evaluate_with_transformers
 
 WINDOW = 256
 
