@@ -17,9 +17,8 @@ What it promises:
   sequence is evicted before its (more shareable) beginning.
 - ``allocate_slots(request, n, num_lookahead_tokens=a)`` changes nothing and returns []
   whenever ``request.num_computed_tokens + n + a <= no_op_limit.get(request_id, 0)`` (its
-  blocks hold
-  the tokens and no block fills): most decode steps. The scheduler checks this itself to
-  skip the call.
+  blocks hold the tokens and no block fills): most decode steps. The scheduler checks this
+  itself to skip the call.
 """
 
 from __future__ import annotations
