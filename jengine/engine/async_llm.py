@@ -6,8 +6,11 @@ Prompts are tokenized and validated here (InputProcessor) and outputs detokenize
 
 Promises:
 - one output-handler task pulls every `EngineCoreOutputs`, runs the OutputProcessor, puts
-  each RequestOutput on its request's queue, aborts in the engine core the sequences a
-  stop string ended, and feeds the stat loggers;
+  each RequestOutput in its request's collector (one pending item, however slowly the
+  request is read: output_collector.py), aborts in the engine core the sequences a stop
+  string ended, and feeds the stat loggers;
+- a failure while building one request's output ends that request with the error; the
+  others carry on;
 - a `generate()` that is cancelled or closed early (client disconnect) aborts its request,
   so its KV blocks go back to the pool;
 - if the engine process dies, every running and later `generate()` raises
@@ -25,9 +28,11 @@ from jengine.engine.arg_utils import EngineArgs
 from jengine.engine.client import EngineDeadError, LostRequests
 from jengine.engine.input_processor import InputProcessor, PromptType
 from jengine.engine.mp_clients import AsyncMPClient
+from jengine.engine.output_collector import RequestOutputCollector
 from jengine.engine.output_processor import OutputProcessor, RequestOutputKind
 from jengine.engine.stats import LoggingStatLogger, StatLoggerBase, StatsTracker
 from jengine.engine.tokenizer import load_tokenizer
+from jengine.fault_injection import FaultInjector
 from jengine.outputs import RequestOutput
 from jengine.sampling_params import SamplingParams
 
@@ -54,13 +59,13 @@ class AsyncLLM:
         self.num_blocks = ready.num_blocks
         self.max_model_len = config.scheduler.max_model_len
         self.input_processor = InputProcessor.from_config(config, self.tokenizer, ready.vocab_size)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, FaultInjector.from_env())
         self.stats = StatsTracker()
         self.stat_loggers: list[StatLoggerBase] = list(stat_loggers)
         if log_stats:
             self.stat_loggers.append(LoggingStatLogger())
         self.log_stats_interval = log_stats_interval
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._collectors: dict[str, RequestOutputCollector] = {}
         self._tasks: list[asyncio.Task] = []
         self._dead_error: BaseException | None = None
 
@@ -73,6 +78,11 @@ class AsyncLLM:
     @property
     def errored(self) -> bool:
         return self._dead_error is not None or self.engine_core.engine_dead
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Sequences sent to the engine and not yet finished."""
+        return self.output_processor.get_num_unfinished_requests()
 
     @property
     def engine_pid(self) -> int:
@@ -98,8 +108,8 @@ class AsyncLLM:
         *,
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
-    ) -> asyncio.Queue:
-        """Validate, register and send one request; returns the queue its outputs land on.
+    ) -> RequestOutputCollector:
+        """Validate, register and send one request; returns where its outputs land.
         Raises ValueError for bad input and EngineDeadError if the engine is gone."""
         if self.errored:
             raise self.dead_error()
@@ -107,14 +117,14 @@ class AsyncLLM:
         text, request = self.input_processor.process(request_id, prompt, params, priority)
         # Raises ValueError, before anything is sent, if the id is in use.
         sequences = self.output_processor.add_request(request, text, output_kind)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
+        collector = RequestOutputCollector(output_kind)
+        self._collectors[request_id] = collector
         try:
             await self.engine_core.add_request_async(sequences)
         except BaseException:
             await self.abort(request_id)
             raise
-        return queue
+        return collector
 
     async def generate(
         self,
@@ -129,24 +139,24 @@ class AsyncLLM:
 
         Closing or cancelling the generator early aborts the request in the engine core.
         """
-        queue = None
+        collector = None
         try:
-            queue = await self.add_request(
+            collector = await self.add_request(
                 request_id, prompt, sampling_params, priority=priority, output_kind=output_kind
             )
             finished = False
             while not finished:
-                output = await queue.get()
+                output = await collector.get()
                 if isinstance(output, BaseException):
                     raise output
                 finished = output.finished
                 yield output
         except (asyncio.CancelledError, GeneratorExit):
-            if queue is not None:
+            if collector is not None:
                 await self.abort(request_id)
             raise
         except BaseException:
-            if queue is not None and not self.errored:
+            if collector is not None and not self.errored:
                 await self.abort(request_id)
             raise
 
@@ -159,12 +169,20 @@ class AsyncLLM:
             for stat_logger in self.stat_loggers:
                 stat_logger.record(None, aborted)
         for rid in request_ids:
-            self._queues.pop(rid, None)
+            self._collectors.pop(rid, None)
         self.stats.forget(core_ids)
         if core_ids and not self.errored:
             with contextlib.suppress(EngineDeadError):
                 await self.engine_core.abort_requests_async(core_ids)
             logger.debug("aborted %s", ", ".join(request_ids))
+
+    async def abort_all(self, error: BaseException) -> None:
+        """End every unfinished request with `error` (its `generate` raises it) and stop
+        them in the engine core."""
+        request_ids = list(self._collectors)
+        for request_id in request_ids:
+            self._collectors[request_id].put(error)
+        await self.abort(request_ids)
 
     # -- background tasks -----------------------------------------------------------------
 
@@ -184,18 +202,22 @@ class AsyncLLM:
                     await self._fail_lost_requests(outputs)
                     continue
                 observation = self.stats.observe(outputs.outputs, self.output_processor)
-                request_outputs, reqs_to_abort = self.output_processor.process_outputs(
-                    outputs.outputs
-                )
+                processed = self.output_processor.process_outputs(outputs.outputs)
                 iteration_stats = observation.finish()
-                for output in request_outputs:
-                    queue = self._queues.get(output.request_id)
-                    if queue is not None:
-                        queue.put_nowait(output)
+                for output in processed.request_outputs:
+                    collector = self._collectors.get(output.request_id)
+                    if collector is not None:
+                        collector.put(output)
                     if output.finished:
-                        self._queues.pop(output.request_id, None)
-                if reqs_to_abort:
-                    await self.engine_core.abort_requests_async(reqs_to_abort)
+                        self._collectors.pop(output.request_id, None)
+                for request_id, error in processed.failed.items():
+                    logger.error("building the output of request %s failed: %r", request_id, error)
+                    collector = self._collectors.pop(request_id, None)
+                    if collector is not None:
+                        collector.put(error)
+                if processed.reqs_to_abort:
+                    self.stats.forget(processed.reqs_to_abort)  # failed ones never finish
+                    await self.engine_core.abort_requests_async(processed.reqs_to_abort)
                 for stat_logger in self.stat_loggers:
                     stat_logger.record(outputs.scheduler_stats, iteration_stats)
         except asyncio.CancelledError:
@@ -205,9 +227,9 @@ class AsyncLLM:
                 logger.exception("the output handler failed")
                 e = EngineDeadError(f"the output handler failed: {e!r}")
             self._dead_error = e
-            for queue in self._queues.values():
-                queue.put_nowait(e)
-            self._queues.clear()
+            for collector in self._collectors.values():
+                collector.put(e)
+            self._collectors.clear()
 
     async def _fail_lost_requests(self, lost: LostRequests) -> None:
         """A data-parallel replica died: its requests end with its error (503 over
@@ -215,9 +237,9 @@ class AsyncLLM:
         states = self.output_processor.request_states
         request_ids = {states[rid].parent.request_id for rid in lost.request_ids if rid in states}
         for request_id in request_ids:
-            queue = self._queues.get(request_id)
-            if queue is not None:
-                queue.put_nowait(lost.error)
+            collector = self._collectors.get(request_id)
+            if collector is not None:
+                collector.put(lost.error)
         await self.abort(request_ids)
 
     async def _run_stats_logging(self) -> None:

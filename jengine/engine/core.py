@@ -6,6 +6,10 @@ here tokenizes or detokenizes: that is the front end's job.
 
 Promises: at construction the model is loaded, the KV capacity is computed from the
 memory budget and logged, and every step shape is compiled, so `step()` never compiles.
+A step that raises is logged with the ids of the requests it ran, and the exception goes
+on up: the runner's state (the donated KV cache, the persistent batch) may be half
+updated, so the engine does not run another step on it (EngineCoreProc's process exits
+and the server answers 503).
 
 Across hosts (`--num-hosts`), host 0's step sends its SchedulerOutput to the other hosts
 before running it, and the others (`run_follower`) run each one they receive: one SPMD
@@ -26,6 +30,7 @@ from jengine.config import EngineConfig
 from jengine.core.scheduler import Scheduler
 from jengine.core.structured_output import StructuredOutputManager
 from jengine.engine.tokenizer import grammar_tokenizer
+from jengine.fault_injection import FaultInjector
 from jengine.models import load_model, resolve_model
 from jengine.pallas_kernels.ragged_paged_attention import prepare as prepare_attention
 from jengine.protocol import (
@@ -46,6 +51,7 @@ class EngineCore:
         `devices`: the devices to run on (default: the first of `jax.devices()`)."""
         self.config = config
         self.broadcaster: distributed.StepBroadcaster | None = None
+        self.faults = FaultInjector.from_env()
         if config.parallel.multi_host:
             distributed.initialize(config.parallel)  # before anything starts a backend
         if config.compilation.cache_dir:
@@ -146,13 +152,23 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs()
         scheduler_output = self.scheduler.schedule()
-        if self.broadcaster is None:
-            runner_output = self.runner.execute(scheduler_output)
-        else:
-            with self.broadcaster.lock:  # the followers run the same step
-                self.broadcaster.send_step(scheduler_output)
+        try:
+            if self.faults is not None:
+                self.faults.check("engine_step", scheduler_output.num_scheduled_tokens)
+            if self.broadcaster is None:
                 runner_output = self.runner.execute(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+            else:
+                with self.broadcaster.lock:  # the followers run the same step
+                    self.broadcaster.send_step(scheduler_output)
+                    runner_output = self.runner.execute(scheduler_output)
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        except Exception:
+            logger.error(
+                "the engine step failed while running requests %s; its device state may be "
+                "corrupt, so no further step runs",
+                sorted(scheduler_output.num_scheduled_tokens),
+            )
+            raise
         stats = outputs.scheduler_stats
         if stats is not None:
             self.num_preemptions += stats.num_preemptions

@@ -37,7 +37,7 @@ from jengine.protocol import (
 
 logger = logging.getLogger(__name__)
 
-_PARENT_POLL_SECONDS = 1.0
+_PARENT_POLL_SECONDS = 0.5
 
 
 class EngineCoreProc(EngineCore):
@@ -46,7 +46,9 @@ class EngineCoreProc(EngineCore):
     Messages in (DEALER, from the front end's ROUTER): [request type byte, msgpack payload].
     Messages out (PUSH, to the front end's PULL): [EngineCoreOutputType byte, payload].
     The first message in either direction is the `EngineCoreReady` handshake, sent once
-    warmup is done. The process exits on SIGTERM or when its parent is gone.
+    warmup is done. The process exits on SIGTERM, within a second of its parent going
+    away (SIGKILL included: a watch thread turns that into SIGTERM, so no orphan keeps
+    holding memory), and with an error when a step fails (see EngineCore).
     """
 
     def __init__(
@@ -74,6 +76,7 @@ class EngineCoreProc(EngineCore):
         for target, args in (
             (self._run_input_thread, (input_address, identity, ready)),
             (self._run_output_thread, (output_address,)),
+            (self._watch_parent, ()),
         ):
             threading.Thread(target=target, args=args, daemon=True).start()
 
@@ -110,6 +113,14 @@ class EngineCoreProc(EngineCore):
             kind, message = self.output_queue.get()
             sock.send_multipart((bytes((kind,)), encoder.encode(message)), copy=False)
 
+    def _watch_parent(self) -> None:
+        # The parent's death is noticed by polling (a reparented process has another
+        # ppid); the busy loop may be in the middle of a step, so it is told by signal.
+        while os.getppid() == self._parent_pid:
+            time.sleep(_PARENT_POLL_SECONDS)
+        logger.info("front-end process is gone; engine core exits")
+        os.kill(os.getpid(), signal.SIGTERM)
+
     # -- busy loop (main thread) ----------------------------------------------------------
 
     def run_busy_loop(self) -> None:
@@ -127,15 +138,7 @@ class EngineCoreProc(EngineCore):
                     )
                 )
                 self._stats_dirty = False
-            while True:
-                try:
-                    item = self.input_queue.get(timeout=_PARENT_POLL_SECONDS)
-                    break
-                except queue.Empty:
-                    if os.getppid() != self._parent_pid:
-                        logger.info("front-end process is gone; engine core exits")
-                        raise SystemExit(0) from None
-            self._handle_client_request(*item)
+            self._handle_client_request(*self.input_queue.get())
         while not self.input_queue.empty():
             self._handle_client_request(*self.input_queue.get_nowait())
 

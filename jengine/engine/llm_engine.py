@@ -83,9 +83,13 @@ class LLMEngine:
         if isinstance(outputs, LostRequests):
             # Offline, a lost replica fails the whole run (a batch is all or nothing).
             raise outputs.error
-        request_outputs, reqs_to_abort = self.output_processor.process_outputs(outputs.outputs)
-        self.client.abort_requests(reqs_to_abort)
-        return request_outputs
+        processed = self.output_processor.process_outputs(outputs.outputs)
+        self.client.abort_requests(processed.reqs_to_abort)
+        for request_id, error in processed.failed.items():
+            # Offline, as a lost replica: the run fails, naming the request (it is already
+            # forgotten and aborted, so the engine holds nothing of it).
+            raise RuntimeError(f"building the output of request {request_id} failed") from error
+        return processed.request_outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()

@@ -10,7 +10,10 @@ Promises:
 - output kinds as in vLLM: CUMULATIVE (whole text so far), DELTA (only what is new; for
   streaming) and FINAL_ONLY (one output when everything is done);
 - logprobs in vLLM's shape: one {token_id: Logprob} dict per token, the chosen token
-  included, with decoded text; prompt logprobs start with None for the first token.
+  included, with decoded text; prompt logprobs start with None for the first token;
+- a failure while taking in one request's output (detokenizer, stop strings, logprobs)
+  ends that request only: it is forgotten, its sequences land in `reqs_to_abort`, and the
+  exception is handed back in `failed`; every other request carries on.
 """
 
 import enum
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 
 from jengine.engine.detokenizer import IncrementalDetokenizer
 from jengine.engine.parallel_sampling import fan_out
+from jengine.fault_injection import FaultInjector
 from jengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jengine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 
@@ -94,9 +98,19 @@ class RequestState:
         )
 
 
+@dataclass(slots=True)
+class ProcessedOutputs:
+    """What one step's engine outputs became."""
+
+    request_outputs: list[RequestOutput]
+    reqs_to_abort: list[str]  # engine-core ids ended here (stop strings, failures)
+    failed: dict[str, Exception]  # user request id -> why building its output failed
+
+
 class OutputProcessor:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, faults: FaultInjector | None = None):
         self.tokenizer = tokenizer
+        self.faults = faults
         self.request_states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
 
@@ -161,13 +175,11 @@ class OutputProcessor:
                     aborted.append(state.request_id)
         return aborted
 
-    def process_outputs(
-        self, outputs: list[EngineCoreOutput]
-    ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns (RequestOutputs to hand out, engine-core ids stopped here by a stop string)."""
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         now = time.time()
         request_outputs: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
+        failed: dict[str, Exception] = {}
         # Parents to look at after the loop: every non-DELTA one that got an output, and
         # DELTA ones that may just have finished (only a finishing child can finish one).
         touched: dict[str, ParentRequest] = {}
@@ -175,10 +187,16 @@ class OutputProcessor:
         delta = RequestOutputKind.DELTA
         for output in outputs:
             state = request_states.get(output.request_id)
-            if state is None:  # aborted meanwhile
+            if state is None:  # aborted meanwhile (or failed earlier in this loop)
                 continue
-            self._update(state, output, reqs_to_abort)
             parent = state.parent
+            try:
+                self._update(state, output, reqs_to_abort)
+            except Exception as e:
+                failed[parent.request_id] = e
+                reqs_to_abort.extend(self.abort_requests([parent.request_id]))
+                touched.pop(parent.request_id, None)
+                continue
             metrics = parent.metrics
             if metrics is not None and output.new_token_ids:
                 metrics.first_token_time = metrics.first_token_time or now
@@ -214,11 +232,16 @@ class OutputProcessor:
             ):
                 children = [parent.children[i] for i in sorted(parent.children)]
                 request_outputs.append(self._make_output(parent, children))
-        return request_outputs, reqs_to_abort
+        if failed:
+            failed_ids = set(failed)
+            request_outputs = [o for o in request_outputs if o.request_id not in failed_ids]
+        return ProcessedOutputs(request_outputs, reqs_to_abort, failed)
 
     def _update(self, state: RequestState, output: EngineCoreOutput, reqs_to_abort: list[str]):
         """Take one engine-core output into the state: tokens, logprobs, finish, text (a
         stop string found in the text finishes the state and lands in reqs_to_abort)."""
+        if self.faults is not None:
+            self.faults.check("output", state.parent.request_id)
         new_token_ids = output.new_token_ids
         state.output_token_ids.extend(new_token_ids)
         state.num_cached_tokens = output.num_cached_tokens

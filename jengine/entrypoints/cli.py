@@ -13,6 +13,7 @@ and compile only the step shapes their one request needs, when it needs them.
 import argparse
 import contextlib
 import importlib
+import json
 import logging
 import os
 import sys
@@ -29,6 +30,8 @@ BENCHMARKS = (
     "throughput", "latency", "serve", "prefix", "overhead", "startup", "parallel", "structured",
     "spec_decode",
 )  # fmt: skip
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -51,6 +54,36 @@ def make_parser() -> argparse.ArgumentParser:
         "--api-key",
         default=os.environ.get("JENGINE_API_KEY"),
         help="require `Authorization: Bearer KEY` on /v1 routes (env JENGINE_API_KEY)",
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        type=json.loads,
+        default=[],
+        help="CORS: origins allowed to call the server from a browser, as JSON ('[\"*\"]' for "
+        'any); default none (no CORS headers, unlike vLLM\'s "*")',
+    )
+    serve.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS, JSON list")
+    serve.add_argument("--allowed-headers", type=json.loads, default=["*"], help="CORS, JSON list")
+    serve.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    serve.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="answer 429 (with Retry-After) to requests beyond max_num_seqs running plus this "
+        "many queued sequences (default: queue without bound)",
+    )
+    serve.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="answer 413 to larger request bodies",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT,
+        help="on SIGTERM/SIGINT, seconds running requests may take to finish before they "
+        "end with an error",
     )
     serve.add_argument(
         "--uvicorn-log-level",

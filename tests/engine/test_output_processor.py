@@ -30,9 +30,10 @@ def _run(tokenizer, params, kind, token_ids, *, finish=None, stop_reason=None, s
             finish_reason=finish if last else None,
             stop_reason=stop_reason if last else None,
         )
-        out, abort = processor.process_outputs([core])
-        outputs += out
-        aborted += abort
+        processed = processor.process_outputs([core])
+        outputs += processed.request_outputs
+        aborted += processed.reqs_to_abort
+        abort = processed.reqs_to_abort
         if abort:
             break
     return outputs, aborted, processor
@@ -115,13 +116,13 @@ def test_n_children_gathered_in_order(tokenizer):
     )
     assert [s.request_id for s in sequences] == ["0_p", "1_p"]
     a, b = tokenizer.encode("winter"), tokenizer.encode("summer")
-    out, _ = processor.process_outputs(
+    out = processor.process_outputs(
         [EngineCoreOutput("1_p", b, finish_reason=FinishReason.LENGTH)]
-    )
+    ).request_outputs
     assert out == []  # FINAL_ONLY waits for every child
-    out, _ = processor.process_outputs(
+    out = processor.process_outputs(
         [EngineCoreOutput("0_p", a, finish_reason=FinishReason.LENGTH)]
-    )
+    ).request_outputs
     assert [c.text for c in out[0].outputs] == [tokenizer.decode(a), tokenizer.decode(b)]
     assert [c.index for c in out[0].outputs] == [0, 1] and out[0].request_id == "p"
 

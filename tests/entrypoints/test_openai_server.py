@@ -23,12 +23,14 @@ from tests.entrypoints.remote_server import (
 )
 
 PROMPT = "The quick brown fox"
+BODY_LIMIT = 1 << 20
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    args = [*SERVER_ARGS, "--api-key", API_KEY, "--log-stats-interval", "1"]
+    args = [*SERVER_ARGS, "--api-key", API_KEY, "--log-stats-interval", "1",
+            "--max-request-body-bytes", str(BODY_LIMIT)]  # fmt: skip
     with RemoteServer(tiny_model, args) as remote:
         yield remote
 
@@ -461,6 +463,15 @@ BAD_COMPLETIONS = [
     ({"prompt": PROMPT, "stop": [""]}, "stop"),
     ({"prompt": PROMPT, "suffix": "x"}, "suffix"),
     ({"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options"),
+    # Upper bounds on what one request may ask for.
+    ({"prompt": PROMPT, "n": 129}, "n"),
+    ({"prompt": PROMPT, "n": 2, "best_of": 129}, "best_of"),
+    ({"prompt": PROMPT, "max_tokens": 2**40}, "max_tokens"),
+    ({"prompt": PROMPT, "stop": [f"s{i}" for i in range(65)]}, "stop"),
+    ({"prompt": PROMPT, "stop": "x" * 1025}, "stop"),
+    ({"prompt": [PROMPT] * 257, "max_tokens": 1}, "prompt"),
+    ({"prompt": PROMPT, "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+    ({"prompt": PROMPT, "prompt_logprobs": 21}, "prompt_logprobs"),
 ]
 
 BAD_CHATS = [
@@ -504,8 +515,31 @@ def test_errors_have_openai_shape_and_status(server, http):
         wrong = {"Authorization": "Bearer wrong"}
         _assert_error(anonymous.post("/v1/completions", json=body, headers=wrong), 401)
         _assert_error(anonymous.get("/v1/models"), 401)
-        assert anonymous.get("/health").status_code == 200  # not behind the key
+        _assert_error(anonymous.post("/tokenize", json={"prompt": PROMPT}), 401)
+        _assert_error(anonymous.post("/detokenize", json={"tokens": [1]}), 401)
+        _assert_error(anonymous.get("/metrics"), 401)
+        # Probes carry no key.
+        assert anonymous.get("/health").status_code == 200
+        assert anonymous.get("/version").status_code == 200
     _assert_error(http.get("/v1/nothing-here"), 404)
+    # Model names are looked up, never opened as paths.
+    for name in ("../../etc/passwd", "/etc", os.path.dirname(__file__)):
+        response = http.post("/v1/completions", json={"model": name, "prompt": PROMPT})
+        _assert_error(response, 404, "model")
+
+
+def test_body_size_limit_is_a_413(http):
+    """Told up front (Content-Length) or only as the chunks add up: 413, nothing else."""
+    body = json.dumps({"model": MODEL_NAME, "prompt": "x" * BODY_LIMIT}).encode()
+    _assert_error(http.post("/v1/completions", content=body), 413)
+
+    def chunks():
+        for i in range(0, len(body), 1 << 16):
+            yield body[i : i + (1 << 16)]
+
+    _assert_error(http.post("/v1/completions", content=chunks()), 413)
+    small = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT})
+    assert small.status_code == 200
 
 
 def test_errors_through_the_openai_client(server, client):

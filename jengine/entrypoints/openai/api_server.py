@@ -2,21 +2,23 @@
 `jengine serve`.
 
 Where it sits: the top of the serving path, in the API process (which never imports jax):
-routes.py -> serving_completion / serving_chat / serving_tokenization -> AsyncLLM ->
-(ZMQ) -> engine-core process. `build_app` only wires: the serving objects and the engine
-on `app.state`, the API-key middleware, the exception handlers, and routes.py's router.
+middleware.py -> routes.py -> serving_completion / serving_chat / serving_tokenization ->
+AsyncLLM -> (ZMQ) -> engine-core process. `build_app` only wires: the serving objects,
+the engine and the admission control on `app.state`, the middleware (CORS with
+--allowed-origins, API key, body size, draining), the exception handlers, and routes.py's
+router. `serve_http` runs it under shutdown.py's `DrainingServer`.
 
 Errors always have OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: bad
 or missing fields and malformed JSON -> 400, unknown model -> 404, missing or wrong API key
-(with --api-key, on /v1/*) -> 401, engine process dead -> 503 (and /health 503). A
-client that disconnects, mid-stream or while waiting for a full response, aborts its
-request.
+(with --api-key) -> 401, body too large -> 413, queue full (--max-queued-requests) -> 429,
+engine process dead or server shutting down -> 503 (and /health 503). A client that
+disconnects, mid-stream or while waiting for a full response, aborts its request.
+/openapi.json documents every one of them.
 """
 
 import asyncio
 import gc
 import logging
-import secrets
 import signal
 import socket
 import sys
@@ -24,17 +26,26 @@ import sys
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jengine.engine.async_llm import AsyncLLM
 from jengine.engine.client import EngineDeadError
+from jengine.entrypoints.openai.admission import Admission
 from jengine.entrypoints.openai.errors import engine_dead_error, error_response
 from jengine.entrypoints.openai.metrics import PrometheusStatLogger
+from jengine.entrypoints.openai.middleware import (
+    APIKeyMiddleware,
+    BodySizeLimitMiddleware,
+    DrainingMiddleware,
+)
 from jengine.entrypoints.openai.protocol import OpenAIError
 from jengine.entrypoints.openai.routes import router, version
 from jengine.entrypoints.openai.serving_chat import OpenAIServingChat
 from jengine.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jengine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from jengine.entrypoints.openai.shutdown import DrainingServer
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +58,15 @@ def build_app(
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    max_queued_requests: int | None = None,
+    max_request_body_bytes: int | None = None,
+    allowed_origins: list[str] | None = None,
+    allowed_methods: list[str] | None = None,
+    allowed_headers: list[str] | None = None,
+    allow_credentials: bool = False,
 ) -> FastAPI:
+    """The app. CORS headers are sent only with `allowed_origins` (none by default: a web
+    page on another origin cannot use the server from its visitors' browsers)."""
     model_path = engine.config.model.model
     names = list(served_model_names or [model_path])
     prometheus = PrometheusStatLogger(names[0], engine.num_blocks)
@@ -67,34 +86,41 @@ def build_app(
     app.state.serving_completion = OpenAIServingCompletion(engine, names, model_path)
     app.state.serving_chat = chat
     app.state.serving_tokenization = OpenAIServingTokenization(engine, names, model_path, chat)
+    parallel = engine.config.parallel
+    app.state.admission = Admission(
+        engine.config.scheduler.max_num_seqs * parallel.data_parallel_size, max_queued_requests
+    )
+    # Added innermost first: a request meets CORS, the key, the body limit, then draining.
+    app.add_middleware(DrainingMiddleware, admission=app.state.admission)
+    if max_request_body_bytes is not None:
+        app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=allowed_origins,
+            allow_methods=allowed_methods or ["*"],
+            allow_headers=allowed_headers or ["*"],
+            allow_credentials=allow_credentials,
+        )
     for exc_class, handler in EXCEPTION_HANDLERS.items():
         app.add_exception_handler(exc_class, handler)
     app.include_router(router)
+    app.openapi = lambda: _openapi(app)
     return app
 
 
-class APIKeyMiddleware:
-    """Pure ASGI (no BaseHTTPMiddleware, which would get between a stream and its client's
-    disconnect): /v1/* needs `Authorization: Bearer <key>`; other routes are open."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if (
-            scope["type"] == "http"
-            and scope["method"] != "OPTIONS"
-            and scope["path"].startswith("/v1")
-        ):
-            auth = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(auth, self.expected):
-                error = OpenAIError("Unauthorized: missing or invalid API key", 401, "api_key")
-                await error_response(error)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema, less the 422 it documents for every body: validation errors are
+    400s here (documented on each route, with OpenAI's error body)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 # -- exception handlers: everything becomes an OpenAI-shaped error body ----------------------
@@ -181,17 +207,25 @@ async def serve_http(args) -> None:
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
+            max_queued_requests=args.max_queued_requests,
+            max_request_body_bytes=args.max_request_body_bytes,
+            allowed_origins=args.allowed_origins,
+            allowed_methods=args.allowed_methods,
+            allowed_headers=args.allowed_headers,
+            allow_credentials=args.allow_credentials,
         )
         config = uvicorn.Config(
             app,
             log_level=args.uvicorn_log_level,
             access_log=not args.disable_uvicorn_access_log,
             timeout_keep_alive=5,
+            # After the drain (DrainingServer): time for responses still being written.
             timeout_graceful_shutdown=5,
         )
-        server = uvicorn.Server(config)
-        # uvicorn shuts down gracefully on SIGTERM, then re-raises it; make that reach the
-        # `finally` below (engine shutdown) instead of killing the process on the spot.
+        server = DrainingServer(config, engine, app.state.admission, args.shutdown_timeout)
+        # uvicorn re-raises a second SIGTERM (one that cut the drain short) once it has
+        # stopped; make that reach the `finally` below (engine shutdown, exit code 0)
+        # instead of killing the process on the spot.
         signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
         # Start-up objects live as long as the server: keep them out of GC scans.
         gc.collect()

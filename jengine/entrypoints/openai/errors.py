@@ -39,7 +39,9 @@ def engine_dead_error(error: BaseException | None = None) -> OpenAIError:
 
 
 def error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.to_response().model_dump(), status_code=error.status_code)
+    return JSONResponse(
+        error.to_response().model_dump(), status_code=error.status_code, headers=error.headers
+    )
 
 
 # Request fields that SamplingParams and the input processor name first in their errors.

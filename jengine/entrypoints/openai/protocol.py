@@ -21,6 +21,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 # Bounds that keep every integer inside msgpack's 64-bit range and the fan-out sane.
 _INT64 = dict(ge=-(2**63), le=2**63 - 1)
 MAX_N = 128
+# Bounds on what one request may ask for (each a 400 naming its field; the serving layer
+# checks the ones a union type would make unreadable as schema errors).
+MAX_PROMPTS = 256  # prompts in one completion request
+MAX_STOP_SEQUENCES = 64
+MAX_STOP_CHARS = 1024  # per stop string
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 def random_id(prefix: str) -> str:
@@ -57,15 +63,24 @@ class OpenAIError(Exception):
         401: "AuthenticationError",
         404: "NotFoundError",
         405: "MethodNotAllowedError",
+        413: "RequestTooLargeError",
+        429: "RateLimitError",
         500: "InternalServerError",
         503: "ServiceUnavailableError",
     }
 
-    def __init__(self, message: str, status_code: int = 400, param: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        status_code: int = 400,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.status_code = status_code
         self.param = param
+        self.headers = headers  # e.g. Retry-After on a 429
 
     def to_response(self) -> ErrorResponse:
         return ErrorResponse(
@@ -107,7 +122,7 @@ class SamplingRequest(OpenAIBaseModel):
     top_p: float | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     seed: Annotated[int, Field(**_INT64)] | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
@@ -146,7 +161,7 @@ class CompletionRequest(SamplingRequest):
     prompt: list[TokenId] | list[list[TokenId]] | str | list[str]
     max_tokens: Annotated[int, Field(**_INT64)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
-    best_of: int | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
 

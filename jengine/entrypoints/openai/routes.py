@@ -2,9 +2,11 @@
 
 Where it sits: api_server.py's `build_app` puts the serving objects and the engine on
 `app.state` and includes `router`; each route here only finds its serving object there and
-hands the validated body on. Generation routes share `generation_response`: a stream
-becomes a `text/event-stream` response; a full response is awaited unless the client hangs
-up first, which aborts its requests and answers 499.
+hands the validated body on. Generation routes share `generation_response`: once the
+request passed its checks, admission.py admits it (or answers 429/503); a stream becomes
+a `text/event-stream` response; a full response is awaited unless the client hangs up
+first, which aborts its requests and answers 499. Every route documents its error
+responses (OpenAI's error body) in /openapi.json.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
 POST /detokenize, GET /health, GET /version, GET /metrics (Prometheus).
@@ -13,11 +15,14 @@ POST /detokenize, GET /health, GET /version, GET /metrics (Prometheus).
 import asyncio
 import importlib.metadata
 import logging
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from jengine.engine.client import EngineDeadError
+from jengine.entrypoints.openai.admission import Ticket
 from jengine.entrypoints.openai.errors import engine_dead_error, error_response
 from jengine.entrypoints.openai.metrics import CONTENT_TYPE_LATEST
 from jengine.entrypoints.openai.protocol import (
@@ -25,6 +30,7 @@ from jengine.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    ErrorResponse,
     ModelList,
     SamplingRequest,
     TokenizeRequest,
@@ -34,7 +40,19 @@ from jengine.entrypoints.openai.serving_engine import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
-router = APIRouter()
+# What /openapi.json documents besides each route's 200: every error is OpenAI's body.
+ERROR_RESPONSES = {
+    code: {"model": ErrorResponse, "description": description}
+    for code, description in (
+        (400, "Bad request: a field is missing, malformed or out of bounds"),
+        (401, "Missing or wrong API key (with --api-key)"),
+        (404, "Unknown model"),
+        (413, "Request body too large"),
+        (429, "Too many queued requests (with --max-queued-requests); see Retry-After"),
+        (503, "The engine is not available, or the server is shutting down"),
+    )
+}
+router = APIRouter(responses=ERROR_RESPONSES)
 
 
 def version() -> str:
@@ -50,12 +68,32 @@ def version() -> str:
 async def generation_response(
     serving: OpenAIServing, body: SamplingRequest, raw_request: Request
 ) -> Response:
-    """Validate (errors raise before any byte is sent), then stream or answer in full."""
+    """Validate and admit (errors raise before any byte is sent), then stream or answer
+    in full."""
     prepared = serving.prepare(body)
+    admission = raw_request.app.state.admission
+    ticket = admission.admit(sum(prompt.params.n for prompt in prepared.prompts))
     if body.stream:
-        return StreamingResponse(serving.stream(body, prepared), media_type="text/event-stream")
-    response = await run_unless_disconnected(raw_request, serving.complete(body, prepared))
+        return StreamingResponse(
+            _released_after(serving.stream(body, prepared), ticket),
+            media_type="text/event-stream",
+            # Also here: a stream cut off before its first chunk never runs its `finally`.
+            background=BackgroundTask(ticket.release),
+        )
+    try:
+        response = await run_unless_disconnected(raw_request, serving.complete(body, prepared))
+    finally:
+        ticket.release()
     return response if response is not None else Response(status_code=499)
+
+
+async def _released_after(stream: AsyncIterator[str], ticket: Ticket) -> AsyncIterator[str]:
+    try:
+        async for event in stream:
+            yield event
+    finally:
+        ticket.release()
+        await stream.aclose()
 
 
 @router.post("/v1/completions")

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 from jengine.engine.output_processor import RequestOutputKind
 from jengine.entrypoints.openai.protocol import (
+    MAX_PROMPTS,
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
@@ -68,6 +69,11 @@ class OpenAIServingCompletion(OpenAIServing):
             raise OpenAIError("prompt must not be empty", param="prompt")
         if isinstance(prompt[0], int):
             prompt = [prompt]
+        if len(prompt) > MAX_PROMPTS:
+            raise OpenAIError(
+                f"prompt has {len(prompt)} prompts; at most {MAX_PROMPTS} are allowed",
+                param="prompt",
+            )
         prompts = []
         for item in prompt:
             if isinstance(item, str):

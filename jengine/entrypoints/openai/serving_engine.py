@@ -26,6 +26,8 @@ from pydantic import BaseModel
 from jengine.engine.output_processor import RequestOutputKind
 from jengine.entrypoints.openai.errors import engine_dead_error, param_of, to_openai_error
 from jengine.entrypoints.openai.protocol import (
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES,
     ModelCard,
     ModelList,
     OpenAIError,
@@ -34,6 +36,7 @@ from jengine.entrypoints.openai.protocol import (
     random_id,
 )
 from jengine.entrypoints.openai.structured_outputs import structured_outputs_of
+from jengine.fault_injection import FaultInjector
 from jengine.outputs import Logprob, RequestOutput
 from jengine.sampling_params import SamplingParams
 
@@ -84,6 +87,7 @@ class OpenAIServing:
         self.model_path = model_path
         self.max_model_len = engine.max_model_len
         self.tokenizer = engine.get_tokenizer()
+        self.faults = FaultInjector.from_env()
 
     @property
     def model_name(self) -> str:
@@ -100,11 +104,22 @@ class OpenAIServing:
     # -- opening checks -------------------------------------------------------------------
 
     def check_request(self, request: SamplingRequest) -> None:
-        """What every generation request is checked for first: model, engine, stream_options."""
+        """What every generation request is checked for first: model, engine,
+        stream_options, the bounds on stop strings."""
         self.check_model(request.model)
         self.check_engine()
         if request.stream_options is not None and not request.stream:
             raise OpenAIError("stream_options needs stream=true", param="stream_options")
+        stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise OpenAIError(
+                f"stop has {len(stops)} strings; at most {MAX_STOP_SEQUENCES} are allowed",
+                param="stop",
+            )
+        if any(len(stop) > MAX_STOP_CHARS for stop in stops):
+            raise OpenAIError(
+                f"stop strings may be at most {MAX_STOP_CHARS} characters long", param="stop"
+            )
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
@@ -218,6 +233,8 @@ class OpenAIServing:
                 finals[index] = output
         except ValueError as e:  # e.g. a client-chosen request_id already in use
             raise to_openai_error(e) from None
+        if self.faults is not None:
+            self.faults.check("format", prepared.request_id)
         return self.response(request, prepared, finals)
 
     def response(
@@ -240,6 +257,8 @@ class OpenAIServing:
         try:
             async with aclosing(self.stream_chunks(request, prepared, counts)) as chunks:
                 async for chunk in chunks:
+                    if self.faults is not None:
+                        self.faults.check("format", prepared.request_id)
                     if continuous_usage:
                         chunk.usage = counts.info()
                     yield sse(chunk.model_dump_json())

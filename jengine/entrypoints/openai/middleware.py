@@ -1,0 +1,108 @@
+"""The server's ASGI middleware: what every HTTP request passes before a route sees it.
+
+Where it sits: api_server.py's `build_app` wraps the FastAPI app in these (outermost
+first: CORS, API key, body size, draining). All are pure ASGI, not BaseHTTPMiddleware,
+which would get between a stream and its client's disconnect. Every refusal is OpenAI's
+error body:
+- `APIKeyMiddleware` (with --api-key): `Authorization: Bearer <key>`, compared in constant
+  time, on /v1/*, /tokenize, /detokenize and /metrics; 401 otherwise. /health and
+  /version stay open (probes carry no key).
+- `BodySizeLimitMiddleware`: a body over --max-request-body-bytes is a 413, whether its
+  Content-Length says so up front or its chunks add up to it (a chunked body is read
+  here, never more than the limit, then handed on).
+- `DrainingMiddleware`: once shutdown began, every request but /metrics and /version is a
+  503 at once (/health included, so load balancers stop sending traffic).
+"""
+
+import secrets
+
+from jengine.entrypoints.openai.admission import Admission, shutting_down_error
+from jengine.entrypoints.openai.errors import error_response
+from jengine.entrypoints.openai.protocol import OpenAIError
+
+PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/metrics")
+OPEN_WHILE_DRAINING = ("/metrics", "/version")
+
+
+def _is_http(scope) -> bool:
+    return scope["type"] == "http"
+
+
+class APIKeyMiddleware:
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if (
+            _is_http(scope)
+            and scope["method"] != "OPTIONS"  # CORS preflights carry no credentials
+            and scope["path"].startswith(PROTECTED_PREFIXES)
+        ):
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(auth, self.expected):
+                error = OpenAIError("Unauthorized: missing or invalid API key", 401, "api_key")
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class RequestTooLarge(OpenAIError):
+    def __init__(self, limit: int):
+        super().__init__(f"The request body is larger than {limit} bytes", 413)
+
+
+class BodySizeLimitMiddleware:
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if not _is_http(scope):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            # h11 holds the body to its Content-Length, so that is all there is to check.
+            if not declared.isdigit() or int(declared) <= self.max_bytes:
+                await self.app(scope, receive, send)
+                return
+            await error_response(RequestTooLarge(self.max_bytes))(scope, receive, send)
+            return
+        # A chunked body: read it here, up to the limit, and hand it on in one piece.
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_bytes:
+                await error_response(RequestTooLarge(self.max_bytes))(scope, receive, send)
+                return
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+class DrainingMiddleware:
+    def __init__(self, app, admission: Admission):
+        self.app = app
+        self.admission = admission
+
+    async def __call__(self, scope, receive, send):
+        if (
+            self.admission.draining
+            and _is_http(scope)
+            and not scope["path"].startswith(OPEN_WHILE_DRAINING)
+        ):
+            await error_response(shutting_down_error())(scope, receive, send)
+            return
+        await self.app(scope, receive, send)

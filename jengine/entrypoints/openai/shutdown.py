@@ -1,0 +1,74 @@
+"""Graceful shutdown of `jengine serve`: SIGTERM or SIGINT drains the server, then stops it.
+
+Where it sits: api_server.py runs the app under `DrainingServer` (a uvicorn Server) and
+shuts the engine down once `serve` returns. On the first signal:
+1. `Admission.draining` turns on: from then on /health and every new request answer 503
+   (middleware.py), while requests already admitted keep running;
+2. it waits until the engine has no unfinished request, at most --shutdown-timeout
+   seconds; what is still running then ends with a 503 error (the error event of a
+   stream, the error body of a full response) and is aborted in the engine;
+3. uvicorn stops: it closes the listening socket and waits for the responses still being
+   written; `serve` returns and the engine process is shut down. Exit code 0.
+A second signal skips the wait (uvicorn's own handling; SIGINT twice forces the exit).
+"""
+
+import asyncio
+import logging
+import time
+
+import uvicorn
+
+from jengine.engine.async_llm import AsyncLLM
+from jengine.entrypoints.openai.admission import Admission, shutting_down_error
+
+logger = logging.getLogger(__name__)
+
+_POLL_SECONDS = 0.05
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        engine: AsyncLLM,
+        admission: Admission,
+        shutdown_timeout: float,
+    ):
+        super().__init__(config)
+        self.engine = engine
+        self.admission = admission
+        self.shutdown_timeout = shutdown_timeout
+        self._drain: asyncio.Task | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        # Runs in the main thread, between two steps of the event loop.
+        if self._drain is not None or self.should_exit:
+            super().handle_exit(sig, frame)
+            return
+        loop = asyncio.get_running_loop()
+        self._drain = loop.create_task(self._drain_then_exit(), name="graceful_shutdown")
+
+    async def _drain_then_exit(self) -> None:
+        self.admission.draining = True
+        engine = self.engine
+        running = engine.num_unfinished_requests
+        logger.info(
+            "shutting down: new requests are refused; waiting up to %.0fs for %d running",
+            self.shutdown_timeout,
+            running,
+        )
+        deadline = time.monotonic() + self.shutdown_timeout
+        while engine.num_unfinished_requests and time.monotonic() < deadline:
+            if engine.errored:
+                break
+            await asyncio.sleep(_POLL_SECONDS)
+        left = engine.num_unfinished_requests
+        if left and not engine.errored:
+            logger.warning("shutdown timeout: ending %d unfinished requests with an error", left)
+            await engine.abort_all(
+                shutting_down_error(
+                    f"; the request did not finish within --shutdown-timeout "
+                    f"({self.shutdown_timeout:g}s)"
+                )
+            )
+        self.should_exit = True
