@@ -1,0 +1,169 @@
+"""Stopping `jengine serve`: SIGTERM drains (health and new requests 503, running streams
+finish, exit code 0, no process left), --shutdown-timeout ends what is left with an error
+event, and a SIGKILLed API server takes its engine process with it within 5 s. Each test
+starts its own server, since each ends it."""
+
+import os
+import signal
+import threading
+import time
+
+import httpx2
+
+from tests.entrypoints.remote_server import (
+    MODEL_NAME,
+    SERVER_ARGS,
+    RemoteServer,
+    metric,
+    sse_data,
+)
+
+PROMPT = "The quick brown fox"
+STREAMS = 16
+# The tiny model writes 16 x 120 tokens in a fraction of a second: longer requests (and KV
+# room for them) keep the engine busy for a few seconds after the signal lands.
+LONG_ARGS = [*SERVER_ARGS, "--max-model-len", "1024", "--num-gpu-blocks-override", "1024"]
+BODY = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True,
+        "temperature": 0.0}  # fmt: skip
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper holds no memory and counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Streams:
+    """`STREAMS` streaming completions on threads."""
+
+    def __init__(self, server: RemoteServer):
+        self.server = server
+        self.events: list[list[str]] = [[] for _ in range(STREAMS)]
+        self.threads = [
+            threading.Thread(target=self._run, args=(server, i), daemon=True)
+            for i in range(STREAMS)
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, server: RemoteServer, i: int) -> None:
+        try:
+            self._read(server, i)
+        except httpx2.TransportError:
+            self.events[i].append("<connection lost>")  # the SIGKILL test's streams
+
+    def _read(self, server: RemoteServer, i: int) -> None:
+        body = {**BODY, "stream": True}
+        url = server.url_for("v1/completions")
+        with httpx2.Client(timeout=120) as http, http.stream("POST", url, json=body) as response:
+            assert response.status_code == 200
+            self.events[i].extend(sse_data(response))
+
+    def wait_running(self) -> None:
+        """Until the engine runs every stream (its gauges, fresh on each /metrics)."""
+        deadline = time.monotonic() + 60
+        while True:
+            metrics = httpx2.get(self.server.url_for("metrics"), timeout=10).text
+            if metric(metrics, "jengine:num_requests_running") == STREAMS:
+                return
+            assert time.monotonic() < deadline, "the streams never all ran"
+            time.sleep(0.01)
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join(60)
+            assert not thread.is_alive(), "a stream hung during shutdown"
+
+
+def _stop_and_wait(server: RemoteServer, processes: set[int]) -> None:
+    assert server.proc.wait(60) == 0, server.log_text()[-3000:]
+    deadline = time.monotonic() + 5
+    while any(alive(pid) for pid in processes):
+        assert time.monotonic() < deadline, f"left behind: {[p for p in processes if alive(p)]}"
+        time.sleep(0.1)
+
+
+def test_sigterm_lets_running_streams_finish(tiny_model):
+    server = RemoteServer(tiny_model, [*LONG_ARGS, "--shutdown-timeout", "60"])
+    try:
+        expected = httpx2.post(server.url_for("v1/completions"), json=BODY, timeout=60).json()
+        processes = descendants(server.proc.pid)
+        assert server.engine_pid in processes
+        streams = Streams(server)
+        streams.wait_running()
+        server.proc.send_signal(signal.SIGTERM)
+        # Draining: /health and new requests answer 503 at once, while the streams run.
+        deadline = time.monotonic() + 5
+        while (health := httpx2.get(server.url_for("health"), timeout=5)).status_code == 200:
+            assert time.monotonic() < deadline, "/health stayed 200 after SIGTERM"
+        assert health.status_code == 503 and health.json()["error"]["code"] == 503
+        refused = httpx2.post(server.url_for("v1/completions"), json=BODY, timeout=5)
+        assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+        streams.join()
+        for events in streams.events:
+            assert events[-1] == "[DONE]"
+            chunks = [httpx2.Response(200, content=e).json() for e in events[:-1]]
+            assert (
+                "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+                == (expected["choices"][0]["text"])
+            )
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        _stop_and_wait(server, processes)
+        assert "new requests are refused" in server.log_text()
+    finally:
+        server.stop()
+
+
+def test_shutdown_timeout_ends_streams_with_an_error_event(tiny_model):
+    # A timeout of 0: nothing may finish, so every stream gets the error (deterministically).
+    server = RemoteServer(tiny_model, [*LONG_ARGS, "--shutdown-timeout", "0"])
+    try:
+        processes = descendants(server.proc.pid)
+        streams = Streams(server)
+        streams.wait_running()
+        server.proc.send_signal(signal.SIGTERM)
+        streams.join()
+        for events in streams.events:
+            assert events[-1] == "[DONE]"
+            error = httpx2.Response(200, content=events[-2]).json()["error"]
+            assert error["code"] == 503 and "--shutdown-timeout" in error["message"]
+        _stop_and_wait(server, processes)
+    finally:
+        server.stop()
+
+
+def test_sigkill_of_the_api_server_takes_the_engine_down(tiny_model):
+    server = RemoteServer(tiny_model, LONG_ARGS)
+    try:
+        engine_pid = server.engine_pid
+        Streams(server).wait_running()  # killed mid-step, not while idle
+        server.proc.kill()
+        server.proc.wait(10)
+        deadline = time.monotonic() + 5
+        while alive(engine_pid):
+            assert time.monotonic() < deadline, "the engine outlived its API server by 5 s"
+            time.sleep(0.1)
+    finally:
+        server.stop()
