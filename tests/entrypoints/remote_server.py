@@ -32,6 +32,9 @@ SERVER_ARGS = [
     "--served-model-name", MODEL_NAME, "tiny-alias",
     "--disable-uvicorn-access-log",
 ]  # fmt: skip
+# The tiny model writes 16 x 120 tokens in a fraction of a second: tests that need the
+# engine busy for seconds (shutdown, faults) run 1000-token requests with room for them.
+LONG_SERVER_ARGS = [*SERVER_ARGS, "--max-model-len", "1024", "--num-gpu-blocks-override", "1024"]
 
 
 def free_port() -> int:

@@ -11,8 +11,8 @@ import time
 import httpx2
 
 from tests.entrypoints.remote_server import (
+    LONG_SERVER_ARGS,
     MODEL_NAME,
-    SERVER_ARGS,
     RemoteServer,
     metric,
     sse_data,
@@ -20,9 +20,6 @@ from tests.entrypoints.remote_server import (
 
 PROMPT = "The quick brown fox"
 STREAMS = 16
-# The tiny model writes 16 x 120 tokens in a fraction of a second: longer requests (and KV
-# room for them) keep the engine busy for a few seconds after the signal lands.
-LONG_ARGS = [*SERVER_ARGS, "--max-model-len", "1024", "--num-gpu-blocks-override", "1024"]
 BODY = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True,
         "temperature": 0.0}  # fmt: skip
 
@@ -106,7 +103,7 @@ def _stop_and_wait(server: RemoteServer, processes: set[int]) -> None:
 
 
 def test_sigterm_lets_running_streams_finish(tiny_model):
-    server = RemoteServer(tiny_model, [*LONG_ARGS, "--shutdown-timeout", "60"])
+    server = RemoteServer(tiny_model, [*LONG_SERVER_ARGS, "--shutdown-timeout", "60"])
     try:
         expected = httpx2.post(server.url_for("v1/completions"), json=BODY, timeout=60).json()
         processes = descendants(server.proc.pid)
@@ -138,7 +135,7 @@ def test_sigterm_lets_running_streams_finish(tiny_model):
 
 def test_shutdown_timeout_ends_streams_with_an_error_event(tiny_model):
     # A timeout of 0: nothing may finish, so every stream gets the error (deterministically).
-    server = RemoteServer(tiny_model, [*LONG_ARGS, "--shutdown-timeout", "0"])
+    server = RemoteServer(tiny_model, [*LONG_SERVER_ARGS, "--shutdown-timeout", "0"])
     try:
         processes = descendants(server.proc.pid)
         streams = Streams(server)
@@ -155,7 +152,7 @@ def test_shutdown_timeout_ends_streams_with_an_error_event(tiny_model):
 
 
 def test_sigkill_of_the_api_server_takes_the_engine_down(tiny_model):
-    server = RemoteServer(tiny_model, LONG_ARGS)
+    server = RemoteServer(tiny_model, LONG_SERVER_ARGS)
     try:
         engine_pid = server.engine_pid
         Streams(server).wait_running()  # killed mid-step, not while idle

@@ -1,0 +1,145 @@
+"""Faults, injected on purpose (jengine/fault_injection.py) into a real `jengine serve`: a
+failure while building one request's output, or while formatting it, ends that request with
+an error and nothing else; a client that reads its stream slowly stalls nobody; a failing
+engine step is logged with its request ids and takes the engine down cleanly into 503s.
+The server runs with JENGINE_FAULT_INJECTION set; the step fault kills its engine, so that
+test comes last."""
+
+import threading
+import time
+
+import httpx2
+import pytest
+
+from tests.entrypoints.remote_server import (
+    LONG_SERVER_ARGS,
+    MODEL_NAME,
+    RemoteServer,
+    metric,
+    sse_data,
+)
+
+FAULTS = "output=fault-output,format=fault-format,engine_step=fault-step"
+BODY = {"model": MODEL_NAME, "prompt": "The quick brown fox", "max_tokens": 100,
+        "ignore_eos": True, "temperature": 0.0}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    env = {"JENGINE_FAULT_INJECTION": FAULTS}
+    with RemoteServer(tiny_model, LONG_SERVER_ARGS, env=env) as remote:
+        yield remote
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx2.Client(base_url=server.url_for(), timeout=120) as client:
+        yield client
+
+
+def free_blocks(http) -> float:
+    return metric(http.get("/metrics").text, "jengine:kv_cache_free_blocks")
+
+
+def wait_for_free_blocks(http, expected: float) -> None:
+    deadline = time.monotonic() + 30
+    while free_blocks(http) != expected:
+        assert time.monotonic() < deadline, "KV blocks were not returned"
+        time.sleep(0.1)
+
+
+def stream_events(http, body: dict, events: list[str] | None = None) -> list[str]:
+    """The stream's `data:` payloads, appended to `events` as they come."""
+    events = [] if events is None else events
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: ") :])
+    return events
+
+
+def streamed_text(events: list[str]) -> str:
+    chunks = [httpx2.Response(200, content=event).json() for event in events[:-1]]
+    return "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
+
+
+def error_of(event: str) -> dict:
+    return httpx2.Response(200, content=event).json()["error"]
+
+
+class Background:
+    """A normal stream running on a thread while a test does something bad beside it."""
+
+    def __init__(self, http, body: dict):
+        self.events: list[str] = []
+        self.thread = threading.Thread(
+            target=stream_events, args=(http, body, self.events), daemon=True
+        )
+        self.thread.start()
+
+    def join(self) -> list[str]:
+        self.thread.join(60)
+        assert not self.thread.is_alive()
+        return self.events
+
+
+@pytest.mark.parametrize("site", ["output", "format"])
+def test_a_fault_building_one_output_ends_only_that_request(server, http, site):
+    expected = http.post("/v1/completions", json=BODY).json()["choices"][0]["text"]
+    start = free_blocks(http)
+    neighbour = Background(http, BODY)
+    marked = {**BODY, "request_id": f"fault-{site}-stream"}
+    events = stream_events(http, marked)
+    assert events[-1] == "[DONE]"
+    error = error_of(events[-2])
+    assert error["code"] == 500 and "InjectedFault" in error["message"]
+    full = http.post("/v1/completions", json={**marked, "request_id": f"fault-{site}-full"})
+    assert full.status_code == 500 and full.json()["error"]["code"] == 500
+    assert streamed_text(neighbour.join()) == expected
+    wait_for_free_blocks(http, start)  # the failed requests were aborted in the engine
+    assert http.post("/v1/completions", json=BODY).json()["choices"][0]["text"] == expected
+    if site == "output":
+        assert "building the output of request fault-output-stream" in server.log_text()
+
+
+def test_a_slow_reader_stalls_nobody(server, http):
+    """One client opens a big stream (n=4, logprobs) and reads nothing: its request still
+    finishes in the engine (outputs wait for it, merged, in one bounded slot) and every
+    other client is served meanwhile; read later, its stream is whole."""
+    slow_body = {**BODY, "n": 4, "logprobs": 5, "stream": True}
+    expected = http.post("/v1/completions", json={**slow_body, "stream": False}).json()
+    start = free_blocks(http)
+    with http.stream("POST", "/v1/completions", json=slow_body) as slow:
+        assert slow.status_code == 200
+        started = time.monotonic()
+        for _ in range(8):
+            assert http.post("/v1/completions", json=BODY).status_code == 200
+        assert time.monotonic() - started < 30
+        wait_for_free_blocks(http, start)  # the unread request is done in the engine
+        events = sse_data(slow)
+    assert events[-1] == "[DONE]"
+    texts = ["", "", "", ""]
+    for event in events[:-1]:
+        for choice in httpx2.Response(200, content=event).json()["choices"]:
+            texts[choice["index"]] += choice["text"]
+    assert texts == [choice["text"] for choice in expected["choices"]]
+
+
+def test_a_failing_engine_step_dies_cleanly_into_503s(server, http):
+    neighbour = Background(http, {**BODY, "max_tokens": 1000})
+    while not neighbour.events:  # running: in the failing step too
+        time.sleep(0.01)
+    events = stream_events(http, {**BODY, "request_id": "fault-step"})
+    for stream in (events, neighbour.join()):
+        assert stream[-1] == "[DONE]" and error_of(stream[-2])["code"] == 503
+    log = server.log_text()
+    assert "the engine step failed while running requests" in log
+    assert "fault-step" in log.split("the engine step failed while running requests")[1][:500]
+    deadline = time.monotonic() + 10
+    while http.get("/health").status_code != 503:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    response = http.post("/v1/completions", json=BODY)
+    assert response.status_code == 503 and response.json()["error"]["code"] == 503
+    assert server.proc.poll() is None  # the API server itself carries on, answering 503s
