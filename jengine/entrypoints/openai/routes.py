@@ -18,7 +18,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from jengine.engine.client import EngineDeadError
@@ -27,7 +27,9 @@ from jengine.entrypoints.openai.errors import engine_dead_error, error_response
 from jengine.entrypoints.openai.metrics import CONTENT_TYPE_LATEST
 from jengine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
@@ -96,13 +98,23 @@ async def _released_after(stream: AsyncIterator[str], ticket: Ticket) -> AsyncIt
         await stream.aclose()
 
 
-@router.post("/v1/completions")
+def _full_or_streamed(response_model: type) -> dict:
+    """The 200 of a generation route: a JSON body, or server-sent events with stream=true."""
+    return {
+        200: {
+            "model": response_model,
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        }
+    }
+
+
+@router.post("/v1/completions", responses=_full_or_streamed(CompletionResponse))
 async def create_completion(body: CompletionRequest, raw_request: Request):
     serving = raw_request.app.state.serving_completion
     return await generation_response(serving, body, raw_request)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=_full_or_streamed(ChatCompletionResponse))
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request):
     serving = raw_request.app.state.serving_chat
     return await generation_response(serving, body, raw_request)
@@ -153,7 +165,7 @@ async def detokenize(body: DetokenizeRequest, raw_request: Request) -> Detokeniz
 # -- operations -------------------------------------------------------------------------------
 
 
-@router.get("/health")
+@router.get("/health", response_class=Response, responses={200: {"description": "Healthy"}})
 async def health(raw_request: Request):
     engine = raw_request.app.state.engine
     if engine.errored:
@@ -166,7 +178,7 @@ async def show_version():
     return {"version": version()}
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(raw_request: Request):
     engine = raw_request.app.state.engine
     prometheus = raw_request.app.state.prometheus
