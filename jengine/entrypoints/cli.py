@@ -53,7 +53,8 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--api-key",
         default=os.environ.get("JENGINE_API_KEY"),
-        help="require `Authorization: Bearer KEY` on /v1 routes (env JENGINE_API_KEY)",
+        help="require `Authorization: Bearer KEY` on /v1, /tokenize, /detokenize and /metrics "
+        "(env JENGINE_API_KEY)",
     )
     serve.add_argument(
         "--allowed-origins",

@@ -53,6 +53,7 @@ def test_schemathesis_finds_no_5xx_and_no_schema_violation(server, tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
+        cwd=tmp_path,  # its cache folder lands there, not in the checkout
     )
     assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-2000:]
     assert "Operations:       8 selected / 8 total" in run.stdout

@@ -47,9 +47,8 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-class RequestTooLarge(OpenAIError):
-    def __init__(self, limit: int):
-        super().__init__(f"The request body is larger than {limit} bytes", 413)
+def _too_large(limit: int) -> OpenAIError:
+    return OpenAIError(f"The request body is larger than {limit} bytes", 413)
 
 
 class BodySizeLimitMiddleware:
@@ -67,7 +66,7 @@ class BodySizeLimitMiddleware:
             if not declared.isdigit() or int(declared) <= self.max_bytes:
                 await self.app(scope, receive, send)
                 return
-            await error_response(RequestTooLarge(self.max_bytes))(scope, receive, send)
+            await error_response(_too_large(self.max_bytes))(scope, receive, send)
             return
         # A chunked body: read it here, up to the limit, and hand it on in one piece.
         body, more = b"", True
@@ -78,7 +77,7 @@ class BodySizeLimitMiddleware:
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.max_bytes:
-                await error_response(RequestTooLarge(self.max_bytes))(scope, receive, send)
+                await error_response(_too_large(self.max_bytes))(scope, receive, send)
                 return
         replayed = False
 

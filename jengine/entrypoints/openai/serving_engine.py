@@ -16,6 +16,7 @@ comes as one OpenAI-shaped error event just before that; with
 """
 
 import asyncio
+import logging
 import math
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -39,6 +40,8 @@ from jengine.entrypoints.openai.structured_outputs import structured_outputs_of
 from jengine.fault_injection import FaultInjector
 from jengine.outputs import Logprob, RequestOutput
 from jengine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI clamps biases to [-100, 100]
 SSE_DONE = "data: [DONE]\n\n"
@@ -268,7 +271,10 @@ class OpenAIServing:
                 )
                 yield sse(final.model_dump_json())
         except Exception as e:
-            yield sse(to_openai_error(e).to_response().model_dump_json())
+            error = to_openai_error(e)
+            if error.status_code >= 500:
+                logger.error("stream %s ended with an error: %r", prepared.request_id, e)
+            yield sse(error.to_response().model_dump_json())
         yield SSE_DONE
 
     def stream_chunks(
