@@ -3,7 +3,7 @@ drafts are proposed and accepted) and with its bundled draft model: with k = 1, 
 greedy tokens equal those without speculation and transformers', logprobs of accepted
 tokens within 1e-4, under batching, chunked prefill, prefix hits, preemption, stop strings
 and up to max_model_len; seeded sampling at temperature 1 (and with top-k) gives exactly
-the tokens it gives without speculation, and 20,000 samples follow the target
+the tokens it gives without speculation, and 10,000 samples follow the target
 distribution; a deliberately wrong acceptance rule fails both; nothing compiles after
 warmup, no block leaks and only verified tokens reach the prefix cache."""
 
@@ -163,7 +163,7 @@ def test_a_wrong_acceptance_rule_is_caught(baseline, monkeypatch):
 
 # -- the output distribution -----------------------------------------------------------------
 
-NUM_SAMPLES = 20_000
+NUM_SAMPLES = 10_000
 CHUNK = 64  # requests at a time: spare sampling rows for their drafts (max_num_seqs 128)
 
 
@@ -239,7 +239,7 @@ def distribution_p_values(samples, reference, prompt, top_k) -> tuple[float, flo
     "speculation, top_k", [(draft(3), 0), (ngram(3), 3)], ids=["draft_model", "ngram-top_k"]
 )
 def test_sampled_tokens_follow_the_target_distribution(baseline, cycle_prompt, speculation, top_k):
-    """20,000 seeded samples of three tokens after a fixed prompt, with speculation on
+    """10,000 seeded samples of three tokens after a fixed prompt, with speculation on
     (draft model at temperature 1, n-gram with top-k 3), match the target distribution
     (chi-square, p > 0.001)."""
     llm = LLM(BUNDLED_MODEL_PATH, speculative_config=speculation, max_model_len=256)

@@ -37,7 +37,7 @@ def test_schemathesis_finds_no_5xx_and_no_schema_violation(server, tmp_path):
             "--max-examples",
             "10",
             "--max-time",
-            "45",
+            "30",
             "--seed",
             "17",
             "--generation-database",

@@ -180,7 +180,8 @@ import sys, jax
 from jengine import LLM, SamplingParams
 jax.config.update("jax_compilation_cache_dir", sys.argv[2] or None)
 llm = LLM(sys.argv[1], compilation_cache_dir=sys.argv[3] or None, max_model_len=32,
-          max_num_seqs=2, max_num_batched_tokens=16, block_size=16, dtype="float32")
+          max_num_seqs=2, max_num_batched_tokens=16, block_size=16, dtype="float32",
+          warmup=False)
 llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
 print("cache_dir:", jax.config.jax_compilation_cache_dir)
 """
