@@ -48,6 +48,13 @@ class LlamaConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3
     sliding_window: int | None = None
+    # Zero rows past `vocab_size` in the embedding and LM head (tensor parallelism pads the
+    # vocabulary to a multiple of its size); their logits are cut off, never sampled.
+    vocab_padding: int = 0
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return self.vocab_size + self.vocab_padding
 
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaConfig":
@@ -137,13 +144,17 @@ class LlamaForCausalLM(nnx.Module):
         self.dtype = dtype
         c = config
         self.embed_tokens = nnx.Param(
-            nnx.initializers.normal(0.02)(rngs.params(), (c.vocab_size, c.hidden_size), dtype)
+            nnx.initializers.normal(0.02)(
+                rngs.params(), (c.padded_vocab_size, c.hidden_size), dtype
+            )
         )
         self.layers = LlamaDecoderLayers(config, dtype=dtype, rngs=rngs)
         self.norm = nnx.Param(jnp.ones((c.hidden_size,), dtype))
         if not c.tie_word_embeddings:
             self.lm_head = nnx.Param(
-                nnx.initializers.normal(0.02)(rngs.params(), (c.vocab_size, c.hidden_size), dtype)
+                nnx.initializers.normal(0.02)(
+                    rngs.params(), (c.padded_vocab_size, c.hidden_size), dtype
+                )
             )
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -234,6 +245,8 @@ class LlamaForCausalLM(nnx.Module):
         return rms_norm(hidden, self.norm.value, c.rms_norm_eps), kv_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
-        """[R, D] final hidden states -> [R, V] f32 logits (computed in the model dtype, as HF)."""
+        """[R, D] final hidden states -> [R, V] f32 logits (computed in the model dtype, as HF;
+        a padded vocabulary's rows cut off)."""
         head = self.embed_tokens.value if self.config.tie_word_embeddings else self.lm_head.value
-        return (hidden @ head.T).astype(jnp.float32)
+        logits = (hidden @ head.T).astype(jnp.float32)
+        return logits[:, : self.config.vocab_size] if self.config.vocab_padding else logits

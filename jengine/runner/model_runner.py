@@ -370,6 +370,4 @@ class ModelRunner:
         engine's devices never leave them. Either way each new weight ends up with its
         old weight's sharding, so the step never recompiles.
         """
-        self.params = updated_params(
-            self.params, params, self.tensor_parallel, self.config.head_dim
-        )
+        self.params = updated_params(self.params, params, self.tensor_parallel, self.config)

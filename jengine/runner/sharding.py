@@ -14,8 +14,12 @@ Promises (Megatron's layout, vLLM's choices):
 - with fewer KV heads than devices, each KV head is repeated so every device holds one
   (as vLLM does): the model's `num_key_value_heads` becomes the TP size, and since each q
   head still meets its own KV head's weights, the outputs do not change;
+- a vocabulary the TP size does not divide (added tokens: 32001, 49153, 151665, ...) is
+  padded with zero rows in the embedding and LM head up to a multiple of it (as vLLM
+  does); the padded logits are cut off before sampling, so no padded id is ever sampled
+  or reported in logprobs;
 - a clear ValueError for sizes that cannot work: more devices asked for than present, q
-  heads, KV heads, MLP width or vocabulary not divisible by the TP size.
+  heads, KV heads or MLP width not divisible by the TP size.
 
 `step_collectives` reads back what a compiled step sends between devices (the tests and
 `jengine bench parallel` use it): per layer two all-reduces of the [T, D] activations, one
@@ -51,6 +55,7 @@ class TensorParallel:
     size: int
     mesh: Mesh
     kv_repeats: int  # each KV head's copies, so every device holds one (1: none)
+    vocab_padding: int  # zero rows that make the vocabulary a multiple of `size`
 
     @classmethod
     def create(cls, size: int, config, devices=None) -> "TensorParallel":
@@ -59,7 +64,6 @@ class TensorParallel:
         for name, count in (
             ("attention heads", config.num_attention_heads),
             ("MLP width (intermediate_size)", config.intermediate_size),
-            ("vocabulary", config.vocab_size),
         ):
             if count % size:
                 raise ValueError(f"tensor_parallel_size={size} does not divide the {count} {name}")
@@ -74,26 +78,45 @@ class TensorParallel:
                 f"tensor_parallel_size={size} needs {size} devices; "
                 f"{len(devices)} {devices[0].platform} device(s) are present"
             )
-        return cls(size, Mesh(np.array(devices[:size]), (AXIS,)), max(1, size // kv))
+        return cls(
+            size,
+            Mesh(np.array(devices[:size]), (AXIS,)),
+            kv_repeats=max(1, size // kv),
+            vocab_padding=-config.vocab_size % size,
+        )
 
     # -- the model --------------------------------------------------------------------------
 
+    @property
+    def changes_layout(self) -> bool:
+        """Whether the engine's weights differ in shape from the checkpoint's."""
+        return self.kv_repeats > 1 or self.vocab_padding > 0
+
     def fit_model(self, model: nnx.Module) -> nnx.Module:
-        """The model with each KV head repeated until every device holds one, if needed."""
-        if self.kv_repeats == 1:
+        """The model with each KV head repeated until every device holds one, and the
+        vocabulary padded to a multiple of the TP size, if needed."""
+        if not self.changes_layout:
             return model
         config = model.config
         new_config = dataclasses.replace(
-            config, num_key_value_heads=config.num_key_value_heads * self.kv_repeats
+            config,
+            num_key_value_heads=config.num_key_value_heads * self.kv_repeats,
+            vocab_padding=self.vocab_padding,
         )
-        state = self.fit_params(nnx.to_pure_dict(nnx.state(model, nnx.Param)), config.head_dim)
+        state = self.fit_params(nnx.to_pure_dict(nnx.state(model, nnx.Param)), config)
         from jengine.models.loader import model_from_params
 
         return model_from_params(type(model), new_config, state, model.dtype)
 
-    def fit_params(self, params: dict, head_dim: int) -> dict:
-        """A params dict in the checkpoint's layout -> the repeated-KV-head layout."""
+    def fit_params(self, params: dict, config) -> dict:
+        """A params dict in the checkpoint's layout -> the engine's (each step a no-op
+        where the weights have it already)."""
+        params = dict(params)
+        for name in ("embed_tokens", "lm_head"):
+            if name in params and params[name].shape[0] == config.vocab_size:
+                params[name] = _pad_rows(params[name], self.vocab_padding)
         layers = dict(params["layers"])
+        head_dim = config.head_dim
         if self.kv_repeats == 1 or layers["k_proj"].shape[-1] == self.size * head_dim:
             return params  # nothing to repeat, or repeated already
         for name in ("k_proj", "v_proj", "k_bias", "v_bias"):
@@ -126,6 +149,16 @@ class TensorParallel:
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
+
+
+def _pad_rows(weight, rows: int):
+    """[V, D] -> [V + rows, D], the new rows zero (on the device for a jax array)."""
+    if rows == 0:
+        return weight
+    if isinstance(weight, jax.Array):
+        # Under jit the zero is a constant of the program, not a host-to-device copy.
+        return jax.jit(lambda w: jnp.pad(w, ((0, rows), (0, 0))))(weight)
+    return np.pad(np.asarray(weight), ((0, rows), (0, 0)))
 
 
 def _repeat_heads(weight, head_dim: int, repeats: int):

@@ -15,15 +15,17 @@ import numpy as np
 from flax import nnx
 
 
-def updated_params(current, params, tensor_parallel, head_dim: int):
-    """`params` (a State, pure dict or model) in the layout of `current`."""
+def updated_params(current, params, tensor_parallel, config):
+    """`params` (a State, pure dict or model) in the layout of `current`; `config`: the
+    engine's model config."""
     if isinstance(params, nnx.Module):
         params = nnx.state(params)
-    if tensor_parallel and tensor_parallel.kv_repeats > 1:
-        # The caller's weights have the checkpoint's KV heads; the engine repeats them.
+    if tensor_parallel and tensor_parallel.changes_layout:
+        # The caller's weights have the checkpoint's KV heads and vocabulary; the engine
+        # repeats the one and pads the other.
         if isinstance(params, nnx.State):
             params = nnx.to_pure_dict(params)
-        params = tensor_parallel.fit_params(params, head_dim)
+        params = tensor_parallel.fit_params(params, config)
     if not isinstance(params, nnx.State):
         state = jax.tree.map(lambda x: x, current)
         try:

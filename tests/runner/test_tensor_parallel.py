@@ -1,7 +1,9 @@
 """Tensor parallelism over 4 forced CPU devices (a subprocess: the device count is fixed
 when jax starts): sizes 1, 2 and 4 give the same greedy tokens and logprobs within 1e-4 of
 each other and of transformers, for Llama and Qwen3 configurations with 2 KV heads (fewer
-than 4 devices: repeated), with chunked prefill, prefix hits and preemption in the mix; at
+than 4 devices: repeated), the Qwen3 one with a 417-token vocabulary (odd, as checkpoints
+with added tokens have: padded to 418 and 420, no padded id ever sampled or reported),
+with chunked prefill, prefix hits and preemption in the mix; at
 TP=4 every split weight and the KV cache are split (no device holds all of one) and the
 attention kernel runs inside `shard_map`; `update_weights` takes the checkpoint's layout."""
 
@@ -18,13 +20,15 @@ from tests.engine.engine_helpers import hf_greedy_logprobs
 from tests.models.checkpoints import make_checkpoint
 from tests.runner.tp_check import MAX_TOKENS, PROMPTS
 
-FAMILIES = ["llama3", "qwen3"]
+# family -> its vocabulary: 417 divides by neither 2 nor 4.
+FAMILIES = {"llama3": 256, "qwen3": 417}
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def checkpoint(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(f"tp-{request.param}"))
-    hf_model = make_checkpoint(request.param, path, config_overrides=dict(num_key_value_heads=2))
+    overrides = dict(num_key_value_heads=2, vocab_size=FAMILIES[request.param])
+    hf_model = make_checkpoint(request.param, path, config_overrides=overrides)
     return path, hf_model
 
 
@@ -52,6 +56,7 @@ def test_sizes_agree_with_each_other_and_transformers(checkpoint, results):
         run = results[tp]
         assert run["attention"] == "cpu" and run["compiles_after_warmup"] == 0
         assert run["preemptions"] > 0, f"TP={tp}: no preemption was forced"
+        assert run["largest_logprob_id"] < checkpoint[1].config.vocab_size
         assert run["cached_tokens"][3] >= 32, f"TP={tp}: no prefix hit"
     for prompt, tokens, logprobs in zip(PROMPTS, one["tokens"], one["logprobs"], strict=True):
         hf_tokens, hf_logprobs = hf_greedy_logprobs(checkpoint[1], prompt, MAX_TOKENS, MAX_TOKENS)
@@ -77,10 +82,12 @@ def test_params_on_a_users_mesh(results):
     assert mesh["compiles_after_warmup"] == 0
 
 
-def test_weights_and_cache_are_split_and_attention_runs_per_shard(results):
+def test_weights_and_cache_are_split_and_attention_runs_per_shard(checkpoint, results):
     layout = results["layout"]
     assert layout["num_devices"] == 4
     assert "GiB on each of 4 devices" in layout["capacity_report"]  # capacity is per device
+    vocab = checkpoint[1].config.vocab_size
+    assert layout["embedding_rows"] == -(-vocab // 4) * 4  # padded to a multiple of 4
     # The cache holds one of the 4 (repeated) KV heads per device.
     assert layout["cache_shape"][2] == 4 and layout["cache_shard"][2] == 1
     for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
@@ -94,10 +101,10 @@ def test_weights_and_cache_are_split_and_attention_runs_per_shard(results):
 def test_the_step_sends_activations_and_logits_only(checkpoint, results):
     """What crosses devices in the TP=4 step: per layer two all-reduces of the [T, D]
     activations (after o_proj and down_proj), one for the embedding, and the [R, V]
-    logits gathered once; never a weight."""
+    logits gathered once (a padded vocabulary's, then cut); never a weight."""
     config = checkpoint[1].config
     tokens, reqs = results["layout"]["step_shape"]
-    hidden, vocab = config.hidden_size, config.vocab_size
+    hidden, vocab = config.hidden_size, results["layout"]["embedding_rows"]
     per_step = {}
     for collective in results["layout"]["collectives"]:
         key = (collective["kind"], tuple(collective["shape"]))

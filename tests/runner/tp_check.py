@@ -62,6 +62,8 @@ def run(path: str, tp: int) -> tuple[dict, LLM]:
             tokens=[list(c.token_ids) for c in completions],
             logprobs=[[e[t].logprob for e, t in zip(c.logprobs, c.token_ids)] for c in completions],
             cached_tokens=[o.num_cached_tokens for o in outputs],
+            # Every id the logprobs name (a padded vocabulary's extra ids must never show).
+            largest_logprob_id=max(i for c in completions for entry in c.logprobs for i in entry),
             preemptions=core.num_preemptions,
             compiles_after_warmup=core.compiles_after_warmup(),
             attention=core.runner.attention_impl,
@@ -92,6 +94,7 @@ def layout(llm: LLM) -> dict:
         whole=whole,
         cache_shard=list(cache.addressable_shards[0].data.shape),
         cache_shape=list(cache.shape),
+        embedding_rows=runner.params["embed_tokens"].value.shape[0],
         num_devices=len(cache.sharding.device_set),
         capacity_report=runner.capacity_report(),
         manual_computation_at=manual,
