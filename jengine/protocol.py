@@ -19,6 +19,7 @@ and finish reasons are small IntEnums, one byte on the wire.
 from __future__ import annotations
 
 import enum
+import signal
 from typing import Any
 
 import msgspec
@@ -88,13 +89,19 @@ class EngineCoreReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     startup_seconds: float = 0.0
 
 
+# The front end stops an engine-core process with this signal once its requests are
+# drained; the engine ignores SIGTERM while its parent lives (a process group's SIGTERM
+# reaches both at once, and the front end must drain first).
+ENGINE_STOP_SIGNAL = signal.SIGUSR1
+
 # -- engine core -> front end ---------------------------------------------------------------
 
 
 class FinishReason(enum.IntEnum):
     STOP = 0  # EOS, a stop token id or a stop string
     LENGTH = 1  # max_tokens or max_model_len reached
-    ABORT = 2  # cancelled by the client or the engine
+    ABORT = 2  # cancelled by the client
+    ERROR = 3  # the engine could not serve it (`EngineCoreOutput.error` says why)
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -133,6 +140,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # with FinishReason.ERROR: what went wrong, for the client
 
     @property
     def finished(self) -> bool:

@@ -41,6 +41,7 @@ from jengine.config import EngineConfig
 from jengine.engine.load_balancer import DataParallelBalancer
 from jengine.logger import init_logging
 from jengine.protocol import (
+    ENGINE_STOP_SIGNAL,
     UTILITY_METHODS,
     EngineCoreOutputs,
     EngineCoreOutputType,
@@ -317,7 +318,7 @@ class MPClient:
     def _stop_processes(self) -> None:
         live = [r.proc for r in self.replicas if r.proc.pid is not None and r.proc.is_alive()]
         for proc in live:
-            proc.terminate()
+            os.kill(proc.pid, ENGINE_STOP_SIGNAL)
         for proc in live:
             proc.join(10)
             if proc.is_alive():

@@ -23,6 +23,7 @@ import zmq
 from jengine.config import EngineConfig
 from jengine.engine.core import EngineCore
 from jengine.protocol import (
+    ENGINE_STOP_SIGNAL,
     UTILITY_METHODS,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -46,9 +47,10 @@ class EngineCoreProc(EngineCore):
     Messages in (DEALER, from the front end's ROUTER): [request type byte, msgpack payload].
     Messages out (PUSH, to the front end's PULL): [EngineCoreOutputType byte, payload].
     The first message in either direction is the `EngineCoreReady` handshake, sent once
-    warmup is done. The process exits on SIGTERM, within a second of its parent going
-    away (SIGKILL included: a watch thread turns that into SIGTERM, so no orphan keeps
-    holding memory), and with an error when a step fails (see EngineCore).
+    warmup is done. The process exits on `ENGINE_STOP_SIGNAL` from the front end, within
+    a second of its parent going away (SIGKILL included: a watch thread turns that into
+    SIGTERM, so no orphan keeps holding memory), and with an error when a step fails (see
+    EngineCore); a SIGTERM while its parent lives is the front end's to handle.
     """
 
     def __init__(
@@ -167,7 +169,10 @@ class EngineCoreProc(EngineCore):
                     EngineCoreOutputs(
                         outputs=[
                             EngineCoreOutput(
-                                message.request_id, [], finish_reason=FinishReason.ABORT
+                                message.request_id,
+                                [],
+                                finish_reason=FinishReason.ERROR,
+                                error=f"the engine rejected the request: {e}",
                             )
                         ],
                         timestamp=time.monotonic(),
@@ -200,12 +205,24 @@ class EngineCoreProc(EngineCore):
         """Body of the engine process (reached through the jax-free spawn target in
         jengine/engine/client.py): build the engine, hand-shake, run until told to stop."""
 
-        def on_signal(signum, frame):
+        parent_pid = os.getppid()
+
+        def on_stop(signum, frame):
+            # Once: a second signal must not interrupt the exit (atexit's jax clean-up).
+            for stop in (ENGINE_STOP_SIGNAL, signal.SIGTERM):
+                signal.signal(stop, signal.SIG_IGN)
             raise SystemExit(0)
 
-        signal.signal(signal.SIGTERM, on_signal)
-        # Ctrl-C reaches the whole process group; the front end owns shutdown (it sends
-        # SIGTERM), so the engine does not die under its in-flight requests first.
+        def on_sigterm(signum, frame):
+            if os.getppid() != parent_pid:  # orphaned (see _watch_parent)
+                on_stop(signum, frame)
+
+        # The front end owns shutdown: it drains its requests, then sends
+        # ENGINE_STOP_SIGNAL. SIGTERM and Ctrl-C's SIGINT sent to the whole process group
+        # (systemd, `kill -- -PGID`) reach the engine too; while its parent lives it
+        # ignores them, so it does not die under the requests being drained.
+        signal.signal(ENGINE_STOP_SIGNAL, on_stop)
+        signal.signal(signal.SIGTERM, on_sigterm)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             engine = EngineCoreProc(config, input_address, output_address, identity, engine_index)

@@ -44,7 +44,8 @@ def free_port() -> int:
 
 
 class RemoteServer:
-    """`python -m jengine.entrypoints.cli serve MODEL ...` on 127.0.0.1, log to a file."""
+    """`python -m jengine.entrypoints.cli serve MODEL ...` on 127.0.0.1, log to a file;
+    `python`: another interpreter's install (default: this one's), run from `cwd`."""
 
     def __init__(
         self,
@@ -52,17 +53,23 @@ class RemoteServer:
         args: list[str],
         startup_timeout: float = 900.0,
         env: dict[str, str] | None = None,
+        python: str = sys.executable,
+        cwd: str | None = None,
     ):
         self.port = free_port()
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives as long as the server)
             "w+", prefix="jengine-serve-", suffix=".log"
         )
         cmd = [
-            sys.executable, "-m", "jengine.entrypoints.cli", "serve", model,
+            python, "-m", "jengine.entrypoints.cli", "serve", model,
             "--host", "127.0.0.1", "--port", str(self.port), *args,
         ]  # fmt: skip
         env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        # A process group of its own, as a service manager gives it (tests signal it).
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+            start_new_session=True,
+        )  # fmt: skip
         self._wait_ready(startup_timeout)
 
     def url_for(self, *parts: str) -> str:

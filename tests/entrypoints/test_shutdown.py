@@ -1,8 +1,10 @@
-"""Stopping `jengine serve`: SIGTERM drains (health and new requests 503, running streams
-finish, exit code 0, no process left), --shutdown-timeout ends what is left with an error
-event, and a SIGKILLed API server takes its engine process with it within 5 s. Each test
-starts its own server, since each ends it."""
+"""Stopping `jengine serve`: SIGTERM drains (health and new requests 503, every request
+received before it finishes, exit code 0, no process left, no noise), --shutdown-timeout
+ends what is left with an error event, and a SIGKILLed API server takes its engine
+process with it within 5 s. Each test starts its own server, since each ends it."""
 
+import http.client
+import json
 import os
 import signal
 import threading
@@ -102,15 +104,36 @@ def _stop_and_wait(server: RemoteServer, processes: set[int]) -> None:
         time.sleep(0.1)
 
 
-def test_sigterm_lets_running_streams_finish(tiny_model):
+def send_streams(server: RemoteServer, count: int) -> list[http.client.HTTPConnection]:
+    """`count` streaming completions written whole to their sockets, responses unread: once
+    this returns, the server's kernel holds every request."""
+    body = json.dumps({**BODY, "stream": True})
+    connections = []
+    for _ in range(count):
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        connections.append(connection)
+    return connections
+
+
+def read_stream(connection: http.client.HTTPConnection) -> tuple[int, list[str]]:
+    response = connection.getresponse()
+    lines = response.read().decode().splitlines()
+    return response.status, [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+
+
+def test_sigterm_to_the_process_group_serves_every_request_received(tiny_model):
+    """16 streams whose requests the server received just before SIGTERM reached its whole
+    process group (as systemd and `kill -- -PGID` send it): every one is served in full,
+    /health and new requests get 503, exit code 0, no process left, and nothing but log
+    lines is printed."""
     server = RemoteServer(tiny_model, [*LONG_SERVER_ARGS, "--shutdown-timeout", "60"])
     try:
         expected = httpx2.post(server.url_for("v1/completions"), json=BODY, timeout=60).json()
         processes = descendants(server.proc.pid)
         assert server.engine_pid in processes
-        streams = Streams(server)
-        streams.wait_running()
-        server.proc.send_signal(signal.SIGTERM)
+        connections = send_streams(server, STREAMS)
+        os.killpg(server.proc.pid, signal.SIGTERM)
         # Draining: /health and new requests answer 503 at once, while the streams run.
         deadline = time.monotonic() + 5
         while (health := httpx2.get(server.url_for("health"), timeout=5)).status_code == 200:
@@ -118,17 +141,20 @@ def test_sigterm_lets_running_streams_finish(tiny_model):
         assert health.status_code == 503 and health.json()["error"]["code"] == 503
         refused = httpx2.post(server.url_for("v1/completions"), json=BODY, timeout=5)
         assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
-        streams.join()
-        for events in streams.events:
+        for connection in connections:
+            status, events = read_stream(connection)
+            assert status == 200, events
             assert events[-1] == "[DONE]"
-            chunks = [httpx2.Response(200, content=e).json() for e in events[:-1]]
+            chunks = [json.loads(e) for e in events[:-1]]
             assert (
                 "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
                 == (expected["choices"][0]["text"])
             )
             assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         _stop_and_wait(server, processes)
-        assert "new requests are refused" in server.log_text()
+        log = server.log_text()
+        assert "new requests are refused" in log
+        assert "Traceback" not in log and "Exception ignored" not in log, log[-3000:]
     finally:
         server.stop()
 

@@ -3,7 +3,8 @@
 Where it sits: on `app.state.admission`; routes.py asks it for a `Ticket` after a request
 passed its checks and before the request reaches the engine, and gives the ticket back
 when the response is over (a full body sent, or a stream ended or cut off). The graceful
-shutdown (shutdown.py) turns `draining` on.
+shutdown (shutdown.py) turns `draining` on, and `closed` once --shutdown-timeout is over;
+middleware.py counts the requests in flight.
 
 Promises:
 - with `--max-queued-requests N`, the engine's seats (max_num_seqs per replica) plus N
@@ -11,7 +12,10 @@ Promises:
   `Retry-After`, before anything is sent to the engine. A request counts its sequences
   (n per prompt). The count is the server's own, taken when the request is admitted, so
   a burst cannot slip past it between two engine steps;
-- while draining, every request gets a 503.
+- draining refuses only what arrives after the signal (middleware.py, at arrival): a
+  request received before it is served, even if it reaches `admit` later (its body still
+  being parsed or tokenized); once `closed` (the shutdown timeout is over), `admit` answers
+  503 too.
 """
 
 from dataclasses import dataclass
@@ -41,12 +45,14 @@ class Admission:
         self.num_seats = num_seats
         self.max_queued_requests = max_queued_requests
         self.num_admitted = 0  # sequences of requests admitted and not yet over
-        self.draining = False
+        self.num_in_flight = 0  # HTTP requests received and not yet answered (middleware.py)
+        self.draining = False  # new arrivals get 503
+        self.closed = False  # past --shutdown-timeout: nothing more reaches the engine
 
     def admit(self, num_sequences: int) -> Ticket:
         """A ticket for a request of `num_sequences`, or an OpenAIError (429 or 503)."""
-        if self.draining:
-            raise shutting_down_error()
+        if self.closed:
+            raise shutting_down_error(TIMED_OUT)
         limit = self.max_queued_requests
         if limit is not None and self.num_admitted + num_sequences > self.num_seats + limit:
             raise OpenAIError(
@@ -57,6 +63,9 @@ class Admission:
             )
         self.num_admitted += num_sequences
         return Ticket(self, num_sequences)
+
+
+TIMED_OUT = "; the request did not finish within --shutdown-timeout"
 
 
 def shutting_down_error(detail: str = "") -> OpenAIError:

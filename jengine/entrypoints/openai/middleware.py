@@ -1,7 +1,7 @@
 """The server's ASGI middleware: what every HTTP request passes before a route sees it.
 
 Where it sits: api_server.py's `build_app` wraps the FastAPI app in these (outermost
-first: CORS, API key, body size, draining). All are pure ASGI, not BaseHTTPMiddleware,
+first: draining, CORS, API key, body size). All are pure ASGI, not BaseHTTPMiddleware,
 which would get between a stream and its client's disconnect. Every refusal is OpenAI's
 error body:
 - `APIKeyMiddleware` (with --api-key): `Authorization: Bearer <key>`, compared in constant
@@ -10,8 +10,10 @@ error body:
 - `BodySizeLimitMiddleware`: a body over --max-request-body-bytes is a 413, whether its
   Content-Length says so up front or its chunks add up to it (a chunked body is read
   here, never more than the limit, then handed on).
-- `DrainingMiddleware`: once shutdown began, every request but /metrics and /version is a
-  503 at once (/health included, so load balancers stop sending traffic).
+- `DrainingMiddleware`, outermost, so it sees a request the moment uvicorn has read it:
+  once shutdown began, every request arriving but /metrics and /version is a 503 at once
+  (/health included, so load balancers stop sending traffic); before that it counts the
+  requests in flight, which the shutdown waits for (received means served).
 """
 
 import secrets
@@ -97,11 +99,14 @@ class DrainingMiddleware:
         self.admission = admission
 
     async def __call__(self, scope, receive, send):
-        if (
-            self.admission.draining
-            and _is_http(scope)
-            and not scope["path"].startswith(OPEN_WHILE_DRAINING)
-        ):
+        if not _is_http(scope) or scope["path"].startswith(OPEN_WHILE_DRAINING):
+            await self.app(scope, receive, send)
+            return
+        if self.admission.draining:
             await error_response(shutting_down_error())(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        self.admission.num_in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.admission.num_in_flight -= 1

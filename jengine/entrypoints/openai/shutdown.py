@@ -2,12 +2,17 @@
 
 Where it sits: api_server.py runs the app under `DrainingServer` (a uvicorn Server) and
 shuts the engine down once `serve` returns. On the first signal:
-1. `Admission.draining` turns on: from then on /health and every new request answer 503
-   (middleware.py), while requests already admitted keep running;
-2. it waits until the engine has no unfinished request, at most --shutdown-timeout
-   seconds; what is still running then ends with a 503 error (the error event of a
-   stream, the error body of a full response) and is aborted in the engine;
-3. uvicorn stops: it closes the listening socket and waits for the responses still being
+1. what had already reached the server is read first: a few turns of the event loop
+   accept the connections and parse the requests the kernel already holds, so each
+   request received before the signal is counted in flight (middleware.py);
+2. `Admission.draining` turns on: from then on /health and every request that arrives
+   answer 503, while every request received before keeps running, even one still being
+   parsed or tokenized;
+3. it waits until no request is in flight and the engine has nothing unfinished, at most
+   --shutdown-timeout seconds; then admission closes and what is still running ends with
+   a 503 error (the error event of a stream, the error body of a full response) and is
+   aborted in the engine;
+4. uvicorn stops: it closes the listening socket and waits for the responses still being
    written; `serve` returns and the engine process is shut down. Exit code 0.
 A second signal skips the wait (uvicorn's own handling; SIGINT twice forces the exit).
 """
@@ -19,11 +24,14 @@ import time
 import uvicorn
 
 from jengine.engine.async_llm import AsyncLLM
-from jengine.entrypoints.openai.admission import Admission, shutting_down_error
+from jengine.entrypoints.openai.admission import TIMED_OUT, Admission, shutting_down_error
 
 logger = logging.getLogger(__name__)
 
 _POLL_SECONDS = 0.05
+# Turns of the event loop that take in what the kernel held at the signal: accepting a
+# connection, starting to read it, parsing the request and entering the app each take one.
+_CATCH_UP_TURNS = 8
 
 
 class DrainingServer(uvicorn.Server):
@@ -48,27 +56,27 @@ class DrainingServer(uvicorn.Server):
         loop = asyncio.get_running_loop()
         self._drain = loop.create_task(self._drain_then_exit(), name="graceful_shutdown")
 
+    def _unfinished(self) -> int:
+        return max(self.admission.num_in_flight, self.engine.num_unfinished_requests)
+
     async def _drain_then_exit(self) -> None:
+        deadline = time.monotonic() + self.shutdown_timeout
+        for _ in range(_CATCH_UP_TURNS):
+            await asyncio.sleep(0)
         self.admission.draining = True
         engine = self.engine
-        running = engine.num_unfinished_requests
         logger.info(
             "shutting down: new requests are refused; waiting up to %.0fs for %d running",
             self.shutdown_timeout,
-            running,
+            self._unfinished(),
         )
-        deadline = time.monotonic() + self.shutdown_timeout
-        while engine.num_unfinished_requests and time.monotonic() < deadline:
+        while self._unfinished() and time.monotonic() < deadline:
             if engine.errored:
                 break
             await asyncio.sleep(_POLL_SECONDS)
+        self.admission.closed = True
         left = engine.num_unfinished_requests
         if left and not engine.errored:
             logger.warning("shutdown timeout: ending %d unfinished requests with an error", left)
-            await engine.abort_all(
-                shutting_down_error(
-                    f"; the request did not finish within --shutdown-timeout "
-                    f"({self.shutdown_timeout:g}s)"
-                )
-            )
+            await engine.abort_all(shutting_down_error(f"{TIMED_OUT} ({self.shutdown_timeout:g}s)"))
         self.should_exit = True
