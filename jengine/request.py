@@ -30,6 +30,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # `Request.error` says why
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -40,6 +41,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -61,6 +63,7 @@ class Request:
         "block_hashes",
         "structured_output",
         "spec_token_ids",
+        "error",
     )
 
     def __init__(
@@ -93,6 +96,12 @@ class Request:
         self.structured_output = None
         # Draft tokens proposed for the next step (speculative decoding), not yet verified.
         self.spec_token_ids: list[int] = []
+        self.error: str | None = None  # why it ended with FINISHED_ERROR
+
+    def fail(self, error: str) -> None:
+        """End with FINISHED_ERROR: the engine cannot serve it (`error` goes to the client)."""
+        self.status = RequestStatus.FINISHED_ERROR
+        self.error = error
 
     @property
     def num_tokens(self) -> int:

@@ -103,7 +103,8 @@ class Scheduler(StepResults):
         self.waiting = WaitingQueue(scheduler_config.policy)
         self.running: list[Request] = []
         # Constrained requests whose grammar still compiles (they join `waiting` when it
-        # is ready), every live constrained request, and those whose grammar failed.
+        # is ready), every live constrained request, and those whose grammar failed (to
+        # report with the next outputs).
         self.waiting_for_grammar: dict[str, Request] = {}
         self.constrained_ids: set[str] = set()
         self._grammar_failed: list[Request] = []
@@ -204,8 +205,8 @@ class Scheduler(StepResults):
         for request in ready:
             request.status = RequestStatus.WAITING
             self.waiting.add(request)
-        for request in failed:
-            request.status = RequestStatus.FINISHED_ABORTED
+        for request, error in failed:
+            request.fail(error)
             self._free_request(request)
             self._grammar_failed.append(request)
 

@@ -14,6 +14,7 @@ import time
 
 from jengine.core.outputs import ModelRunnerOutput
 from jengine.core.sched_output import SchedulerOutput
+from jengine.core.structured_output import StructuredOutputError
 from jengine.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from jengine.request import Request, RequestStatus
 
@@ -45,6 +46,14 @@ class StepResults:
         """Set the finished status if the last appended token (``last``) ends the
         request."""
         params = request.sampling_params
+        grammar_complete = False
+        if request.structured_output is not None:
+            # Every emitted token advances the grammar, first of all (min_tokens or not).
+            try:
+                grammar_complete = self.structured_output_manager.accept(request, last)
+            except StructuredOutputError as e:
+                request.fail(str(e))
+                return True
         num_output = len(request.output_token_ids)
         max_tokens = params.max_tokens
         if len(request.all_token_ids) >= self.max_model_len or (
@@ -61,10 +70,8 @@ class StepResults:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = last
             return True
-        if request.structured_output is not None and self.structured_output_manager.accept(
-            request, last
-        ):
-            request.status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
+        if grammar_complete:
+            request.status = RequestStatus.FINISHED_STOPPED
             return True
         return False
 
@@ -137,6 +144,7 @@ class StepResults:
                         request.get_finished_reason() if stopped else None,
                         request.stop_reason,
                         request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
+                        request.error,
                     )
                 )
         if any_stopped:
@@ -145,7 +153,9 @@ class StepResults:
             self._set_drafts(runner_output.draft_token_ids, index)
         if self._grammar_failed:
             outputs += [
-                EngineCoreOutput(r.request_id, [], finish_reason=r.get_finished_reason())
+                EngineCoreOutput(
+                    r.request_id, [], finish_reason=r.get_finished_reason(), error=r.error
+                )
                 for r in self._grammar_failed
             ]
             self._grammar_failed = []

@@ -9,7 +9,10 @@ like any other; each step `fill_bitmask` writes the packed int32 bitmask rows
 `[rows, ceil(V / 32)]` of the constrained requests that sample in it, which travel to the
 runner in the SchedulerOutput (the sampler masks the logits with them on device), and
 `accept` feeds each sampled token back to the request's matcher; a matcher that can take
-nothing more ends its request with `stop`.
+nothing more ends its request with `stop`. A grammar that fails to build, or that this
+vocabulary cannot continue (no token fits where the output stands, or a sampled token the
+matcher refuses), ends its request with an error naming the cause (FINISHED_ERROR), never
+with a quiet empty success.
 
 The grammar library is llguidance (vLLM's `guidance` backend): a Rust Earley parser with
 no dependency (xgrammar, vLLM's default, requires torch and triton, which jengine
@@ -36,6 +39,10 @@ if TYPE_CHECKING:
     from jengine.request import Request
 
 logger = logging.getLogger(__name__)
+
+
+class StructuredOutputError(Exception):
+    """A constrained request cannot go on; the message is for the client."""
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -73,6 +80,22 @@ def grammar_for(params: StructuredOutputsParams) -> str:
         return grammar_from("grammar", params.grammar)
     except ValueError as e:
         raise ValueError(f"structured_outputs.grammar is invalid: {e}") from e
+
+
+def without_forcing(grammar: str) -> str:
+    """`grammar` with llguidance's forcing off: normally text the grammar fixes (a JSON
+    key, a literal) is tokenized by llguidance and forced as those tokens, which needs a
+    tokenizer that spells any text exactly; without it the model samples that text too,
+    under the mask. The option applies to nested grammars, so the constraint is wrapped
+    as the one grammar a forcing-free Lark grammar refers to."""
+    if not grammar.lstrip().startswith("{"):  # Lark text
+        grammar = json.dumps({"grammars": [{"name": "constraint", "lark_grammar": grammar}]})
+    top = json.loads(grammar)
+    inner = top["grammars"][0]
+    inner["name"] = inner.get("name") or "constraint"
+    wrapper = f'%llguidance {{"no_forcing": true}}\nstart: @{inner["name"]}\n'
+    top["grammars"].insert(0, {"name": "no_forcing", "lark_grammar": wrapper})
+    return json.dumps(top)
 
 
 def validate(params: StructuredOutputsParams) -> None:
@@ -129,13 +152,17 @@ class StructuredOutputManager:
     """Compiles grammars on a thread pool (cached by spec) and keeps each constrained
     request's matcher in step with its tokens."""
 
-    def __init__(self, make_tokenizer: Callable[[], object], vocab_size: int, max_workers: int = 2):
-        """`make_tokenizer`: builds the `llguidance.LLTokenizer` (about a second; done on
-        the pool the first time a constrained request arrives)."""
+    def __init__(
+        self, make_tokenizer: Callable[[], tuple[object, bool]], vocab_size: int, max_workers: int = 2
+    ):
+        """`make_tokenizer`: builds the `llguidance.LLTokenizer` and says whether it turns
+        text into tokens that spell exactly that text (about a second; done on the pool the
+        first time a constrained request arrives)."""
         self.vocab_size = vocab_size
         self.width = bitmask_width(vocab_size)
         self._make_tokenizer = make_tokenizer
         self._tokenizer = None
+        self._tokenizes_exactly = True
         self._tokenizer_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar")
         self._compiled: dict[tuple, Future] = {}  # spec -> compiled matcher (a template)
@@ -154,13 +181,17 @@ class StructuredOutputManager:
     def _tokenizer_once(self):
         with self._tokenizer_lock:
             if self._tokenizer is None:
-                self._tokenizer = self._make_tokenizer()
+                self._tokenizer, self._tokenizes_exactly = self._make_tokenizer()
             return self._tokenizer
 
     def _compile(self, params: StructuredOutputsParams):
         from llguidance import LLMatcher
 
-        matcher = LLMatcher(self._tokenizer_once(), grammar_for(params))
+        tokenizer = self._tokenizer_once()
+        grammar = grammar_for(params)
+        if not self._tokenizes_exactly:
+            grammar = without_forcing(grammar)
+        matcher = LLMatcher(tokenizer, grammar)
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{params.kind} is invalid: {matcher.get_error()}")
         return matcher
@@ -172,9 +203,9 @@ class StructuredOutputManager:
     @staticmethod
     def take_compiled(
         waiting: dict[str, Request], idle: bool
-    ) -> tuple[list[Request], list[Request]]:
-        """Remove the requests whose grammar is done from `waiting`: (compiled, failed).
-        `idle` (nothing else to run): first wait a little for one instead of spinning."""
+    ) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """Remove the requests whose grammar is done from `waiting`: (compiled, failed with
+        why). `idle` (nothing else to run): first wait a little for one instead of spinning."""
         if idle:
             futures = [r.structured_output.future for r in waiting.values()]
             concurrent.futures.wait(futures, timeout=0.05, return_when="FIRST_COMPLETED")
@@ -184,11 +215,12 @@ class StructuredOutputManager:
             if not constraint.ready:
                 continue
             del waiting[req_id]
-            if constraint.error is None:
+            error = constraint.error
+            if error is None:
                 compiled.append(request)
             else:
-                logger.error("request %s: its grammar failed: %s", req_id, constraint.error)
-                failed.append(request)
+                logger.warning("request %s: its grammar failed: %s", req_id, error)
+                failed.append((request, f"the output constraint could not be built: {error}"))
         return compiled, failed
 
     def fill_bitmask(self, requests: list[Request]) -> np.ndarray:
@@ -204,7 +236,9 @@ class StructuredOutputManager:
 
     def accept(self, request: Request, token_id: int) -> bool:
         """Feed a sampled token to the request's matcher; True if the grammar is now
-        complete (nothing but EOS may follow)."""
+        complete (nothing but EOS may follow). StructuredOutputError if the request cannot
+        go on: the matcher already failed when it computed the token's mask (no token of
+        the vocabulary fits there), or it refuses the token."""
         constraint = request.structured_output
         if not constraint.reasoning_ended:
             # The marker may span tokens: look for it in the last few tokens' text.
@@ -212,15 +246,23 @@ class StructuredOutputManager:
             constraint.reasoning_ended = constraint.reasoning_end in tail
             return False
         matcher = constraint.matcher
-        if not matcher.consume_token(token_id):
-            logger.warning(
-                "request %s: token %d broke its grammar: %s",
-                request.request_id,
-                token_id,
-                matcher.get_error(),
+        if matcher.is_error() or not matcher.consume_token(token_id):
+            error = _first_line(matcher.get_error())
+            logger.warning("request %s: its grammar failed: %s", request.request_id, error)
+            where = "at its start" if request.num_output_tokens <= 1 else "mid-way"
+            raise StructuredOutputError(
+                f"the output constraint cannot be met with this model's vocabulary "
+                f"({where}: {error})"
             )
-            return True
         return matcher.is_stopped()
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _first_line(error: str) -> str:
+    """llguidance's error in words, without its parser-state dump."""
+    first = error.split("\n", 1)[0].strip()
+    if not first or first == "NoExtensionBias":  # the mask allowed no token but EOS
+        return "no token of the vocabulary can continue the output"
+    return first

@@ -29,7 +29,7 @@ from jengine.engine.client import EngineDeadError, LostRequests
 from jengine.engine.input_processor import InputProcessor, PromptType
 from jengine.engine.mp_clients import AsyncMPClient
 from jengine.engine.output_collector import RequestOutputCollector
-from jengine.engine.output_processor import OutputProcessor, RequestOutputKind
+from jengine.engine.output_processor import OutputProcessor, RequestError, RequestOutputKind
 from jengine.engine.stats import LoggingStatLogger, StatLoggerBase, StatsTracker
 from jengine.engine.tokenizer import load_tokenizer
 from jengine.fault_injection import FaultInjector
@@ -211,7 +211,12 @@ class AsyncLLM:
                     if output.finished:
                         self._collectors.pop(output.request_id, None)
                 for request_id, error in processed.failed.items():
-                    logger.error("building the output of request %s failed: %r", request_id, error)
+                    if isinstance(error, RequestError):
+                        logger.warning("request %s failed: %s", request_id, error)
+                    else:
+                        logger.error(
+                            "building the output of request %s failed: %r", request_id, error
+                        )
                     collector = self._collectors.pop(request_id, None)
                     if collector is not None:
                         collector.put(error)

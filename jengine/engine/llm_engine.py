@@ -15,7 +15,7 @@ from jengine.engine.arg_utils import EngineArgs
 from jengine.engine.client import InprocClient, LostRequests
 from jengine.engine.input_processor import InputProcessor, PromptType
 from jengine.engine.mp_clients import SyncMPClient
-from jengine.engine.output_processor import OutputProcessor, RequestOutputKind
+from jengine.engine.output_processor import OutputProcessor, RequestError, RequestOutputKind
 from jengine.engine.tokenizer import load_tokenizer
 from jengine.outputs import RequestOutput
 from jengine.protocol import EngineCoreRequest
@@ -88,6 +88,8 @@ class LLMEngine:
         for request_id, error in processed.failed.items():
             # Offline, as a lost replica: the run fails, naming the request (it is already
             # forgotten and aborted, so the engine holds nothing of it).
+            if isinstance(error, RequestError):
+                raise type(error)(f"request {request_id}: {error}") from None
             raise RuntimeError(f"building the output of request {request_id} failed") from error
         return processed.request_outputs
 

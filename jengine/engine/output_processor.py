@@ -13,7 +13,11 @@ Promises:
   included, with decoded text; prompt logprobs start with None for the first token;
 - a failure while taking in one request's output (detokenizer, stop strings, logprobs)
   ends that request only: it is forgotten, its sequences land in `reqs_to_abort`, and the
-  exception is handed back in `failed`; every other request carries on.
+  exception is handed back in `failed`; every other request carries on. A sequence the
+  engine ended with an error (FinishReason.ERROR: a grammar that could not be built or
+  met) fails its request the same way, as `RequestRejectedError` (a ValueError: nothing
+  was generated yet, so the request itself is what cannot be served) or
+  `RequestFailedError` (it failed mid-way), naming the engine's reason.
 """
 
 import enum
@@ -25,6 +29,18 @@ from jengine.engine.parallel_sampling import fan_out
 from jengine.fault_injection import FaultInjector
 from jengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jengine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
+
+
+class RequestError(Exception):
+    """The engine ended a request with an error (FinishReason.ERROR)."""
+
+
+class RequestRejectedError(RequestError, ValueError):
+    """The engine could not serve the request before generating anything (a 400)."""
+
+
+class RequestFailedError(RequestError, RuntimeError):
+    """The engine could not finish the request after it had begun to generate (a 500)."""
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -242,6 +258,11 @@ class OutputProcessor:
         stop string found in the text finishes the state and lands in reqs_to_abort)."""
         if self.faults is not None:
             self.faults.check("output", state.parent.request_id)
+        if output.finish_reason == FinishReason.ERROR:
+            error = output.error or "the engine could not serve the request"
+            if state.output_token_ids:
+                raise RequestFailedError(error)
+            raise RequestRejectedError(error)
         new_token_ids = output.new_token_ids
         state.output_token_ids.extend(new_token_ids)
         state.num_cached_tokens = output.num_cached_tokens

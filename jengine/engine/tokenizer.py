@@ -6,6 +6,7 @@ the front-end process (jax-free): only tokenizer files are read, never weights.
 """
 
 import json
+import logging
 import os
 
 from transformers import AutoTokenizer
@@ -13,6 +14,8 @@ from transformers import AutoTokenizer
 from jengine.config import EngineConfig
 from jengine.models.checkpoint import gguf_file
 from jengine.models.gguf_reader import read_gguf
+
+logger = logging.getLogger(__name__)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _GGUF_STRING_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
@@ -41,7 +44,22 @@ def load_tokenizer_from(path: str | None):
         os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES
     ):
         return None
-    return AutoTokenizer.from_pretrained(path)
+    return with_byte_level_decoder(AutoTokenizer.from_pretrained(path))
+
+
+def with_byte_level_decoder(tokenizer):
+    """`tokenizer`, given the ByteLevel decoder if it has a ByteLevel pre-tokenizer and no
+    decoder: saved so, it decodes to its byte alphabet with spaces between tokens
+    ('hell o Ġwor ld'), and the ByteLevel decoder is the one inverse of that pre-tokenizer."""
+    from tokenizers import decoders
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.decoder is not None:
+        return tokenizer
+    if "ByteLevel" in json.dumps(json.loads(backend.to_str()).get("pre_tokenizer")):
+        logger.warning("the tokenizer has a ByteLevel pre-tokenizer and no decoder; decoding it")
+        backend.decoder = decoders.ByteLevel()
+    return tokenizer
 
 
 def gguf_tokenizer(path: str):
@@ -96,13 +114,12 @@ def eos_token_ids_of(path: str | None, tokenizer) -> list[int]:
 
 
 def grammar_tokenizer(config: EngineConfig, vocab_size: int):
-    """llguidance's view of the model's tokenizer, over the model's whole (padded)
-    vocabulary; built when the first constrained request arrives (about a second)."""
-    from llguidance.hf import from_tokenizer
-
-    from jengine.engine.tokenizer import load_tokenizer
+    """llguidance's view of the model's tokenizer (token_table.py), over the model's whole
+    (padded) vocabulary, and whether it tokenizes text exactly; built when the first
+    constrained request arrives."""
+    from jengine.engine.token_table import llguidance_tokenizer
 
     tokenizer = load_tokenizer(config)
     if tokenizer is None:
         raise ValueError("structured outputs need the model's tokenizer; none is configured")
-    return from_tokenizer(tokenizer, n_vocab=vocab_size)
+    return llguidance_tokenizer(tokenizer, vocab_size)

@@ -31,7 +31,7 @@ def slow_manager(release: threading.Event) -> tuple[StructuredOutputManager, LLT
 
     def make_tokenizer():
         release.wait(30)  # the "slow compile"
-        return tokenizer
+        return tokenizer, True
 
     return StructuredOutputManager(make_tokenizer, tokenizer.vocab_size), tokenizer
 

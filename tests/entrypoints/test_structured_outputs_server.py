@@ -170,6 +170,29 @@ def test_tool_choice_named(client):
     jsonschema.validate(json.loads(arguments), PARAMETERS["get_time"])
 
 
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_a_forced_call_cut_by_max_tokens_is_still_a_call(client, tool_choice):
+    """Cut three tokens before its end, a forced call comes back as a tool call with the
+    arguments written so far and finish_reason "length", streamed and not; never as
+    content."""
+    kwargs = dict(messages=MESSAGES, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=tool_choice,
+                  temperature=0.0)  # fmt: skip
+    whole = chat(client, **kwargs)
+    [full_call] = whole.choices[0].message.tool_calls
+    cut = dict(kwargs, max_tokens=whole.usage.completion_tokens - 3)
+    choice = chat(client, **cut).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == full_call.function.name and call.id
+    assert full_call.function.arguments.startswith(call.function.arguments)
+    assert call.function.arguments != full_call.function.arguments
+    content, calls, finish = streamed_chat(client, **cut)
+    assert content[0] == "" and finish[0] == "length"
+    assert list(calls[0].values()) == [[call.function.name, call.function.arguments]]
+
+
 def test_tool_messages_in_the_history(client):
     history = [
         *MESSAGES,
@@ -212,6 +235,28 @@ def test_bad_constraints_are_400s_naming_the_field(client, kwargs, param):
         chat(client, messages=MESSAGES, **kwargs)
     assert error.value.body["param"] == param, error.value.body
     assert chat(client, messages=MESSAGES, max_tokens=4).choices[0].message.content is not None
+
+
+def test_a_constraint_the_vocabulary_cannot_meet_is_an_error(client):
+    """The tiny vocabulary is printable ASCII: a constraint needing "é" cannot begin (a 400
+    naming why, since nothing ran; an error event when streamed), and one that needs it
+    after "abb" fails mid-way (a 500, an error event); never a 200 with empty content."""
+
+    def complete(regex, **kwargs):
+        return client.completions.create(model=MODEL_NAME, prompt="Answer:", max_tokens=16,
+                                         temperature=0.0, extra_body={"guided_regex": regex},
+                                         **kwargs)  # fmt: skip
+
+    for regex, error_type, code in (("é+", openai.BadRequestError, 400),
+                                    ("ab{2}é", openai.InternalServerError, 500)):  # fmt: skip
+        with pytest.raises(error_type) as error:
+            complete(regex)
+        assert "cannot be met with this model's vocabulary" in error.value.body["message"]
+        with pytest.raises(openai.APIError) as streamed:
+            list(complete(regex, stream=True))
+        assert streamed.value.body["code"] == code
+        assert "cannot be met" in streamed.value.body["message"]
+    assert re.fullmatch("ab{2}", complete("ab{2}").choices[0].text)  # the engine carries on
 
 
 def test_reasoning_content(tiny_model):

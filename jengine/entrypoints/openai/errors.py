@@ -12,6 +12,7 @@ import re
 from fastapi.responses import JSONResponse
 
 from jengine.engine.client import EngineDeadError
+from jengine.engine.output_processor import RequestFailedError
 from jengine.entrypoints.openai.protocol import OpenAIError
 
 
@@ -30,6 +31,8 @@ def to_openai_error(
         return engine_dead_error(error)
     if isinstance(error, bad_input):
         return OpenAIError(str(error), param=param)
+    if isinstance(error, RequestFailedError):  # the engine's own words, not a crash
+        return OpenAIError(str(error), 500)
     return OpenAIError(f"internal error: {type(error).__name__}: {error}", 500)
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from jengine.engine.output_processor import RequestOutputKind
+from jengine.engine.output_processor import RequestError, RequestOutputKind
 from jengine.entrypoints.openai.errors import engine_dead_error, param_of, to_openai_error
 from jengine.entrypoints.openai.protocol import (
     MAX_STOP_CHARS,
@@ -234,7 +234,9 @@ class OpenAIServing:
                 request, prepared, RequestOutputKind.FINAL_ONLY
             ):
                 finals[index] = output
-        except ValueError as e:  # e.g. a client-chosen request_id already in use
+        except (ValueError, RequestError) as e:
+            # A client-chosen request_id already in use, a constraint the engine refused
+            # (400) or one that failed mid-way (500): the engine's words either way.
             raise to_openai_error(e) from None
         if self.faults is not None:
             self.faults.check("format", prepared.request_id)
