@@ -7,6 +7,7 @@ token ids outside the vocabulary, a text prompt with no tokenizer, logprob count
 the engine's limit, and a structured-output constraint the grammar library rejects.
 """
 
+import os
 import time
 
 from jengine.config import EngineConfig
@@ -63,16 +64,24 @@ class InputProcessor:
         messages: list[dict],
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
+        chat_template: str | None = None,
         **template_kwargs,
     ) -> tuple[str, list[int]]:
-        """Chat messages -> (prompt text, token ids) through the model's chat template. The
-        template writes the special tokens it wants (BOS), so none are added by default."""
+        """Chat messages -> (prompt text, token ids) through `chat_template` (a Jinja
+        template; default: the model's own). The template writes the special tokens it
+        wants (BOS), so none are added by default."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer")
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError("this model's tokenizer has no chat template")
+        if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                "this model's tokenizer has no chat template; give one (--chat-template)"
+            )
         text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            chat_template=chat_template,
+            **template_kwargs,
         )
         return text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
@@ -134,3 +143,21 @@ class InputProcessor:
             arrival_time=arrival_time or time.time(),
             priority=priority,
         )
+
+
+# A template has at least one of these; a file name, none (vLLM's rule).
+_TEMPLATE_CHARS = "{}\n"
+
+
+def load_chat_template(template: str | None) -> str | None:
+    """`--chat-template`'s value -> the Jinja template: the text of a file, or the value
+    itself when it looks like a template. A ValueError for a name that is neither."""
+    if template is None:
+        return None
+    if any(char in template for char in _TEMPLATE_CHARS):
+        return template
+    try:
+        with open(os.path.expanduser(template)) as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"chat template {template!r} is neither a file nor a template: {e}") from e

@@ -107,6 +107,7 @@ def make_parser() -> argparse.ArgumentParser:
         choices=["deepseek_r1", "qwen3"],
         help="move the text between <think> and </think> into reasoning_content",
     )
+    _add_chat_template_arg(serve)
     EngineArgs.add_cli_args(serve)
 
     generate = commands.add_parser("generate", help="complete one prompt offline")
@@ -125,6 +126,7 @@ def make_parser() -> argparse.ArgumentParser:
     )
     chat.add_argument("message")
     chat.add_argument("--system", default=None, help="system prompt (default: the template's)")
+    _add_chat_template_arg(chat)
     chat.add_argument("--max-tokens", type=int, default=256)
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--top-p", type=float, default=1.0)
@@ -215,12 +217,23 @@ def cmd_generate(args: argparse.Namespace) -> None:
     _stream(llm, args.prompt, params)
 
 
+def _add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template, or a file holding one, to use instead of the model's",
+    )
+
+
 def cmd_chat(args: argparse.Namespace) -> None:
+    from jengine.engine.input_processor import load_chat_template
+
+    template = load_chat_template(args.chat_template)  # a bad name fails before loading
     llm = _one_shot_llm(args)
     messages = [{"role": "user", "content": args.message}]
     if args.system is not None:
         messages.insert(0, {"role": "system", "content": args.system})
-    text, token_ids = llm.llm_engine.input_processor.render_chat(messages)
+    text, token_ids = llm.llm_engine.input_processor.render_chat(messages, chat_template=template)
     _stream(llm, {"prompt": text, "prompt_token_ids": token_ids}, _sampling_params(args))
 
 

@@ -148,13 +148,18 @@ class LLM:
         *,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list, through the chat template."""
+        """Generate replies to one conversation or a list, through `chat_template` (a
+        Jinja template; default: the model's)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         render = self.llm_engine.input_processor.render_chat
         prompts = [
             {"prompt": text, "prompt_token_ids": token_ids}
-            for text, token_ids in (render(conv, add_generation_prompt) for conv in conversations)
+            for text, token_ids in (
+                render(conv, add_generation_prompt, chat_template=chat_template)
+                for conv in conversations
+            )
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -111,16 +111,57 @@ def test_parsers_whole_and_streamed(parser_name, text, content, calls):
 
 
 def test_forced_tool_choice_outputs():
-    required = RequiredToolCallParser()
+    required = RequiredToolCallParser(["get_weather", "get_time"])
     text = '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}]'
     content, calls = required.extract(text)
     assert content is None and as_pairs(calls) == [("get_weather", WEATHER)]
     assert streamed(required, text, 0) == (None, [("get_weather", WEATHER)])
-    cut_short = '[{"name": "get_weather", "parameters": {"ci'
-    assert required.extract(cut_short) == (cut_short, [])
     named = NamedToolCallParser("get_weather")
     content, calls = named.extract(json.dumps(WEATHER))
     assert content is None and as_pairs(calls) == [("get_weather", WEATHER)]
+
+
+def raw_pairs(calls) -> list[tuple[str, str]]:
+    return [(c.function.name, c.function.arguments) for c in calls]
+
+
+FIRST = '{"name": "get_time", "parameters": {"zone": "UTC"}}'
+
+
+@pytest.mark.parametrize(
+    ("text", "calls"),
+    [
+        ('[{"name": "get_weather", "parameters": {"ci', [("get_weather", '{"ci')]),
+        ('[{"name": "get_weather", "parameters": {"city":', [("get_weather", '{"city":')]),
+        ('[{"name": "get_weather", "param', [("get_weather", "")]),
+        ('[{"name": "get_w', [("get_weather", "")]),  # only one tool name fits
+        ('[{"name": "get_', [("get_", "")]),  # two fit: as written
+        ('[{"na', []),
+        ("[", []),
+        (f"[{FIRST}, ", [("get_time", '{"zone": "UTC"}')]),
+        (
+            f'[{FIRST}, {{"name": "get_weather", "parameters": {{"city": "a}}b\\"',
+            [("get_time", '{"zone": "UTC"}'), ("get_weather", '{"city": "a}b\\"')],
+        ),
+    ],
+)
+def test_a_forced_call_cut_short_is_still_a_call(text, calls):
+    """A reply cut by max_tokens (or a stop string) under tool_choice "required": the calls
+    as far as they got, never the raw JSON as content; streamed the same."""
+    required = RequiredToolCallParser(["get_weather", "get_time"])
+    content, tool_calls = required.extract(text)
+    assert content in (None, "") and raw_pairs(tool_calls) == calls
+    stream = ToolCallStream(required)
+    deltas = stream.feed(text[:5], False) + stream.feed(text[5:], True)
+    assert not any(d.content for d in deltas)
+    names = [c.function.name for d in deltas for c in d.tool_calls or [] if c.function.name]
+    assert names == [name for name, _ in calls]
+
+
+def test_a_named_call_cut_short_is_still_that_call():
+    named = NamedToolCallParser("get_weather")
+    content, calls = named.extract('{"city": "Par')
+    assert content is None and raw_pairs(calls) == [("get_weather", '{"city": "Par')]
 
 
 def test_unknown_parser_is_refused():

@@ -37,6 +37,20 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
+# What `--chat-template` gives the serving tests' server: the same turns, plus the tools and
+# the assistant's earlier calls, which the model's own template leaves out.
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}<|system|>\nTools: {{ tools | map(attribute='function.name') | join(', ') }}"
+    "<|end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "call {{ call.function.name }} {{ call.function.arguments | tojson }}"
+    "{% endfor %}<|end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
 _TEXT = """\
 Once upon a time there was a small engine that served words to anyone who asked.
 It read each prompt, thought for a while, and answered one token at a time.

@@ -4,8 +4,8 @@
 Where it sits: the top of the serving path, in the API process (which never imports jax):
 middleware.py -> routes.py -> serving_completion / serving_chat / serving_tokenization ->
 AsyncLLM -> (ZMQ) -> engine-core process. `build_app` only wires: the serving objects,
-the engine and the admission control on `app.state`, the middleware (CORS with
---allowed-origins, API key, body size, draining), the exception handlers, and routes.py's
+the engine and the admission control on `app.state`, the middleware (draining, CORS with
+--allowed-origins, API key, body size), the exception handlers, and routes.py's
 router. `serve_http` runs it under shutdown.py's `DrainingServer`.
 
 Errors always have OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: bad
@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jengine.engine.async_llm import AsyncLLM
 from jengine.engine.client import EngineDeadError
+from jengine.engine.input_processor import load_chat_template
 from jengine.entrypoints.openai.admission import Admission
 from jengine.entrypoints.openai.errors import engine_dead_error, error_response
 from jengine.entrypoints.openai.metrics import PrometheusStatLogger
@@ -58,6 +59,7 @@ def build_app(
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    chat_template: str | None = None,
     max_queued_requests: int | None = None,
     max_request_body_bytes: int | None = None,
     allowed_origins: list[str] | None = None,
@@ -78,6 +80,7 @@ def build_app(
         enable_auto_tool_choice=enable_auto_tool_choice,
         tool_call_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
+        chat_template=chat_template,
     )
 
     app = FastAPI(title="jengine", version=version())
@@ -90,8 +93,7 @@ def build_app(
     app.state.admission = Admission(
         engine.config.scheduler.max_num_seqs * parallel.data_parallel_size, max_queued_requests
     )
-    # Added innermost first: a request meets CORS, the key, the body limit, then draining.
-    app.add_middleware(DrainingMiddleware, admission=app.state.admission)
+    # Added innermost first: a request meets draining, CORS, the key, then the body limit.
     if max_request_body_bytes is not None:
         app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key:
@@ -104,6 +106,7 @@ def build_app(
             allow_headers=allowed_headers or ["*"],
             allow_credentials=allow_credentials,
         )
+    app.add_middleware(DrainingMiddleware, admission=app.state.admission)
     for exc_class, handler in EXCEPTION_HANDLERS.items():
         app.add_exception_handler(exc_class, handler)
     app.include_router(router)
@@ -192,6 +195,10 @@ async def serve_http(args) -> None:
         raise SystemExit(
             f"error: cannot listen on {args.host or '0.0.0.0'}:{args.port}: {e}"
         ) from None
+    try:
+        chat_template = load_chat_template(args.chat_template)
+    except ValueError as e:
+        raise SystemExit(f"error: --chat-template: {e}") from None
     engine_args = EngineArgs.from_cli_args(args)
     engine = AsyncLLM.from_engine_args(
         engine_args,
@@ -207,6 +214,7 @@ async def serve_http(args) -> None:
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
+            chat_template=chat_template,
             max_queued_requests=args.max_queued_requests,
             max_request_body_bytes=args.max_request_body_bytes,
             allowed_origins=args.allowed_origins,

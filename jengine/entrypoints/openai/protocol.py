@@ -260,6 +260,7 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
+    chat_template: str | None = None  # a Jinja template instead of the server's
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -376,6 +377,7 @@ class TokenizeRequest(OpenAIBaseModel):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 

@@ -77,10 +77,14 @@ class OpenAIServingChat(OpenAIServing):
         enable_auto_tool_choice: bool = False,
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
+        chat_template: str | None = None,
     ):
         """`tool_call_parser` (with `enable_auto_tool_choice`): how tool_choice "auto"
-        finds calls in a reply; `reasoning_parser`: how the reasoning is split off."""
+        finds calls in a reply; `reasoning_parser`: how the reasoning is split off;
+        `chat_template` (--chat-template): the Jinja template to use instead of the
+        model's (a request's own `chat_template` wins over both)."""
         super().__init__(engine, served_model_names, model_path)
+        self.chat_template = chat_template
         if enable_auto_tool_choice and tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         self.auto_tool_parser = (
@@ -114,6 +118,7 @@ class OpenAIServingChat(OpenAIServing):
             request.continue_final_message,
             template_kwargs,
             request.add_special_tokens,
+            request.chat_template,
         )
         requested = request.max_completion_tokens
         if requested is None:
@@ -189,8 +194,10 @@ class OpenAIServingChat(OpenAIServing):
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
         add_special_tokens: bool = False,
+        chat_template: str | None = None,
     ) -> tuple[str, list[int]]:
-        """Messages -> (prompt text, token ids) through the model's chat template."""
+        """Messages -> (prompt text, token ids) through `chat_template`, else the server's
+        --chat-template, else the model's."""
         if add_generation_prompt and continue_final_message:
             raise OpenAIError(
                 "add_generation_prompt and continue_final_message cannot both be true",
@@ -207,7 +214,11 @@ class OpenAIServingChat(OpenAIServing):
             template_kwargs["continue_final_message"] = True
         try:
             return self.engine.input_processor.render_chat(
-                messages, add_generation_prompt, add_special_tokens, **template_kwargs
+                messages,
+                add_generation_prompt,
+                add_special_tokens,
+                chat_template or self.chat_template,
+                **template_kwargs,
             )
         except Exception as e:  # jinja errors, raise_exception() in templates, ...
             raise OpenAIError(f"could not apply the chat template: {e}", param="messages") from e
@@ -290,7 +301,7 @@ class OpenAIServingChat(OpenAIServing):
             return None
         choice = tool_choice_of(request)
         if choice == "required":
-            return RequiredToolCallParser()
+            return RequiredToolCallParser([tool.function.name for tool in request.tools])
         if isinstance(choice, NamedToolChoice):
             return NamedToolCallParser(choice.function.name)
         return self.auto_tool_parser if choice == "auto" else None

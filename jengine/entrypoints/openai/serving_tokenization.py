@@ -44,6 +44,7 @@ class OpenAIServingTokenization(OpenAIServing):
                 request.continue_final_message,
                 request.chat_template_kwargs,
                 bool(request.add_special_tokens),
+                request.chat_template,
             )
         return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len, tokens=tokens)
 

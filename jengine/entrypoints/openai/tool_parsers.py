@@ -170,7 +170,13 @@ class MistralToolParser(ToolParser):
 
 class RequiredToolCallParser(ToolParser):
     """tool_choice "required": the reply is the JSON array of `{"name", "parameters"}`
-    calls its grammar forced (structured_outputs.tool_choice_constraint)."""
+    calls its grammar forced (structured_outputs.tool_choice_constraint). A reply cut
+    short (max_tokens, a stop string) is still calls: the complete ones, then the last as
+    far as it got (its name completed from `names` when only one fits what was written,
+    its arguments the JSON text written so far)."""
+
+    def __init__(self, names: list[str]):
+        self.names = names
 
     def split(self, text: str, finished: bool) -> tuple[str, list[ParsedCall]]:
         if not finished:
@@ -178,13 +184,68 @@ class RequiredToolCallParser(ToolParser):
         try:
             items = json.loads(text)
         except json.JSONDecodeError:
-            return text, []  # cut short (max_tokens): left as text
+            return "", self._cut_short(text)
         calls = [_call_from(item) for item in items] if isinstance(items, list) else [None]
         return ("", calls) if calls and None not in calls else (text, [])
 
+    def _cut_short(self, text: str) -> list[ParsedCall]:
+        calls = []
+        for start, end in _array_objects(text):
+            if end is not None:
+                call = _parse_call(text[start:end])
+                if call is not None:
+                    calls.append(call)
+                continue
+            cut = _CUT_CALL.match(text, start)
+            if cut is None:
+                break  # not even the name has begun
+            name = cut.group("name")
+            if cut.group("closed") is None:
+                fits = [n for n in self.names if n.startswith(name)]
+                name = fits[0] if len(fits) == 1 else name
+            calls.append(ParsedCall(name, cut.group("arguments") or ""))
+        return calls
+
+
+# A call cut short: `{"name": "na` or `{"name": "name", "parameters": {"ci`.
+_CUT_CALL = re.compile(
+    r'\{\s*"name"\s*:\s*"(?P<name>[^"\\]*)(?P<closed>")?'
+    r'(?:\s*,\s*"parameters"\s*:\s*(?P<arguments>.*))?',
+    re.DOTALL,
+)
+
+
+def _array_objects(text: str) -> list[tuple[int, int | None]]:
+    """The spans of the objects directly inside the JSON array `text`; the end of one cut
+    off is None."""
+    spans, depth, start, in_string, escaped = [], 0, None, False, False
+    for index, char in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            if depth == 2:
+                start = index
+        elif char in "]}":
+            if depth == 2:
+                spans.append((start, index + 1))
+                start = None
+            depth -= 1
+    if start is not None:
+        spans.append((start, None))
+    return spans
+
 
 class NamedToolCallParser(ToolParser):
-    """tool_choice naming a function: the reply is that function's arguments object."""
+    """tool_choice naming a function: the reply is that function's arguments object (cut
+    short, the JSON text written so far)."""
 
     def __init__(self, function_name: str):
         self.function_name = function_name
@@ -193,7 +254,7 @@ class NamedToolCallParser(ToolParser):
         if not finished:
             return "", []
         call = _call_from({"name": self.function_name, "arguments": text})
-        return ("", [call]) if call is not None else (text, [])
+        return "", [call or ParsedCall(self.function_name, text)]
 
 
 TOOL_PARSERS = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)}
