@@ -28,6 +28,7 @@ def test_engine_core_outputs_round_trip():
             EngineCoreOutput("a", [5, 8], new_logprobs=lp.to_lists(0, 2, 1)),
             EngineCoreOutput("b", [3], finish_reason=FinishReason.STOP, stop_reason=3),
             EngineCoreOutput("c", [], finish_reason=FinishReason.LENGTH, num_cached_tokens=16),
+            EngineCoreOutput("d", [], finish_reason=FinishReason.ERROR, error="cannot be met"),
         ],
         timestamp=1.5,
         scheduler_stats=SchedulerStats(num_running_reqs=2, kv_cache_usage=0.25),
@@ -37,7 +38,8 @@ def test_engine_core_outputs_round_trip():
     assert decoded.outputs[0].new_logprobs.token_ids == [[5, 6], [8, 9]]
     assert decoded.outputs[0].new_logprobs.ranks == [1, 2]
     assert decoded.outputs[1].finish_reason is FinishReason.STOP and decoded.outputs[1].finished
-    assert [str(r) for r in FinishReason] == ["stop", "length", "abort"]
+    assert decoded.outputs[3].error == "cannot be met" and decoded.outputs[3].finished
+    assert [str(r) for r in FinishReason] == ["stop", "length", "abort", "error"]
 
 
 def test_requests_and_utility_calls_round_trip():

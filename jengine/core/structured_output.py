@@ -153,7 +153,10 @@ class StructuredOutputManager:
     request's matcher in step with its tokens."""
 
     def __init__(
-        self, make_tokenizer: Callable[[], tuple[object, bool]], vocab_size: int, max_workers: int = 2
+        self,
+        make_tokenizer: Callable[[], tuple[object, bool]],
+        vocab_size: int,
+        max_workers: int = 2,
     ):
         """`make_tokenizer`: builds the `llguidance.LLTokenizer` and says whether it turns
         text into tokens that spell exactly that text (about a second; done on the pool the

@@ -98,12 +98,26 @@ async def _released_after(stream: AsyncIterator[str], ticket: Ticket) -> AsyncIt
         await stream.aclose()
 
 
+# One server-sent event (OpenAPI before 3.2 has a stream's `schema` describe each event):
+# `data` is a chunk's JSON, an error body, or "[DONE]".
+_SERVER_SENT_EVENT = {
+    "type": "object",
+    "properties": {
+        "data": {"type": "string"},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+    "required": ["data"],
+}
+
+
 def _full_or_streamed(response_model: type) -> dict:
     """The 200 of a generation route: a JSON body, or server-sent events with stream=true."""
     return {
         200: {
             "model": response_model,
-            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            "content": {"text/event-stream": {"schema": _SERVER_SENT_EVENT}},
         }
     }
 
