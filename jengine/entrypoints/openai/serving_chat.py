@@ -20,10 +20,10 @@ answer after it. A streamed reply goes through the same parsers as a growing tex
 (`ReplyStream`), so its deltas join into the full response.
 """
 
-import json
 from collections.abc import AsyncIterator
 
 from jengine.engine.output_processor import RequestOutputKind
+from jengine.entrypoints.openai.chat_messages import template_messages
 from jengine.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -152,40 +152,8 @@ class OpenAIServingChat(OpenAIServing):
     # -- messages and the template --------------------------------------------------------
 
     def convert_messages(self, message_params: list[ChatMessageParam]) -> list[dict]:
-        """The request's messages as the chat template takes them."""
-        return [self.convert_message(index, m) for index, m in enumerate(message_params)]
-
-    def convert_message(self, index: int, message: ChatMessageParam) -> dict:
-        content = message.content
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise OpenAIError(
-                        "only text content parts are supported",
-                        param=f"messages.{index}.content",
-                    )
-                parts.append(part["text"])
-            content = "\n".join(parts)
-        entry = {"role": message.role, "content": content or ""}
-        if message.name is not None:
-            entry["name"] = message.name
-        if message.tool_call_id is not None:
-            entry["tool_call_id"] = message.tool_call_id
-        if message.tool_calls:
-            # Templates read the arguments as a mapping (`| tojson`, `.items()`).
-            entry["tool_calls"] = [
-                {
-                    "id": call.id,
-                    "type": "function",
-                    "function": {
-                        "name": call.function.name,
-                        "arguments": _arguments_object(call.function.arguments),
-                    },
-                }
-                for call in message.tool_calls
-            ]
-        return entry
+        """The request's messages as the chat template takes them (chat_messages.py)."""
+        return template_messages(message_params)
 
     def render(
         self,
@@ -394,11 +362,3 @@ class OpenAIServingChat(OpenAIServing):
                 )
             )
         return ChatCompletionLogProbs(content=content)
-
-
-def _arguments_object(arguments: str):
-    try:
-        value = json.loads(arguments)
-    except json.JSONDecodeError:
-        return arguments
-    return value if isinstance(value, dict) else arguments
