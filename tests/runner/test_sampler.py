@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jengine.runner import sampler
 from jengine.runner.input_batch import neutral_sampling_arrays
@@ -10,7 +11,7 @@ from jengine.runner.sampler import MAX_SUPPRESSED_IDS, SamplingMetadata, Samplin
 
 # Jitted as in the runner: op-by-op dispatch would be slow and test a different program.
 sample = jax.jit(sampler.sample)
-_truncate = jax.jit(sampler._truncate)
+_truncate = jax.jit(sampler._truncate, static_argnums=2)
 _apply_history = jax.jit(sampler._apply_history)
 top_logprobs = jax.jit(sampler.top_logprobs, static_argnums=2)
 write_slot_history = jax.jit(sampler.write_slot_history)
@@ -45,10 +46,11 @@ def test_greedy_is_argmax_and_suppression_applies():
     assert not np.any(np.asarray(ids) == top)
 
 
-def test_truncation_rules():
+@pytest.mark.parametrize("num_candidates", [4, V])
+def test_truncation_rules(num_candidates):
     logits = _logits(4, seed=1)
     meta = _meta(4, top_k=[3, 0, 0, 2], top_p=[1.0, 0.6, 1.0, 0.01], min_p=[0, 0, 0.2, 0])
-    kept = np.isfinite(np.asarray(_truncate(logits, meta)))
+    kept = np.isfinite(np.asarray(_truncate(logits, meta, num_candidates)))
     order = np.argsort(-np.asarray(logits), -1)
     probs = np.asarray(jax.nn.softmax(logits, -1))
     assert set(np.nonzero(kept[0])[0]) == set(order[0, :3])  # top-k 3
@@ -57,6 +59,19 @@ def test_truncation_rules():
     assert set(np.nonzero(kept[1])[0]) == set(order[1, :n_top_p])  # smallest set reaching 0.6
     assert set(np.nonzero(kept[2])[0]) == set(np.nonzero(probs[2] >= 0.2 * probs[2].max())[0])
     assert set(np.nonzero(kept[3])[0]) == {order[3, 0]}  # top-p tiny keeps the best token
+
+
+def test_truncation_from_the_largest_logits_equals_sorting_the_vocabulary():
+    """Thresholds read off the 4 largest logits, or off a sorted vocabulary when a row's
+    kept set may reach past them (a top_k of 9, a wide nucleus): the same masks as with
+    the whole vocabulary sorted."""
+    logits = _logits(4, seed=2)
+    decided = _meta(4, top_k=[3, 0, 4, 2], top_p=[1.0, 0.05, 0.5, 1.0], min_p=[0, 0, 0, 0.3])
+    undecided = _meta(4, top_k=[3, 9, 0, 0], top_p=[1.0, 1.0, 0.95, 1.0], min_p=[0, 0, 0, 0.3])
+    for meta in (decided, undecided):
+        np.testing.assert_array_equal(_truncate(logits, meta, 4), _truncate(logits, meta, V))
+    kept = np.isfinite(np.asarray(_truncate(logits, undecided, 4)))
+    assert kept[1].sum() == 9 and kept[2].sum() > 4
 
 
 def test_random_sampling_follows_seed_and_distribution():
