@@ -79,15 +79,15 @@ def check(kind: str, text: str) -> None:
         assert GRAMMAR_LANGUAGE.fullmatch(text), text
 
 
-# Small shapes: a 24-token budget chunks the long prompts, 99 blocks of 4 tokens force
+# Small shapes: a 24-token budget chunks the long prompts, 24 blocks of 16 tokens force
 # preemption among 8 running requests.
 ENGINE = dict(
     dtype="float32",
     max_model_len=384,
     max_num_seqs=8,
     max_num_batched_tokens=24,
-    block_size=4,
-    num_gpu_blocks_override=100,
+    block_size=16,
+    num_gpu_blocks_override=25,
 )
 
 

@@ -173,32 +173,33 @@ def test_varied_workload_compiles_nothing_after_warmup(llm):
 
 def test_compilation_cache_setting_is_left_to_research_code(checkpoint, tmp_path):
     """compilation_cache_dir=None leaves jax's process-wide persistent cache setting as the
-    caller set it; a directory turns jengine's cache on there (fresh processes, since jax
-    keeps one setting per process)."""
+    caller set it; a directory turns jengine's cache on there (in a fresh process, since
+    jax keeps one setting per process; each case sets it as its caller would)."""
     code = """
 import sys, jax
 from jengine import LLM, SamplingParams
-jax.config.update("jax_compilation_cache_dir", sys.argv[2] or None)
-llm = LLM(sys.argv[1], compilation_cache_dir=sys.argv[3] or None, max_model_len=32,
-          max_num_seqs=2, max_num_batched_tokens=16, block_size=16, dtype="float32",
-          warmup=False)
-llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
-print("cache_dir:", jax.config.jax_compilation_cache_dir)
+path, theirs, ours = sys.argv[1:]
+for their_setting, our_setting in [(None, None), (theirs, None), (None, ours)]:
+    jax.config.update("jax_compilation_cache_dir", their_setting)
+    llm = LLM(path, compilation_cache_dir=our_setting, max_model_len=32, max_num_seqs=2,
+              max_num_batched_tokens=16, block_size=16, dtype="float32", warmup=False)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+    print("cache_dir:", jax.config.jax_compilation_cache_dir)
 """
     ours, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
-    for their_setting, our_setting, expected in [
-        ("", "", "None"),  # nobody asked for a cache: none
-        (theirs, "", theirs),  # the caller's own cache stays theirs
-        ("", ours, ours),
-    ]:
-        result = subprocess.run(
-            [sys.executable, "-c", code, checkpoint[0], their_setting, our_setting],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert result.stdout.strip().splitlines()[-1] == f"cache_dir: {expected}"
+    result = subprocess.run(
+        [sys.executable, "-c", code, checkpoint[0], theirs, ours],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    reported = [line for line in result.stdout.splitlines() if line.startswith("cache_dir:")]
+    assert reported == [
+        "cache_dir: None",  # nobody asked for a cache: none
+        f"cache_dir: {theirs}",  # the caller's own cache stays theirs
+        f"cache_dir: {ours}",
+    ]
 
 
 def test_a_kernel_fallback_fails_the_equality_suite(checkpoint, tmp_path):
@@ -209,7 +210,7 @@ def test_a_kernel_fallback_fails_the_equality_suite(checkpoint, tmp_path):
     env.pop("JENGINE_ATTENTION_IMPL", None)
     code = (
         "import sys; from tests.engine.engine_helpers import make_llm; "
-        "make_llm(sys.argv[1], 'default-bs16')"
+        "make_llm(sys.argv[1], 'default-bs16', warmup=False)"
     )
     result = subprocess.run(
         [sys.executable, "-c", code, checkpoint[0]],

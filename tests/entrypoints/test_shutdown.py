@@ -7,7 +7,6 @@ import http.client
 import json
 import os
 import signal
-import threading
 import time
 
 import httpx2
@@ -17,7 +16,6 @@ from tests.entrypoints.remote_server import (
     MODEL_NAME,
     RemoteServer,
     metric,
-    sse_data,
 )
 
 PROMPT = "The quick brown fox"
@@ -54,46 +52,17 @@ def alive(pid: int) -> bool:
         return False
 
 
-class Streams:
-    """`STREAMS` streaming completions on threads."""
-
-    def __init__(self, server: RemoteServer):
-        self.server = server
-        self.events: list[list[str]] = [[] for _ in range(STREAMS)]
-        self.threads = [
-            threading.Thread(target=self._run, args=(server, i), daemon=True)
-            for i in range(STREAMS)
-        ]
-        for thread in self.threads:
-            thread.start()
-
-    def _run(self, server: RemoteServer, i: int) -> None:
-        try:
-            self._read(server, i)
-        except httpx2.TransportError:
-            self.events[i].append("<connection lost>")  # the SIGKILL test's streams
-
-    def _read(self, server: RemoteServer, i: int) -> None:
-        body = {**BODY, "stream": True}
-        url = server.url_for("v1/completions")
-        with httpx2.Client(timeout=120) as http, http.stream("POST", url, json=body) as response:
-            assert response.status_code == 200
-            self.events[i].extend(sse_data(response))
-
-    def wait_running(self) -> None:
-        """Until the engine runs every stream (its gauges, fresh on each /metrics)."""
-        deadline = time.monotonic() + 60
-        while True:
-            metrics = httpx2.get(self.server.url_for("metrics"), timeout=10).text
-            if metric(metrics, "jengine:num_requests_running") == STREAMS:
-                return
-            assert time.monotonic() < deadline, "the streams never all ran"
-            time.sleep(0.01)
-
-    def join(self) -> None:
-        for thread in self.threads:
-            thread.join(60)
-            assert not thread.is_alive(), "a stream hung during shutdown"
+def wait_running(server: RemoteServer) -> None:
+    """Until the engine runs every stream (its gauges, fresh on each /metrics). The streams
+    must have been sent at once (`send_streams`): started one by one, the first could finish
+    before the last is admitted."""
+    deadline = time.monotonic() + 60
+    while True:
+        metrics = httpx2.get(server.url_for("metrics"), timeout=10).text
+        if metric(metrics, "jengine:num_requests_running") == STREAMS:
+            return
+        assert time.monotonic() < deadline, "the streams never all ran"
+        time.sleep(0.01)
 
 
 def _stop_and_wait(server: RemoteServer, processes: set[int]) -> None:
@@ -164,13 +133,13 @@ def test_shutdown_timeout_ends_streams_with_an_error_event(tiny_model):
     server = RemoteServer(tiny_model, [*LONG_SERVER_ARGS, "--shutdown-timeout", "0"])
     try:
         processes = descendants(server.proc.pid)
-        streams = Streams(server)
-        streams.wait_running()
+        connections = send_streams(server, STREAMS)
+        wait_running(server)
         server.proc.send_signal(signal.SIGTERM)
-        streams.join()
-        for events in streams.events:
-            assert events[-1] == "[DONE]"
-            error = httpx2.Response(200, content=events[-2]).json()["error"]
+        for connection in connections:
+            status, events = read_stream(connection)
+            assert status == 200 and events[-1] == "[DONE]", events[-3:]
+            error = json.loads(events[-2])["error"]
             assert error["code"] == 503 and "--shutdown-timeout" in error["message"]
         _stop_and_wait(server, processes)
     finally:
@@ -181,12 +150,15 @@ def test_sigkill_of_the_api_server_takes_the_engine_down(tiny_model):
     server = RemoteServer(tiny_model, LONG_SERVER_ARGS)
     try:
         engine_pid = server.engine_pid
-        Streams(server).wait_running()  # killed mid-step, not while idle
+        connections = send_streams(server, STREAMS)
+        wait_running(server)  # killed mid-step, not while idle
         server.proc.kill()
         server.proc.wait(10)
         deadline = time.monotonic() + 5
         while alive(engine_pid):
             assert time.monotonic() < deadline, "the engine outlived its API server by 5 s"
             time.sleep(0.1)
+        for connection in connections:
+            connection.close()
     finally:
         server.stop()

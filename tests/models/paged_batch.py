@@ -2,8 +2,12 @@
 
 It stands in for the scheduler and runner (which have their own tests): each request gets
 pages from a shuffled pool, the cache starts as NaN so stray reads show, and batches are
-padded with extra tokens and empty requests like the runner pads them.
+padded with extra tokens and empty requests like the runner pads them, always to the same
+shape (as the runner pads to its buckets): one compile per model and query block size,
+shared by every pager over that model.
 """
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +15,16 @@ import numpy as np
 from flax import nnx
 
 from jengine.models import AttentionMetadata
+
+# Every step's padded shape: tokens, requests and pages per request.
+NUM_TOKENS = 32
+NUM_REQUESTS = 6
+PAGES_PER_REQUEST = 8
+
+
+@partial(jax.jit, static_argnums=(0, 1))
+def _forward(graphdef, impl, state, *args):
+    return nnx.merge(graphdef, state)(*args, attention_impl=impl)
 
 
 class PagedSequences:
@@ -24,20 +38,16 @@ class PagedSequences:
         self.pages = [[] for _ in sequences]
         shape = model.kv_cache_shape(num_blocks, block_size)
         self.kv_cache = jnp.full(shape, jnp.nan, dtype=model.dtype)
-        graphdef, state = nnx.split(model)
-        self._state = state
-        # One jitted function per pager: each padded shape compiles once.
-        self._forward = jax.jit(
-            lambda state, *args: nnx.merge(graphdef, state)(*args, attention_impl=impl)
-        )
+        self._graphdef, self._state = nnx.split(model)
+        self._impl = impl
 
-    def step(self, chunks, *, pad_tokens=3, pad_requests=2, pages_per_request=None, q_block_size=4):
+    def step(self, chunks, *, q_block_size=4):
         """Run {seq index: num new tokens} as one batch; returns {seq index: logits [n, V]}."""
         ids, positions, slots, q_starts, kv_lens, tables = [], [], [], [0], [], []
         for index, count in chunks.items():
             while len(self.pages[index]) * self.block_size < self.computed[index] + count:
                 self.pages[index].append(self.free.pop())
-        width = pages_per_request or max(len(p) for p in self.pages)
+        width = PAGES_PER_REQUEST
         for index, count in chunks.items():
             start = self.computed[index]
             for pos in range(start, start + count):
@@ -50,6 +60,9 @@ class PagedSequences:
             tables.append(self.pages[index] + [0] * (width - len(self.pages[index])))
             self.computed[index] += count
         num_real = len(ids)
+        pad_tokens, pad_requests = NUM_TOKENS - num_real, NUM_REQUESTS - len(chunks)
+        assert pad_tokens > 0 and pad_requests > 0, "a step must leave room for padding"
+        assert max(map(len, self.pages)) <= width, "a sequence outgrew PAGES_PER_REQUEST"
         ids += [0] * pad_tokens
         positions += [0] * pad_tokens
         slots += [0] * pad_tokens  # the null page absorbs padding writes
@@ -63,7 +76,9 @@ class PagedSequences:
             query_start_loc=jnp.asarray(q_starts, jnp.int32),
             q_block_size=q_block_size,
         )
-        hidden, self.kv_cache = self._forward(
+        hidden, self.kv_cache = _forward(
+            self._graphdef,
+            self._impl,
             self._state,
             jnp.asarray(ids, jnp.int32),
             jnp.asarray(positions, jnp.int32),
