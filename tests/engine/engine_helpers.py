@@ -73,3 +73,17 @@ def hf_greedy_logprobs(
         for logits, token in zip(out.logits, tokens, strict=True)
     ]
     return tokens, logprobs
+
+
+def hf_teacher_forced(
+    hf_model, prompt: list[int], tokens: list[int]
+) -> tuple[list[int], list[float]]:
+    """transformers' argmax after each prefix of `tokens` and the logprob of each token, in
+    one forward pass over prompt + tokens. Where the argmaxes are `tokens`, they are what
+    transformers' greedy decoding gives (each step's input is the one before's argmax),
+    at the cost of one pass instead of one per token."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
+    logprobs = torch.log_softmax(logits.float(), -1)
+    chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
+    return logprobs.argmax(-1).tolist(), chosen.tolist()

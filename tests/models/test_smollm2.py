@@ -13,7 +13,7 @@ import transformers
 
 from jengine import LLM, SamplingParams
 from jengine.models.checkpoint import installed_smollm2
-from tests.engine.engine_helpers import hf_greedy_logprobs
+from tests.engine.engine_helpers import hf_teacher_forced
 
 SMOLLM2 = installed_smollm2()
 MAX_TOKENS = 24
@@ -99,9 +99,12 @@ def test_greedy_chat_replies_equal_transformers(llm, hf_model):
     assert sum(o.num_cached_tokens > 0 for o in outputs) > 0, "no prefix-cache hit"
     assert max(len(p) for p in prompts) > 64, "no prompt was chunked"
     for prompt, output in zip(prompts, outputs, strict=True):
-        tokens, logprobs = hf_greedy_logprobs(hf_model, prompt, MAX_TOKENS)
         completion = output.outputs[0]
-        assert list(completion.token_ids) == tokens, llm.get_tokenizer().decode(prompt)
+        tokens = list(completion.token_ids)
+        # Ended by EOS or by max_tokens, as transformers' greedy decoding would have.
+        assert tokens[-1] == llm.get_tokenizer().eos_token_id or len(tokens) == MAX_TOKENS
+        greedy, logprobs = hf_teacher_forced(hf_model, prompt, tokens)
+        assert tokens == greedy, llm.get_tokenizer().decode(prompt)
         ours = [entry[token].logprob for entry, token in zip(completion.logprobs, tokens)]
         np.testing.assert_allclose(ours, logprobs, atol=1e-4, rtol=0)
     # Real answers, not noise: the first question's reply is the known one.
