@@ -21,12 +21,18 @@ from tests.entrypoints.tiny_model import ENGINE_ARGS
 
 API_KEY = "test-key"
 MODEL_NAME = "tiny"
-# ENGINE_ARGS as `jengine serve` flags (see module docstring).
-ENGINE_FLAGS = [
-    arg
-    for name, value in ENGINE_ARGS.items()
-    for arg in (f"--{name.replace('_', '-')}", str(value))
-]
+
+
+def engine_flags(engine_args: dict) -> list[str]:
+    """`LLM` keyword arguments as `jengine serve` flags."""
+    return [
+        arg
+        for name, value in engine_args.items()
+        for arg in (f"--{name.replace('_', '-')}", str(value))
+    ]
+
+
+ENGINE_FLAGS = engine_flags(ENGINE_ARGS)  # see the module docstring
 SERVER_ARGS = [
     *ENGINE_FLAGS,
     "--served-model-name", MODEL_NAME, "tiny-alias",

@@ -20,13 +20,17 @@ PROMPTS = [
     "Hello, world!",
 ]
 MAX_TOKENS = 16
+# Fewer step shapes than the serving tests' engines: every multi-host start compiles its
+# programs anew (jax writes no persistent-cache entries for these multi-process programs).
+LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=32)
+ENGINE = {**ENGINE_ARGS, **LIMITS}
 
 
 def main(path: str, coordinator_address: str | None = None) -> None:
     hosts = {}
     if coordinator_address:
         hosts = dict(num_hosts=2, host_rank=0, coordinator_address=coordinator_address)
-    llm = LLM(path, tensor_parallel_size=4, **ENGINE_ARGS, **hosts)
+    llm = LLM(path, tensor_parallel_size=4, **ENGINE, **hosts)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     # Again: the prompts are now prefix-cache hits.

@@ -19,12 +19,15 @@ from tests.entrypoints.remote_server import (
     MODEL_NAME,
     SERVER_ARGS,
     RemoteServer,
+    engine_flags,
     free_port,
 )
 from tests.entrypoints.tiny_model import make_tiny_model
-from tests.runner.multi_host_check import MAX_TOKENS, PROMPTS
+from tests.runner.multi_host_check import LIMITS, MAX_TOKENS, PROMPTS
 
 TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+# The serving tests' engine flags with multi_host_check's limits (the last flag wins).
+FLAGS = [*ENGINE_FLAGS, *engine_flags(LIMITS)]
 
 
 def multi_host_flags(address: str, rank: int) -> list[str]:
@@ -53,7 +56,7 @@ class Follower:
     def __init__(self, model: str, address: str):
         self.log = tempfile.NamedTemporaryFile("w+", prefix="jengine-host1-", suffix=".log")  # noqa: SIM115
         cmd = [
-            sys.executable, "-m", "jengine.entrypoints.cli", "serve", model, *ENGINE_FLAGS,
+            sys.executable, "-m", "jengine.entrypoints.cli", "serve", model, *FLAGS,
             *multi_host_flags(address, 1),
         ]  # fmt: skip
         env = dict(os.environ, PYTHONUNBUFFERED="1", **TWO_DEVICES)
@@ -101,7 +104,7 @@ def test_two_hosts_generate_what_one_host_does(tiny_model, reference):
 def test_two_host_server(tiny_model, reference):
     address = f"127.0.0.1:{free_port()}"
     follower = Follower(tiny_model, address)
-    args = [*SERVER_ARGS, *multi_host_flags(address, 0)]
+    args = [*SERVER_ARGS, *engine_flags(LIMITS), *multi_host_flags(address, 0)]
     with RemoteServer(tiny_model, args, env=TWO_DEVICES) as server:
         client = openai.OpenAI(base_url=server.url_for("v1"), api_key="none", max_retries=0)
         choices = client.completions.create(
