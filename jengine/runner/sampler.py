@@ -119,43 +119,47 @@ def _truncate(
     logits = jnp.where(probs < meta.min_p[:, None] * probs.max(-1, keepdims=True), -jnp.inf, logits)
     num_candidates = min(num_candidates, vocab)
     candidates = jax.lax.top_k(logits, num_candidates)[0]  # descending
-    kth = _kth_largest(candidates, meta)
+    kth, probs = _top_k_cut(logits, candidates, meta)
     # The candidates decide a row unless its top_k reaches past them, or its nucleus may:
     # more tokens survive top-k than there are candidates and theirs fall short of top_p.
     survivors = jnp.sum(logits >= kth, axis=-1)
-    short = jnp.sum(_top_p_probs(logits, candidates, kth), axis=-1) < meta.top_p
+    short = jnp.sum(probs, axis=-1) < meta.top_p
     undecided = (meta.top_k > num_candidates) | (
         (meta.top_p < 1.0) & (survivors > num_candidates) & short
     )
+
+    def from_sorted_vocabulary():
+        largest = -jnp.sort(-logits, axis=-1)
+        return _threshold(largest, *_top_k_cut(logits, largest, meta), meta)
+
     threshold = jax.lax.cond(
         jnp.any(undecided),
-        lambda: _threshold(logits, -jnp.sort(-logits, axis=-1), meta),
-        lambda: _threshold(logits, candidates, meta),
+        from_sorted_vocabulary,
+        lambda: _threshold(candidates, kth, probs, meta),
     )
     return jnp.where(logits < threshold, -jnp.inf, logits)
 
 
-def _kth_largest(largest: jax.Array, meta: SamplingMetadata) -> jax.Array:
-    """[R, 1] the top_k-th largest logit (-inf where top_k is off), from each row's
-    largest logits in descending order (as many as its top_k)."""
+def _top_k_cut(
+    logits: jax.Array, largest: jax.Array, meta: SamplingMetadata
+) -> tuple[jax.Array, jax.Array]:
+    """From each row's largest logits in descending order (as many as its top_k): [R, 1]
+    the top_k-th largest logit (-inf where top_k is off), and the probabilities of
+    `largest` once top-k has cut the row there (renormalized over every logit top-k
+    keeps, ties included)."""
     k = jnp.clip(meta.top_k, 1, largest.shape[-1])
     kth = jnp.take_along_axis(largest, (k - 1)[:, None], axis=-1)
-    return jnp.where(meta.top_k[:, None] > 0, kth, -jnp.inf)
+    kth = jnp.where(meta.top_k[:, None] > 0, kth, -jnp.inf)
+    log_normalizer = jax.nn.logsumexp(jnp.where(logits >= kth, logits, -jnp.inf), -1, keepdims=True)
+    return kth, jnp.where(largest >= kth, jnp.exp(largest - log_normalizer), 0.0)
 
 
-def _top_p_probs(logits: jax.Array, largest: jax.Array, kth: jax.Array) -> jax.Array:
-    """The probabilities of `largest` once top-k has cut the row at `kth` (renormalized
-    over every logit top-k keeps, ties included)."""
-    kept = jnp.where(logits >= kth, logits, -jnp.inf)
-    log_normalizer = jax.nn.logsumexp(kept, axis=-1, keepdims=True)
-    return jnp.where(largest >= kth, jnp.exp(largest - log_normalizer), 0.0)
-
-
-def _threshold(logits: jax.Array, largest: jax.Array, meta: SamplingMetadata) -> jax.Array:
+def _threshold(
+    largest: jax.Array, kth: jax.Array, probs: jax.Array, meta: SamplingMetadata
+) -> jax.Array:
     """[R, 1] the smallest logit top-k and top-p keep, from each row's largest logits in
-    descending order (enough of them to hold every kept one)."""
-    kth = _kth_largest(largest, meta)
-    probs = _top_p_probs(logits, largest, kth)
+    descending order (enough of them to hold every kept one), their top-k cut and
+    probabilities (`_top_k_cut`)."""
     exclusive_cumsum = jnp.cumsum(probs, axis=-1) - probs
     keep = exclusive_cumsum < meta.top_p[:, None]  # the first token is always kept
     nucleus = jnp.min(jnp.where(keep, largest, jnp.inf), axis=-1, keepdims=True)
