@@ -34,7 +34,6 @@ from jengine.entrypoints.openai.protocol import (
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
     ChatMessage,
-    ChatMessageParam,
     DeltaMessage,
     NamedToolChoice,
     OpenAIError,
@@ -111,7 +110,7 @@ class OpenAIServingChat(OpenAIServing):
             template_kwargs["tools"] = [
                 tool.model_dump(exclude_none=True) for tool in request.tools
             ]
-        messages = self.convert_messages(request.messages)
+        messages = template_messages(request.messages)
         text, token_ids = self.render(
             messages,
             request.add_generation_prompt,
@@ -149,11 +148,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt = EnginePrompt(text, token_ids, params, request_id)
         return PreparedRequest(request_id, [prompt], messages)
 
-    # -- messages and the template --------------------------------------------------------
-
-    def convert_messages(self, message_params: list[ChatMessageParam]) -> list[dict]:
-        """The request's messages as the chat template takes them (chat_messages.py)."""
-        return template_messages(message_params)
+    # -- the template ---------------------------------------------------------------------
 
     def render(
         self,

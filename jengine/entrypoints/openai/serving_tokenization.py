@@ -3,10 +3,11 @@ token ids, and token ids -> text, with the server's own tokenizer and chat templ
 
 Where it sits: routes.py calls it; it never reaches the engine, so it keeps working after
 the engine process died. Messages go through the chat serving layer's own conversion and
-template (`OpenAIServingChat.convert_messages` / `render`), so `/tokenize` counts exactly
-the prompt tokens a chat request with the same messages would use.
+template (`chat_messages.template_messages`, `OpenAIServingChat.render`), so `/tokenize`
+counts exactly the prompt tokens a chat request with the same messages would use.
 """
 
+from jengine.entrypoints.openai.chat_messages import template_messages
 from jengine.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -39,7 +40,7 @@ class OpenAIServingTokenization(OpenAIServing):
             tokens = self.tokenizer.encode(request.prompt, add_special_tokens=special)
         else:
             _, tokens = self.chat.render(
-                self.chat.convert_messages(request.messages),
+                template_messages(request.messages),
                 request.add_generation_prompt,
                 request.continue_final_message,
                 request.chat_template_kwargs,
