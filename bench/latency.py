@@ -33,13 +33,16 @@ from .roofline import read_bandwidth_gbs, weight_bytes
 from .workloads import make_bench_model, workload_c
 
 
-def jengine_latency(path: str, prompt: list[int], max_tokens: int, repeats: int) -> dict:
+def jengine_latency(
+    path: str, prompt: list[int], max_tokens: int, repeats: int, top_p: float | None = None
+) -> dict:
     from jengine import LLM, SamplingParams
     from jengine.engine.output_processor import RequestOutputKind
 
     llm = LLM(path, dtype="float32", max_model_len=512)
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, min_tokens=max_tokens)
+    sampling = dict(temperature=1.0, top_p=top_p, seed=0) if top_p else dict(temperature=0)
+    params = SamplingParams(**sampling, max_tokens=max_tokens, min_tokens=max_tokens)
     runs = []
     for repeat in range(repeats + 1):  # the first run pays first-use costs
         llm.reset_prefix_cache()
@@ -106,6 +109,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        help="sample at temperature 1 with this top_p (jengine and transformers; default "
+        "greedy; llama-bench's figures do not depend on it)",
+    )
     args = parser.parse_args(argv)
 
     versions = package_versions("transformers", "torch")
@@ -118,12 +127,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"memory bandwidth {bandwidth:.1f} GB/s; weights {step_bytes / 1e6:.0f} MB "
           f"per decode step; roofline {roofline:.0f} tok/s")  # fmt: skip
 
-    results = {"jengine": jengine_latency(path, prompt, max_tokens, args.repeats)}
+    results = {"jengine": jengine_latency(path, prompt, max_tokens, args.repeats, args.top_p)}
     if not args.skip_transformers:
         from .peers.transformers_peer import TransformersPeer
 
         peer = TransformersPeer(path, args.threads)
-        runs = [peer.latency(prompt, max_tokens) for _ in range(max(1, args.repeats // 2))]
+        runs = [
+            peer.latency(prompt, max_tokens, args.top_p) for _ in range(max(1, args.repeats // 2))
+        ]
         results["transformers"] = dict(
             ttft_s=min(r["ttft_s"] for r in runs),
             decode_tok_per_s=max(r["decode_tok_per_s"] for r in runs),
@@ -150,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         versions,
         dict(
             workload="C",
+            top_p=args.top_p,
             prompt_len=len(prompt),
             output_len=max_tokens,
             memory_bandwidth_gbs=bandwidth,

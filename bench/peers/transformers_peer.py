@@ -31,20 +31,28 @@ class TransformersPeer:
         self.model.generation_config.pad_token_id = 0
         self.version = transformers.__version__
 
-    def _generate_batch(self, batch: list[list[int]], max_tokens: int) -> list[list[int]]:
+    def _generate_batch(
+        self, batch: list[list[int]], max_tokens: int, top_p: float | None = None
+    ) -> list[list[int]]:
+        """Greedy, or sampled at temperature 1 with `top_p`."""
         width = max(map(len, batch))
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         mask = torch.zeros(len(batch), width, dtype=torch.long)
         for row, prompt in enumerate(batch):  # left padding
             ids[row, width - len(prompt) :] = torch.tensor(prompt)
             mask[row, width - len(prompt) :] = 1
+        sampling = (
+            dict(do_sample=True, temperature=1.0, top_p=top_p, top_k=0)
+            if top_p
+            else dict(do_sample=False)
+        )
         with torch.inference_mode():
             out = self.model.generate(
                 ids,
                 attention_mask=mask,
                 max_new_tokens=max_tokens,
                 min_new_tokens=max_tokens,
-                do_sample=False,
+                **sampling,
             )
         return out[:, width:].tolist()
 
@@ -62,13 +70,14 @@ class TransformersPeer:
                 outputs[row] = tokens
         return outputs
 
-    def latency(self, prompt: list[int], max_tokens: int) -> dict:
-        """Time to first token and single-stream decode rate of one request."""
-        self._generate_batch([prompt], 2)  # first-run costs
+    def latency(self, prompt: list[int], max_tokens: int, top_p: float | None = None) -> dict:
+        """Time to first token and single-stream decode rate of one request (greedy, or
+        sampled with `top_p`)."""
+        self._generate_batch([prompt], 2, top_p)  # first-run costs
         started = time.perf_counter()
-        self._generate_batch([prompt], 1)
+        self._generate_batch([prompt], 1, top_p)
         ttft = time.perf_counter() - started
         started = time.perf_counter()
-        self._generate_batch([prompt], max_tokens)
+        self._generate_batch([prompt], max_tokens, top_p)
         total = time.perf_counter() - started
         return dict(ttft_s=ttft, decode_tok_per_s=(max_tokens - 1) / max(total - ttft, 1e-9))
