@@ -50,6 +50,7 @@ from jengine.protocol import (
     UtilityOutput,
     UtilityRequest,
 )
+from jengine.torch_free import keep_torch_out
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,7 @@ def run_engine_core(
 ) -> None:
     """Spawn target of the engine process. Lives here, in a jax-free module, because the
     child imports the target's module first; jax loads only inside this call."""
+    keep_torch_out()
     data_parallel = config.parallel.data_parallel_size > 1
     prefix = f"replica {engine_index}" if data_parallel else "engine-core"
     init_logging(prefix=f"[{prefix} {os.getpid()}] ")

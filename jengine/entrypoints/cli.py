@@ -22,6 +22,7 @@ from dataclasses import fields
 from jengine.engine.arg_utils import EngineArgs
 from jengine.logger import init_logging
 from jengine.models.default import default_model, describe_default
+from jengine.torch_free import keep_torch_out
 
 logger = logging.getLogger("jengine")
 
@@ -242,15 +243,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
     importlib.import_module(f"jengine.bench.{args.benchmark}").main(args.options)
 
 
-# Commands that use transformers for tokenizers only. transformers 5 imports torch whenever
-# it is installed (~2 s of every start on 2 cores) and has no switch to stop it.
+# Commands that use transformers for tokenizers only (see jengine/torch_free.py).
 _TORCH_FREE_COMMANDS = ("serve", "generate", "chat")
 
 
 def main(argv: list[str] | None = None) -> None:
     args = make_parser().parse_args(argv)
-    if args.command in _TORCH_FREE_COMMANDS and "torch" not in sys.modules:
-        sys.modules["torch"] = None  # as on an install without torch: `import torch` fails
+    if args.command in _TORCH_FREE_COMMANDS:
+        keep_torch_out()
     init_logging()
     try:
         run = {"serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench}
