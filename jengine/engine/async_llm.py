@@ -50,11 +50,18 @@ class AsyncLLM:
         stat_loggers: Iterable[StatLoggerBase] = (),
         log_stats_interval: float = DEFAULT_LOG_STATS_INTERVAL,
         startup_timeout: float | None = None,
+        engine_core: AsyncMPClient | None = None,
     ):
+        """`engine_core`: a client whose processes the caller already started (`jengine
+        serve` starts them before it imports the server); by default, started here."""
         self.config = config
-        self.tokenizer = load_tokenizer(config)
-        self.engine_core = AsyncMPClient(config, startup_timeout)
-        ready = self.engine_core.ready
+        self.engine_core = engine_core or AsyncMPClient(config, startup_timeout)
+        try:  # the tokenizer loads while the engine process starts
+            self.tokenizer = load_tokenizer(config)
+            ready = self.engine_core.wait_for_ready()
+        except BaseException:
+            self.engine_core.shutdown()
+            raise
         self.vocab_size = ready.vocab_size
         self.num_blocks = ready.num_blocks
         self.max_model_len = config.scheduler.max_model_len

@@ -12,7 +12,8 @@ the async client has the same names with an `_async` suffix.
 
 The MP clients own the engine processes: they bind a ROUTER (requests out) and a PULL
 (outputs in) socket on private ipc paths, start the process (one per data-parallel
-replica) with `spawn`, and wait for each `EngineCoreReady` handshake. A thread watches
+replica) with `spawn`, and `wait_for_ready` takes each `EngineCoreReady` handshake (the
+owner's own start-up runs in between, beside the engines' start). A thread watches
 each process sentinel, so if the engine dies every pending and later call raises
 `EngineDeadError` instead of hanging; if one of several replicas dies, only its requests
 fail (`LostRequests`) and the others carry on. Data-parallel routing is
@@ -187,18 +188,34 @@ class MPClient:
             for replica in self.replicas:
                 replica.proc.start()
                 logger.info("started %s (pid %d)", replica.name, replica.proc.pid)
-            self._wait_for_ready(startup_timeout)
-        except BaseException:
+        except BaseException:  # (before the subclass's I/O exists: not `shutdown()`)
             self._shutting_down = True
             self._stop_processes()
             self._close()
             raise
-        self.ready = _combine_ready([replica.ready for replica in self.replicas])
         self.engine_pid = self.replicas[0].proc.pid
+        self._startup_timeout = startup_timeout
+        self.ready: EngineCoreReady | None = None
+
+    def wait_for_ready(self) -> EngineCoreReady:
+        """Wait for every replica's handshake (the first call; later ones return it).
+
+        The constructor only starts the processes, so the owner can do its own start-up
+        (the tokenizer, the server's imports) on one core while the engines import jax,
+        load weights and warm up on the other. Stops the processes if the wait fails."""
+        if self.ready is not None:
+            return self.ready
+        try:
+            self._wait_for_ready(self._startup_timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.ready = _combine_ready([replica.ready for replica in self.replicas])
         for replica in self.replicas:
             threading.Thread(
                 target=self._watch_engine, args=(replica,), name="EngineCoreWatch", daemon=True
             ).start()
+        return self.ready
 
     @property
     def engine_pids(self) -> list[int]:

@@ -43,7 +43,8 @@ class LLMEngine:
         config = engine_args.create_engine_config()
         client = SyncMPClient(config)
         try:
-            return cls(config, client, load_tokenizer(config), client.ready.vocab_size)
+            tokenizer = load_tokenizer(config)  # while the engine process starts
+            return cls(config, client, tokenizer, client.wait_for_ready().vocab_size)
         except BaseException:
             client.shutdown()
             raise

@@ -16,6 +16,7 @@ import importlib
 import json
 import logging
 import os
+import socket
 import sys
 from dataclasses import fields
 
@@ -145,8 +146,6 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from jengine.entrypoints.openai.api_server import run_server
-
     if args.model_tag and args.model and args.model_tag != args.model:
         raise SystemExit("give the model once: positionally or with --model")
     if not (args.model_tag or args.model):
@@ -163,8 +162,35 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
         EngineCore(EngineArgs.from_cli_args(args).create_engine_config()).run_follower()
         return
-    with contextlib.suppress(KeyboardInterrupt):
-        run_server(args)
+    sock = _listen_socket(args.host, args.port)
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    # The engine processes start before this process imports the server (FastAPI,
+    # transformers, the tokenizer: seconds): both start-ups then run side by side.
+    from jengine.engine.mp_clients import AsyncMPClient
+
+    engine_core = AsyncMPClient(config)
+    try:
+        from jengine.entrypoints.openai.api_server import run_server
+
+        with contextlib.suppress(KeyboardInterrupt):
+            run_server(args, config, engine_core, sock)
+    finally:
+        engine_core.shutdown()
+        sock.close()
+
+
+def _listen_socket(host: str | None, port: int) -> socket.socket:
+    """Bound before the engine starts, so a taken port fails in a second, not after warmup."""
+    host = host or "0.0.0.0"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"error: cannot listen on {host}:{port}: {e}") from None
+    return sock
 
 
 def _one_shot_llm(args: argparse.Namespace):

@@ -143,5 +143,5 @@ def test_startup_failure_is_reported(tiny_model, tmp_path):
     config = EngineArgs(model=str(broken), **ENGINE_ARGS).create_engine_config()
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="failed to start"):
-        SyncMPClient(config)
+        SyncMPClient(config).wait_for_ready()
     assert time.monotonic() - started < 120

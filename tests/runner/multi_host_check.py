@@ -20,8 +20,9 @@ PROMPTS = [
     "Hello, world!",
 ]
 MAX_TOKENS = 16
-# Fewer step shapes than the serving tests' engines: every multi-host start compiles its
-# programs anew (jax writes no persistent-cache entries for these multi-process programs).
+# Fewer step shapes than the serving tests' engines: host 1 compiles its programs anew at
+# every start (jax writes cache entries from process 0 only, and on CPU host 1's keys
+# differ: they hash its devices' topology).
 LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=32)
 ENGINE = {**ENGINE_ARGS, **LIMITS}
 

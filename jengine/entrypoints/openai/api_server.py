@@ -30,9 +30,11 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from jengine.config import EngineConfig
 from jengine.engine.async_llm import AsyncLLM
 from jengine.engine.client import EngineDeadError
 from jengine.engine.input_processor import load_chat_template
+from jengine.engine.mp_clients import AsyncMPClient
 from jengine.entrypoints.openai.admission import Admission
 from jengine.entrypoints.openai.errors import engine_dead_error, error_response
 from jengine.entrypoints.openai.metrics import PrometheusStatLogger
@@ -176,37 +178,23 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 # -- running it -------------------------------------------------------------------------------
 
 
-def bind_socket(host: str | None, port: int) -> socket.socket:
-    """Bind before the engine starts, so a taken port fails in a second, not after warmup."""
-    host = host or "0.0.0.0"
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    return sock
-
-
-async def serve_http(args) -> None:
-    from jengine.engine.arg_utils import EngineArgs
-
-    try:
-        sock = bind_socket(args.host, args.port)
-    except OSError as e:
-        raise SystemExit(
-            f"error: cannot listen on {args.host or '0.0.0.0'}:{args.port}: {e}"
-        ) from None
+async def serve_http(
+    args, config: EngineConfig, engine_core: AsyncMPClient, sock: socket.socket
+) -> None:
+    """Serve on `sock` (bound) in front of `engine_core`, whose processes `jengine serve`
+    started before it imported this module; the caller shuts both down."""
     try:
         chat_template = load_chat_template(args.chat_template)
     except ValueError as e:
         raise SystemExit(f"error: --chat-template: {e}") from None
-    engine_args = EngineArgs.from_cli_args(args)
-    engine = AsyncLLM.from_engine_args(
-        engine_args,
+    engine = AsyncLLM(
+        config,
         log_stats=not args.disable_log_stats,
         log_stats_interval=args.log_stats_interval,
+        engine_core=engine_core,
     )
     try:
-        names = args.served_model_name or [engine_args.model]
+        names = args.served_model_name or [args.model]
         app = build_app(
             engine,
             names,
@@ -247,12 +235,11 @@ async def serve_http(args) -> None:
         await server.serve(sockets=[sock])
     finally:
         engine.shutdown()
-        sock.close()
 
 
 def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt("terminated")
 
 
-def run_server(args) -> None:
-    asyncio.run(serve_http(args))
+def run_server(args, config: EngineConfig, engine_core: AsyncMPClient, sock) -> None:
+    asyncio.run(serve_http(args, config, engine_core, sock))
