@@ -2,14 +2,14 @@
 
 Where it sits: `LLM`, `LLMEngine` and `AsyncLLM` load it once at start-up; the input
 processor tokenizes prompts with it and the output processor detokenizes outputs. Runs in
-the front-end process (jax-free): only tokenizer files are read, never weights.
+the front-end process (jax-free): only tokenizer files are read, never weights. The
+engine process needs a tokenizer only for its first constrained request, so transformers
+(~1 s to import) is imported when a tokenizer is loaded, not with this module.
 """
 
 import json
 import logging
 import os
-
-from transformers import AutoTokenizer
 
 from jengine.config import EngineConfig
 from jengine.models.checkpoint import gguf_file
@@ -44,6 +44,8 @@ def load_tokenizer_from(path: str | None):
         os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES
     ):
         return None
+    from transformers import AutoTokenizer
+
     return with_byte_level_decoder(AutoTokenizer.from_pretrained(path))
 
 
