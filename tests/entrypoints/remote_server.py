@@ -40,10 +40,7 @@ SERVER_ARGS = [
 ]  # fmt: skip
 # The tiny model writes 16 x 120 tokens in a fraction of a second: tests that need the
 # engine busy for seconds (shutdown, faults) run 1000-token requests with room for them.
-LONG_NUM_BLOCKS = 1024
-LONG_SERVER_ARGS = [
-    *SERVER_ARGS, "--max-model-len", "1024", "--num-gpu-blocks-override", str(LONG_NUM_BLOCKS)
-]  # fmt: skip
+LONG_SERVER_ARGS = [*SERVER_ARGS, "--max-model-len", "1024", "--num-gpu-blocks-override", "1024"]
 
 
 def free_port() -> int:
