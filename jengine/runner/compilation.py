@@ -13,7 +13,11 @@ Promises:
   jax keeps its listeners forever, so the listener holds the counter weakly: a dropped
   engine is not kept alive by it;
 - `compile_ahead_of_time` only fills the persistent cache: without one it does nothing,
-  since an executable compiled ahead of time is not reused by a later jitted call.
+  since an executable compiled ahead of time is not reused by a later jitted call;
+- `StaticJit` binds a step function's leading arguments (graphdef, attention
+  implementation, ...) as static: a second engine over an equal model in the same process
+  reuses the first one's traces and executables (a `partial` would be a new function to
+  jax, traced, lowered and compiled again).
 """
 
 import logging
@@ -72,6 +76,25 @@ class CompileCounter:
             logger.warning("XLA compile after warmup (%.2fs)", duration)
         else:
             logger.debug("compiled a step program on first use (%.2fs)", duration)
+
+
+class StaticJit:
+    """`fn` jitted with its leading arguments `bound` and static; called (and lowered)
+    with the rest. `donate_argnums` count from the first argument after `bound`."""
+
+    def __init__(self, fn, *bound, donate_argnums: tuple[int, ...] = ()):
+        self._bound = bound
+        self._jitted = jax.jit(
+            fn,
+            static_argnums=tuple(range(len(bound))),
+            donate_argnums=tuple(len(bound) + i for i in donate_argnums),
+        )
+
+    def __call__(self, *args):
+        return self._jitted(*self._bound, *args)
+
+    def lower(self, *args):
+        return self._jitted.lower(*self._bound, *args)
 
 
 def compile_ahead_of_time(programs: Sequence[tuple]) -> None:

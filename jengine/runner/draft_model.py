@@ -30,7 +30,6 @@ Axis letters: T tokens, R requests, P pages per request, k drafts per request.
 
 import dataclasses
 from dataclasses import dataclass
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +39,7 @@ from flax import nnx
 from jengine.models import AttentionMetadata
 from jengine.pallas_kernels.ragged_paged_attention import resolve_impl
 from jengine.runner.buckets import next_power_of_two
+from jengine.runner.compilation import StaticJit
 from jengine.runner.input_batch import PreparedStep
 from jengine.runner.kv_cache_sizing import KVCacheSizing
 from jengine.runner.step import ForwardInputs
@@ -193,11 +193,13 @@ class DraftModel:
             (1, self.config.num_attention_heads, self.config.head_dim), model.dtype
         )
         self.attention_impl = resolve_impl(attention_impl, q, self.kv_cache, device.platform)
-        self._propose_fn = jax.jit(
-            partial(
-                propose_step, graphdef, self.attention_impl, num_speculative_tokens, max_model_len
-            ),
-            donate_argnums=1,
+        self._propose_fn = StaticJit(
+            propose_step,
+            graphdef,
+            self.attention_impl,
+            num_speculative_tokens,
+            max_model_len,
+            donate_argnums=(1,),
         )
 
     @staticmethod

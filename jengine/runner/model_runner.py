@@ -25,7 +25,6 @@ Promises:
 """
 
 from collections.abc import Sequence
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +37,7 @@ from jengine.core.outputs import ModelRunnerOutput
 from jengine.core.sched_output import SchedulerOutput
 from jengine.pallas_kernels.ragged_paged_attention import resolve_impl
 from jengine.runner.buckets import BucketSpec, StepShape
-from jengine.runner.compilation import CompileCounter, compile_ahead_of_time
+from jengine.runner.compilation import CompileCounter, StaticJit, compile_ahead_of_time
 from jengine.runner.draft_model import DraftModel, check_draft_model
 from jengine.runner.grammar_mask import place_grammar_rows
 from jengine.runner.input_batch import (
@@ -141,11 +140,11 @@ class ModelRunner:
         )
         self.attention_impl = resolve_impl(attention_impl, q, self.kv_cache, self.device.platform)
         mesh = tp.mesh if tp else None
-        self._forward_fn = jax.jit(
-            partial(forward_step, self.graphdef, self.attention_impl, mesh), donate_argnums=1
+        self._forward_fn = StaticJit(
+            forward_step, self.graphdef, self.attention_impl, mesh, donate_argnums=(1,)
         )
         self._sample_fn = jax.jit(sample_step, donate_argnums=0)
-        self._prompt_logprobs_fn = jax.jit(partial(prompt_logprobs_step, self.graphdef))
+        self._prompt_logprobs_fn = StaticJit(prompt_logprobs_step, self.graphdef)
         self._write_history = jax.jit(write_slot_history, donate_argnums=0)
         self._compile_counter = CompileCounter()
         self._allow_all_masks: dict[int, jax.Array] = {}
