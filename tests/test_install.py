@@ -30,6 +30,8 @@ SOURCES = ("pyproject.toml", "README.md", "jengine", "models", "pallas_kernels",
 # Small limits keep warmup to a handful of shapes.
 LIMITS = ["--max-model-len", "128", "--max-num-seqs", "2", "--max-num-batched-tokens", "32"]
 QUESTION = "What is the capital of France?"
+# uv builds the wheel and makes the fresh venv: pip takes ~40 s more for the same result.
+UV = [sys.executable, "-m", "uv", "-q"]
 
 USER_MODELS = '''"""A research repo's own models package: nothing jengine knows."""
 
@@ -59,7 +61,7 @@ def wheel(tmp_path_factory) -> Path:
         else:
             shutil.copy(REPO / name, source / name)
     dist = tmp_path_factory.mktemp("dist")
-    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist), str(source)]
+    build = [*UV, "build", "--wheel", "-o", str(dist), str(source)]
     subprocess.run(build, check=True, capture_output=True, timeout=600)
     [built] = dist.glob("jengine-*.whl")
     return built
@@ -67,11 +69,12 @@ def wheel(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def venv(wheel, tmp_path_factory) -> Path:
-    """The bin folder of a fresh venv holding the wheel and its declared dependencies."""
+    """The bin folder of a fresh venv holding the wheel and its declared dependencies, as
+    uv resolves them (as pip would: pip itself installs jengine in `.ci/run`'s fresh venv,
+    the README's first command)."""
     root = tmp_path_factory.mktemp("venv")
-    subprocess.run([sys.executable, "-m", "venv", str(root)], check=True, timeout=300)
-    install = [root / "bin" / "pip", "install", "-q", "--no-compile",
-               "--disable-pip-version-check", str(wheel)]  # fmt: skip
+    subprocess.run([*UV, "venv", "--python", sys.executable, str(root)], check=True, timeout=300)
+    install = [*UV, "pip", "install", "--python", str(root / "bin" / "python"), str(wheel)]
     result = subprocess.run(install, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     return root / "bin"
