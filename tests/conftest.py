@@ -1,6 +1,7 @@
 """Session fixtures shared across test packages: one random-weight Llama checkpoint with
 its transformers twin (the fidelity oracle), and `LLM`s over it under each attention setup
-of the equality suite."""
+of the equality suite. And the order files run in under `pytest -n 2 --dist loadfile`
+(the README's test command): the slowest first, so both workers finish together."""
 
 import pytest
 
@@ -24,3 +25,56 @@ def attention_setup(request) -> str:
 @pytest.fixture(scope="session")
 def llm(checkpoint, attention_setup):
     return make_llm(checkpoint[0], attention_setup)
+
+
+# The slowest test files, slowest first (`--durations` of the README's test command). A
+# file that starts last while the other worker is idle adds its whole time to the run.
+SLOWEST_FIRST = [
+    "tests/engine/test_spec_decode.py",
+    "tests/entrypoints/test_llm.py",
+    "tests/models/test_smollm2.py",
+    "tests/kernels/test_pallas_interpret.py",
+    "tests/runner/test_tensor_parallel.py",
+    "tests/runner/test_multi_host.py",
+    "tests/engine/test_bundled_model.py",
+    "tests/entrypoints/test_spec_decode_server.py",
+    "tests/kernels/test_cpu_kernel.py",
+    "tests/entrypoints/test_soak.py",
+    "tests/entrypoints/test_smollm2_chat.py",
+    "tests/test_install.py",
+]
+# Files that share a session fixture run in one worker, which then builds it once:
+# test_bad_input.py uses test_llm.py's `llm` engines.
+SAME_WORKER = {"tests/engine/test_bad_input.py": "tests/entrypoints/test_llm.py"}
+
+
+def _work_unit(nodeid: str) -> str:
+    file = nodeid.split("::", 1)[0]
+    return SAME_WORKER.get(file, file)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest has grouped the items by fixture parameter
+def pytest_collection_modifyitems(items):
+    rank = {file: i for i, file in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_work_unit(item.nodeid), len(rank)))
+
+
+class _FileScheduling:
+    """xdist's `--dist loadfile` with SAME_WORKER's files as one unit, and the units in
+    collection order (xdist would put the files with the most tests first)."""
+
+    @pytest.hookimpl
+    def pytest_xdist_make_scheduler(self, config, log):
+        from xdist.scheduler import LoadScopeScheduling
+
+        class Scheduling(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return _work_unit(nodeid)
+
+        config.option.loadscopereorder = False
+        return Scheduling(config, log)
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadfile":
+        config.pluginmanager.register(_FileScheduling())
