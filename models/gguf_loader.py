@@ -32,17 +32,18 @@ from jengine.models.registry import resolve_architecture
 
 logger = logging.getLogger(__name__)
 
-# GGUF per-layer tensor (after "blk.N.") -> (our stacked name, linear weight to transpose)
+# GGUF per-layer tensor (after "blk.N.") -> our stacked name (linear weights are [out, in]
+# in both)
 _LAYER_TENSORS = {
-    "attn_norm.weight": ("input_layernorm", False),
-    "ffn_norm.weight": ("post_attention_layernorm", False),
-    "attn_q.weight": ("q_proj", True),
-    "attn_k.weight": ("k_proj", True),
-    "attn_v.weight": ("v_proj", True),
-    "attn_output.weight": ("o_proj", True),
-    "ffn_gate.weight": ("gate_proj", True),
-    "ffn_up.weight": ("up_proj", True),
-    "ffn_down.weight": ("down_proj", True),
+    "attn_norm.weight": "input_layernorm",
+    "ffn_norm.weight": "post_attention_layernorm",
+    "attn_q.weight": "q_proj",
+    "attn_k.weight": "k_proj",
+    "attn_v.weight": "v_proj",
+    "attn_output.weight": "o_proj",
+    "ffn_gate.weight": "gate_proj",
+    "ffn_up.weight": "up_proj",
+    "ffn_down.weight": "down_proj",
 }
 _TOP_TENSORS = {"token_embd.weight": "embed_tokens", "output_norm.weight": "norm"}
 _LM_HEAD = "output.weight"
@@ -64,7 +65,7 @@ def _gguf_names(num_layers: int, tied: bool) -> dict[str, list[str]]:
     names = {ours: [gguf] for gguf, ours in _TOP_TENSORS.items()}
     if not tied:
         names["lm_head"] = [_LM_HEAD]
-    for suffix, (ours, _) in _LAYER_TENSORS.items():
+    for suffix, ours in _LAYER_TENSORS.items():
         names[f"layers.{ours}"] = [f"blk.{i}.{suffix}" for i in range(num_layers)]
     return names
 
@@ -89,7 +90,6 @@ def load_gguf_model(path: str, dtype) -> nnx.Module:
             f"{path}: tensors the {hf_config['architectures'][0]} model has no place for "
             f"{unexpected[:5]}, tensors it lacks {missing[:5]}"
         )
-    transposed = {f"layers.{ours}" for ours, transpose in _LAYER_TENSORS.values() if transpose}
     heads = {
         "attn_q.weight": config.num_attention_heads,
         "attn_k.weight": config.num_key_value_heads,
@@ -101,12 +101,11 @@ def load_gguf_model(path: str, dtype) -> nnx.Module:
         num_heads = heads.get(name.split(".", 2)[-1]) if name.startswith("blk.") else None
         return unpermute_rotary(weight, num_heads) if num_heads else weight
 
-    def stack(names: list[str], transpose: bool) -> np.ndarray:
+    def stack(names: list[str]) -> np.ndarray:
         """One weight per layer, dequantized one at a time into one [L, ...] array."""
         stacked = None
         for i, name in enumerate(names):
             weight = read(name)
-            weight = weight.T if transpose else weight
             if stacked is None:
                 stacked = np.empty((len(names), *weight.shape), np_dtype)
             stacked[i] = weight
@@ -118,7 +117,7 @@ def load_gguf_model(path: str, dtype) -> nnx.Module:
     # Each parameter goes to the device before the next is read: the host holds one at a time.
     for ours, names in wanted.items():
         if ours.startswith("layers."):
-            stacked = stack(names, ours in transposed)
+            stacked = stack(names)
             params["layers"][ours.removeprefix("layers.")] = jax.device_put(stacked, device)
         else:
             params[ours] = jax.device_put(read(names[0]).astype(np_dtype), device)

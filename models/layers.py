@@ -7,10 +7,14 @@ rotary angles are computed in float32 and cast back, as HF does, so f32 logits a
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+
+# A linear layer without its bias: [T, in] -> [T, out].
+Linear = Callable[[jax.Array], jax.Array]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -20,13 +24,13 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * x32.astype(x.dtype)
 
 
-def silu_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, biases=None):
-    """down(silu(gate(x)) * up(x)); weights are [in, out]. `biases` = (gate, up, down) or None."""
-    g = x @ gate
-    u = x @ up
+def silu_mlp(x: jax.Array, gate: Linear, up: Linear, down: Linear, biases=None):
+    """down(silu(gate(x)) * up(x)); `biases` = (gate, up, down) or None."""
+    g = gate(x)
+    u = up(x)
     if biases is not None:
         g, u = g + biases[0], u + biases[1]
-    out = (jax.nn.silu(g) * u) @ down
+    out = down(jax.nn.silu(g) * u)
     return out if biases is None else out + biases[2]
 
 

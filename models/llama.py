@@ -25,7 +25,9 @@ from jax.sharding import PartitionSpec as P
 
 from jengine.models.attention_metadata import AttentionMetadata
 from jengine.models.layers import RopeConfig, apply_rope, rms_norm, rope_cos_sin, silu_mlp
-from jengine.pallas_kernels import ragged_paged_attention, update_kv_cache
+from jengine.pallas_kernels import ragged_paged_attention, stacked_matmul, update_kv_cache
+
+LINEAR_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,8 @@ class LlamaConfig:
 
 
 class LlamaDecoderLayers(nnx.Module):
-    """All decoder layers' weights, stacked on a leading axis of size L; weights are [in, out]."""
+    """All decoder layers' weights, stacked on a leading axis of size L; linear weights are
+    [out, in], as HF stores them (`stacked_matmul` reads a layer's rows in place)."""
 
     def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
         c = config
@@ -106,11 +109,11 @@ class LlamaDecoderLayers(nnx.Module):
 
         self.input_layernorm = filled(1.0, D)
         self.q_proj, self.k_proj, self.v_proj = (
-            weight(D, q_size),
-            weight(D, kv_size),
-            weight(D, kv_size),
+            weight(q_size, D),
+            weight(kv_size, D),
+            weight(kv_size, D),
         )
-        self.o_proj = weight(q_size, D)
+        self.o_proj = weight(D, q_size)
         if c.qkv_bias:
             self.q_bias, self.k_bias, self.v_bias = (
                 filled(0.0, q_size),
@@ -122,7 +125,7 @@ class LlamaDecoderLayers(nnx.Module):
         if c.qk_norm:
             self.q_norm, self.k_norm = filled(1.0, c.head_dim), filled(1.0, c.head_dim)
         self.post_attention_layernorm = filled(1.0, D)
-        self.gate_proj, self.up_proj, self.down_proj = weight(D, F), weight(D, F), weight(F, D)
+        self.gate_proj, self.up_proj, self.down_proj = weight(F, D), weight(F, D), weight(D, F)
         if c.mlp_bias:
             self.gate_bias, self.up_bias, self.down_bias = (
                 filled(0.0, F),
@@ -130,11 +133,14 @@ class LlamaDecoderLayers(nnx.Module):
                 filled(0.0, D),
             )
 
-    def stacked(self) -> dict[str, jax.Array]:
-        """The weights as a dict of [L, ...] arrays, the `xs` of the layer scan."""
-        return {
+    def stacked(self) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+        """The weights as dicts of [L, ...] arrays: the linear weights, which the scan body
+        reads in place by layer index, and the rest (norms, biases), the scan's `xs`."""
+        params = {
             name: value.value for name, value in vars(self).items() if isinstance(value, nnx.Param)
         }
+        linear = {name: params.pop(name) for name in LINEAR_WEIGHTS}
+        return linear, params
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -216,11 +222,19 @@ class LlamaForCausalLM(nnx.Module):
                 check_vma=False,
             )
 
+        weights, vectors = self.layers.stacked()
+        # XLA cannot partition the CPU kernel's custom call over a mesh.
+        matmul_impl = "reference" if mesh is not None else None
+
         def layer(carry, xs):
             h, cache = carry
             p, layer_index = xs
+
+            def linear(name: str):
+                return lambda x: stacked_matmul(x, weights[name], layer_index, impl=matmul_impl)
+
             x = rms_norm(h, p["input_layernorm"], c.rms_norm_eps)
-            q, k, v = x @ p["q_proj"], x @ p["k_proj"], x @ p["v_proj"]
+            q, k, v = linear("q_proj")(x), linear("k_proj")(x), linear("v_proj")(x)
             if c.qkv_bias:
                 q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
             q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
@@ -229,24 +243,25 @@ class LlamaForCausalLM(nnx.Module):
                 k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             attn, cache = attend(q, k, v, cache, layer_index, *tables)
-            out = attn.reshape(T, N * H) @ p["o_proj"]
+            out = linear("o_proj")(attn.reshape(T, N * H))
             if c.o_bias:
                 out = out + p["o_bias"]
             h = h + out
             x = rms_norm(h, p["post_attention_layernorm"], c.rms_norm_eps)
             mlp_biases = (p["gate_bias"], p["up_bias"], p["down_bias"]) if c.mlp_bias else None
-            h = h + silu_mlp(x, p["gate_proj"], p["up_proj"], p["down_proj"], mlp_biases)
+            mlp = (linear("gate_proj"), linear("up_proj"), linear("down_proj"))
+            h = h + silu_mlp(x, *mlp, mlp_biases)
             return (h, cache), None
 
         layer_ids = jnp.arange(c.num_hidden_layers, dtype=jnp.int32)
-        (hidden, kv_cache), _ = jax.lax.scan(
-            layer, (hidden, kv_cache), (self.layers.stacked(), layer_ids)
-        )
+        (hidden, kv_cache), _ = jax.lax.scan(layer, (hidden, kv_cache), (vectors, layer_ids))
         return rms_norm(hidden, self.norm.value, c.rms_norm_eps), kv_cache
 
-    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+    def compute_logits(self, hidden: jax.Array, *, mesh: Mesh | None = None) -> jax.Array:
         """[R, D] final hidden states -> [R, V] f32 logits (computed in the model dtype, as HF;
-        a padded vocabulary's rows cut off)."""
+        a padded vocabulary's rows cut off). `mesh`: the head is split over it."""
         head = self.embed_tokens.value if self.config.tie_word_embeddings else self.lm_head.value
-        logits = (hidden @ head.T).astype(jnp.float32)
+        # The head as a one-layer stack: read in place by the CPU kernel for a few rows.
+        impl = "reference" if mesh is not None else None
+        logits = stacked_matmul(hidden, head[None], 0, impl=impl).astype(jnp.float32)
         return logits[:, : self.config.vocab_size] if self.config.vocab_padding else logits

@@ -8,8 +8,8 @@ for research code that brings its own params pytree.
 Promises:
 - one `model.safetensors` or many shards listed in `model.safetensors.index.json`;
 - bf16 / f16 / f32 weights cast to the chosen dtype;
-- per-layer HF tensors stacked on the leading `layers` axis, linear weights transposed to
-  [in, out];
+- per-layer HF tensors stacked on the leading `layers` axis, linear weights as HF stores
+  them, [out, in] (the layout the matmul reads fastest: one contiguous row per output);
 - a clear ValueError naming what is wrong for a missing folder, a missing or broken
   config.json, an unsupported architecture, missing shards or missing / unexpected /
   mis-shaped tensors.
@@ -29,26 +29,26 @@ from jengine.models.checkpoint import gguf_file, read_hf_config
 from jengine.models.registry import resolve_architecture
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-# HF per-layer tensor name -> (our stacked name, is a linear weight to transpose)
+# HF per-layer tensor name -> our stacked name
 _LAYER_NAMES = {
-    "input_layernorm.weight": ("input_layernorm", False),
-    "post_attention_layernorm.weight": ("post_attention_layernorm", False),
-    "self_attn.q_proj.weight": ("q_proj", True),
-    "self_attn.k_proj.weight": ("k_proj", True),
-    "self_attn.v_proj.weight": ("v_proj", True),
-    "self_attn.o_proj.weight": ("o_proj", True),
-    "self_attn.q_proj.bias": ("q_bias", False),
-    "self_attn.k_proj.bias": ("k_bias", False),
-    "self_attn.v_proj.bias": ("v_bias", False),
-    "self_attn.o_proj.bias": ("o_bias", False),
-    "self_attn.q_norm.weight": ("q_norm", False),
-    "self_attn.k_norm.weight": ("k_norm", False),
-    "mlp.gate_proj.weight": ("gate_proj", True),
-    "mlp.up_proj.weight": ("up_proj", True),
-    "mlp.down_proj.weight": ("down_proj", True),
-    "mlp.gate_proj.bias": ("gate_bias", False),
-    "mlp.up_proj.bias": ("up_bias", False),
-    "mlp.down_proj.bias": ("down_bias", False),
+    "input_layernorm.weight": "input_layernorm",
+    "post_attention_layernorm.weight": "post_attention_layernorm",
+    "self_attn.q_proj.weight": "q_proj",
+    "self_attn.k_proj.weight": "k_proj",
+    "self_attn.v_proj.weight": "v_proj",
+    "self_attn.o_proj.weight": "o_proj",
+    "self_attn.q_proj.bias": "q_bias",
+    "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.bias": "v_bias",
+    "self_attn.o_proj.bias": "o_bias",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+    "mlp.gate_proj.weight": "gate_proj",
+    "mlp.up_proj.weight": "up_proj",
+    "mlp.down_proj.weight": "down_proj",
+    "mlp.gate_proj.bias": "gate_bias",
+    "mlp.up_proj.bias": "up_bias",
+    "mlp.down_proj.bias": "down_bias",
 }
 _TOP_NAMES = {
     "model.embed_tokens.weight": "embed_tokens",
@@ -102,7 +102,7 @@ def read_hf_tensors(path: str) -> dict[str, np.ndarray]:
 
 
 def hf_to_params(tensors: dict[str, np.ndarray], num_layers: int) -> dict:
-    """HF tensor names -> our nested params dict (layers stacked, linear weights [in, out])."""
+    """HF tensor names -> our nested params dict (layers stacked, linear weights [out, in])."""
     params: dict = {"layers": {}}
     per_layer: dict[str, list] = {}
     unexpected = []
@@ -112,10 +112,8 @@ def hf_to_params(tensors: dict[str, np.ndarray], num_layers: int) -> dict:
             continue
         match = _LAYER_KEY.match(name)
         if match and match.group(2) in _LAYER_NAMES:
-            ours, transpose = _LAYER_NAMES[match.group(2)]
-            per_layer.setdefault(ours, [None] * num_layers)[int(match.group(1))] = (
-                array.T if transpose else array
-            )
+            ours = _LAYER_NAMES[match.group(2)]
+            per_layer.setdefault(ours, [None] * num_layers)[int(match.group(1))] = array
         elif not name.endswith("rotary_emb.inv_freq"):
             unexpected.append(name)
     if unexpected:
@@ -132,7 +130,7 @@ def model_from_params(model_cls, config, params: dict, dtype) -> nnx.Module:
     """Build the model abstractly (no random init) and fill it from a nested params dict.
 
     `params` has the structure of `nnx.state(model, nnx.Param)` as plain arrays, e.g.
-    {"embed_tokens": ..., "layers": {"q_proj": [L, D, N*H], ...}, "norm": ..., "lm_head": ...}.
+    {"embed_tokens": ..., "layers": {"q_proj": [L, N*H, D], ...}, "norm": ..., "lm_head": ...}.
     """
     model = nnx.eval_shape(lambda: model_cls(config, dtype=dtype, rngs=nnx.Rngs(0)))
     state = nnx.state(model, nnx.Param)

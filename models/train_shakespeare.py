@@ -110,19 +110,19 @@ def hf_config(args, vocab_size: int, eos_id: int) -> dict:
 
 
 def params_to_hf(params: dict, num_layers: int) -> dict[str, np.ndarray]:
-    """Our nested params (stacked [L, in, out] layers) -> HF tensor names ([out, in])."""
+    """Our nested params (stacked [L, ...] layers) -> HF tensor names."""
     from jengine.models.loader import _LAYER_NAMES, _TOP_NAMES
 
     tensors = {}
     for hf_name, ours in _TOP_NAMES.items():
         if ours in params:
             tensors[hf_name] = np.asarray(params[ours])
-    for hf_suffix, (ours, transpose) in _LAYER_NAMES.items():
+    for hf_suffix, ours in _LAYER_NAMES.items():
         if ours not in params["layers"]:
             continue
         stacked = np.asarray(params["layers"][ours])
         for i in range(num_layers):
-            tensors[f"model.layers.{i}.{hf_suffix}"] = stacked[i].T if transpose else stacked[i]
+            tensors[f"model.layers.{i}.{hf_suffix}"] = stacked[i]
     return {name: np.ascontiguousarray(t, dtype=np.float32) for name, t in tensors.items()}
 
 

@@ -1,9 +1,31 @@
-"""Attention kernels for jengine; each kernel ships beside its pure-jnp reference."""
+"""Kernels for jengine; each kernel ships beside its pure-jnp reference: ragged paged
+attention, and `x @ w[layer].T` over layer-stacked weights."""
 
+import jax
+
+from jengine.pallas_kernels import ragged_paged_attention as _attention
 from jengine.pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
     update_kv_cache,
 )
+from jengine.pallas_kernels.stacked_matmul import cpu as _stacked_matmul_cpu
+from jengine.pallas_kernels.stacked_matmul import stacked_matmul
 
-__all__ = ["ragged_paged_attention", "ragged_paged_attention_reference", "update_kv_cache"]
+
+def prepare(attention_impl: str | None = None, backend: str | None = None) -> None:
+    """Get the kernels a start-up will use ready without waiting: on CPU their C++ builds
+    (seconds each, the first time on a machine) start in the background, beside imports
+    and weight loading."""
+    _attention.prepare(attention_impl, backend)
+    if (backend or jax.default_backend()) == "cpu":
+        _stacked_matmul_cpu.KERNEL.load_in_background()
+
+
+__all__ = [
+    "prepare",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+    "stacked_matmul",
+    "update_kv_cache",
+]

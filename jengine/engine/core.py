@@ -32,7 +32,7 @@ from jengine.core.structured_output import StructuredOutputManager
 from jengine.engine.tokenizer import grammar_tokenizer
 from jengine.fault_injection import FaultInjector
 from jengine.models import load_model, resolve_model
-from jengine.pallas_kernels.ragged_paged_attention import prepare as prepare_attention
+from jengine.pallas_kernels import prepare as prepare_kernels
 from jengine.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -57,8 +57,8 @@ class EngineCore:
         if config.compilation.cache_dir:
             enable_compilation_cache(config.compilation.cache_dir)
         started = time.perf_counter()
-        # The CPU attention kernel's first build overlaps loading the weights.
-        prepare_attention(config.model.attention_impl)
+        # The CPU kernels' first builds overlap loading the weights.
+        prepare_kernels(config.model.attention_impl)
         if model is None:
             model = load_model(config.model.model, config.model.dtype)
         speculative = config.speculative

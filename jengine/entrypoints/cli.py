@@ -195,11 +195,11 @@ def _listen_socket(host: str | None, port: int) -> socket.socket:
 
 def _one_shot_llm(args: argparse.Namespace):
     """The LLM of `generate` / `chat`: the flags' engine, the default model if none."""
-    from jengine.pallas_kernels.ragged_paged_attention import prepare as prepare_attention
+    from jengine.pallas_kernels import prepare as prepare_kernels
 
     # First thing: a cold start's kernel build (seconds of the C++ compiler) then runs on
     # the other core while jengine, transformers and the weights load.
-    prepare_attention(args.attention_impl)
+    prepare_kernels(args.attention_impl)
     from jengine import LLM
 
     e = EngineArgs.from_cli_args(args)

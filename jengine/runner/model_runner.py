@@ -144,7 +144,7 @@ class ModelRunner:
             forward_step, self.graphdef, self.attention_impl, mesh, donate_argnums=(1,)
         )
         self._sample_fn = jax.jit(sample_step, donate_argnums=0)
-        self._prompt_logprobs_fn = StaticJit(prompt_logprobs_step, self.graphdef)
+        self._prompt_logprobs_fn = StaticJit(prompt_logprobs_step, self.graphdef, mesh)
         self._write_history = jax.jit(write_slot_history, donate_argnums=0)
         self._compile_counter = CompileCounter()
         self._allow_all_masks: dict[int, jax.Array] = {}

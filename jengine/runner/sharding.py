@@ -42,10 +42,10 @@ AXIS = "tp"
 # Our parameter name -> which axis of its per-layer array (leading layer axis excluded) is
 # split; absent: replicated.
 _LAYER_SPLIT = {
-    "q_proj": 1, "k_proj": 1, "v_proj": 1,  # [D, out]: column-parallel
+    "q_proj": 0, "k_proj": 0, "v_proj": 0,  # [out, D]: column-parallel
     "q_bias": 0, "k_bias": 0, "v_bias": 0,
-    "gate_proj": 1, "up_proj": 1, "gate_bias": 0, "up_bias": 0,
-    "o_proj": 0, "down_proj": 0,  # [in, D]: row-parallel
+    "gate_proj": 0, "up_proj": 0, "gate_bias": 0, "up_bias": 0,
+    "o_proj": 1, "down_proj": 1,  # [D, in]: row-parallel
 }  # fmt: skip
 _TOP_SPLIT = {"embed_tokens": 0, "lm_head": 0}  # [V, D]: vocab-parallel
 
@@ -117,11 +117,12 @@ class TensorParallel:
                 params[name] = _pad_rows(params[name], self.vocab_padding)
         layers = dict(params["layers"])
         head_dim = config.head_dim
-        if self.kv_repeats == 1 or layers["k_proj"].shape[-1] == self.size * head_dim:
+        # k/v weights are [L, K * H, D], their biases [L, K * H].
+        if self.kv_repeats == 1 or layers["k_proj"].shape[1] == self.size * head_dim:
             return params  # nothing to repeat, or repeated already
         for name in ("k_proj", "v_proj", "k_bias", "v_bias"):
             if name in layers:
-                layers[name] = _repeat_heads(layers[name], head_dim, self.kv_repeats)
+                layers[name] = _repeat_heads(layers[name], head_dim, self.kv_repeats, axis=1)
         return {**params, "layers": layers}
 
     # -- placement --------------------------------------------------------------------------
@@ -161,14 +162,15 @@ def _pad_rows(weight, rows: int):
     return np.pad(np.asarray(weight), ((0, rows), (0, 0)))
 
 
-def _repeat_heads(weight, head_dim: int, repeats: int):
-    """[..., K * H] -> [..., K * repeats * H]: each head's columns `repeats` times in a row.
+def _repeat_heads(weight, head_dim: int, repeats: int, axis: int):
+    """K * H entries along `axis` -> K * repeats * H: each head's `repeats` times in a row.
     A jax array stays on its devices (jnp); anything else is repeated on the host."""
     xp = jnp if isinstance(weight, jax.Array) else np
     weight = xp.asarray(weight)
-    *lead, width = weight.shape
-    heads = weight.reshape(*lead, width // head_dim, head_dim)
-    return xp.repeat(heads, repeats, axis=-2).reshape(*lead, width * repeats)
+    shape = weight.shape
+    heads = weight.reshape(*shape[:axis], shape[axis] // head_dim, head_dim, *shape[axis + 1 :])
+    repeated = xp.repeat(heads, repeats, axis=axis)
+    return repeated.reshape(*shape[:axis], shape[axis] * repeats, *shape[axis + 1 :])
 
 
 # -- what the compiled step sends between devices ----------------------------------------

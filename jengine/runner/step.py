@@ -86,7 +86,7 @@ def forward_step(graphdef, attention_impl, mesh, params, kv_cache, inputs: Forwa
         attention_impl=attention_impl,
         mesh=mesh,
     )
-    logits = model.compute_logits(hidden[inputs.logits_indices])
+    logits = model.compute_logits(hidden[inputs.logits_indices], mesh=mesh)
     if mesh is not None:
         # Each device computes its vocab shard's logits, then the [R, V] logits are
         # gathered. Asked for replicated logits outright, XLA gathers the [D, V] head
@@ -124,7 +124,7 @@ def sample_step(
     return sampling_state, SampleOutputs(sampled, *logprobs)
 
 
-def prompt_logprobs_step(graphdef, params, hidden, targets):
+def prompt_logprobs_step(graphdef, mesh, params, hidden, targets):
     """Logprobs of each position's next prompt token: logits for all T rows, [T, k+1]."""
     model = nnx.merge(graphdef, params)
-    return top_logprobs(model.compute_logits(hidden), targets, MAX_LOGPROBS)
+    return top_logprobs(model.compute_logits(hidden, mesh=mesh), targets, MAX_LOGPROBS)

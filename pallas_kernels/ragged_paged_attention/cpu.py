@@ -12,59 +12,35 @@ fuse it into a dot, so the reference spends most of a decode step's attention co
 pages and dispatching tiny batched dots; the kernel reads each page once, straight from
 the cache (bench/README.md has the measurements).
 
-The source is compiled on first use with the machine's C++ compiler (`$CXX`, which may
-carry arguments such as `ccache g++`, else `c++`; GCC or Clang) for the CPU it runs on,
-against the FFI headers jaxlib ships, and cached under `$JENGINE_KERNEL_CACHE` (default
-`~/.cache/jengine/kernels`) by a hash of everything that goes into the build: source,
-compiler command and version, flags, jax and jaxlib versions, the FFI headers' contents
-and the CPU model (-march=native code must not run on another CPU). No compiler, a failed
-build or one past `BUILD_TIMEOUT_S` leaves the reference in charge with a warning saying
-why. Threads starting together build and register once (`load` holds a lock).
+The source is built on first use and registered by `native_build.NativeKernel` (cached
+per machine, compiler and CPU; no compiler, a failed build or one past its timeout leaves
+the reference in charge with a warning saying why).
 
 Malformed operands never reach memory the kernel should not touch: `check_operands`
 rejects bad shapes at trace time, and `cpu.cc` checks the same shapes again plus the
 metadata only known at run time (an XLA runtime error naming the operand).
 """
 
-import contextlib
-import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shlex
-import shutil
-import signal
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 
+from jengine.pallas_kernels.native_build import NativeKernel
 from jengine.pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("cpu.cc")
 TARGET_NAME = "jengine_ragged_paged_attention"
-SYMBOL = "JengineRaggedPagedAttention"
-CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
-# The build takes ~5 s; a compiler still running after this is stuck (or swapping), and
-# a server start must not wait on it forever.
-BUILD_TIMEOUT_S = 300.0
+KERNEL = NativeKernel(
+    Path(__file__).with_name("cpu.cc"),
+    symbol="JengineRaggedPagedAttention",
+    target=TARGET_NAME,
+    what="CPU attention kernel",
+)
 # The kernel works on eight floats at a time and serves up to 64 query rows per kv head.
 LANES = 8
 MAX_GROUP = 64
-# The /proc/cpuinfo lines that tell apart what -march=native compiles for (x86: model name
-# and flags; aarch64: implementer, part and features).
-CPUINFO_FIELDS = ("model name", "flags", "CPU implementer", "CPU part", "Features")
-
-_load_lock = threading.Lock()
 
 
 def supports(q: jax.Array, kv_cache: jax.Array) -> bool:
@@ -120,122 +96,13 @@ def _index(x) -> int:
     return int(np.asarray(x).reshape(()))
 
 
-def _compiler() -> list[str] | None:
-    """`$CXX` (or `c++`) as a command line, its first word resolved on PATH; None if absent
-    (or unparsable)."""
-    try:
-        words = shlex.split(os.environ.get("CXX") or "c++")
-    except ValueError:  # unbalanced quotes
-        return None
-    path = shutil.which(words[0]) if words else None
-    return [path, *words[1:]] if path else None
-
-
-def _cpu_signature() -> str:
-    """What -march=native compiles for: a cached library is only reused on the same CPU."""
-    lines = [platform.machine(), platform.processor()]
-    with contextlib.suppress(OSError):
-        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-        lines += sorted({line for line in cpuinfo if line.startswith(CPUINFO_FIELDS)})
-    return "\n".join(lines)
-
-
-def _headers_digest(include_dir: str) -> bytes:
-    """The FFI headers' contents: the handler ABI can change without a version bump."""
-    digest = hashlib.sha256()
-    for path in sorted(p for p in Path(include_dir).rglob("*") if p.is_file()):
-        digest.update(str(path.relative_to(include_dir)).encode() + b"\0" + path.read_bytes())
-    return digest.digest()
-
-
-def _run(command: list[str]) -> subprocess.CompletedProcess:
-    """Run the compiler for at most BUILD_TIMEOUT_S; a failure or timeout raises. It runs in
-    a session of its own, so a timeout kills its whole process group: a driver's cc1plus or
-    linker left running would hold the pipes open and keep us waiting."""
-    process = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=BUILD_TIMEOUT_S)
-    except BaseException as error:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        if isinstance(error, subprocess.TimeoutExpired):
-            raise RuntimeError(
-                f"{shlex.join(command)} did not finish within {BUILD_TIMEOUT_S:g} s"
-            ) from None
-        raise
-    if process.returncode != 0:
-        raise RuntimeError(f"{shlex.join(command)} failed:\n{stderr[-2000:]}")
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
-
-
-def _build(compiler: list[str]) -> Path:
-    include_dir = jax.ffi.include_dir()
-    key = hashlib.sha256()
-    for part in (
-        SOURCE.read_bytes(),
-        shlex.join(compiler).encode(),
-        _run([*compiler, "--version"]).stdout.encode(),
-        shlex.join(CXX_FLAGS).encode(),
-        _headers_digest(include_dir),
-        jax.__version__.encode(),
-        jaxlib.__version__.encode(),
-        _cpu_signature().encode(),
-    ):
-        key.update(hashlib.sha256(part).digest())  # parts hashed apart: no ambiguous joins
-    cache_dir = Path(
-        os.environ.get("JENGINE_KERNEL_CACHE", os.path.expanduser("~/.cache/jengine/kernels"))
-    )
-    library = cache_dir / f"ragged_paged_attention-{key.hexdigest()[:16]}.so"
-    if library.exists():
-        return library
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: processes starting together never load a
-    # half-written library.
-    with tempfile.TemporaryDirectory(dir=cache_dir) as build_dir:
-        output = Path(build_dir) / library.name
-        _run([*compiler, *CXX_FLAGS, f"-I{include_dir}", str(SOURCE), "-o", str(output)])
-        os.replace(output, library)
-    return library
+def load() -> str | None:
+    """Build and register the kernel (once): None if it is ready, else why not."""
+    return KERNEL.load()
 
 
 def load_in_background() -> None:
-    """Start `load()` on a thread: the first build on a machine is seconds of the C++
-    compiler, which can run beside the rest of start-up (imports, weights, tokenizer);
-    whoever calls `load()` next waits for it under the lock."""
-    threading.Thread(target=load, name="cpu-attention-build", daemon=True).start()
-
-
-def load() -> str | None:
-    """Build (once per machine) and register the kernel: None if it is ready, else why not
-    (logged once). Under a lock: XLA keeps one registration per target name per process,
-    and threads that start serving together must not both build and register."""
-    with _load_lock:
-        return _load_once()
-
-
-@functools.cache
-def _load_once() -> str | None:
-    compiler = _compiler()
-    if compiler is None:
-        reason = "no C++ compiler found (set CXX)"
-    else:
-        try:
-            library = ctypes.CDLL(str(_build(compiler)))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-            reason = f"the kernel did not build: {error}"
-        else:
-            handler = jax.ffi.pycapsule(getattr(library, SYMBOL))
-            jax.ffi.register_ffi_target(TARGET_NAME, handler, platform="cpu")
-            return None
-    logger.warning("CPU attention kernel unavailable, using the XLA reference: %s", reason)
-    return reason
+    KERNEL.load_in_background()
 
 
 def ragged_paged_attention_cpu(

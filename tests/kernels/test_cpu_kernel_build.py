@@ -1,6 +1,7 @@
-"""How the CPU kernel gets built and loaded (`cpu.py`): with every C++ compiler on PATH
-(GCC and Clang both), with a `$CXX` that carries arguments, by two threads at once (one
-build, one registration), and past a build timeout (the reference takes over, saying why).
+"""How the CPU kernels get built and loaded (`native_build.py`): with every C++ compiler on
+PATH (GCC and Clang both; the attention and stacked-matmul kernels each), with a `$CXX` that
+carries arguments, by two threads at once (one build, one registration), and past a build
+timeout (the reference takes over, saying why).
 
 Each case runs in a fresh interpreter: a process loads and registers the kernel once, and
 this one already has. Builds go to a temporary `JENGINE_KERNEL_CACHE`, so every compiler
@@ -19,7 +20,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Builds the kernel and checks it against the reference on a small batch with NaN traps.
+# Builds the kernels and checks them against their references (attention on a small batch
+# with NaN traps).
 CHECK_BUILD = """
 import numpy as np
 from jengine.pallas_kernels.ragged_paged_attention import cpu, ragged_paged_attention_reference
@@ -31,6 +33,10 @@ out = cpu.ragged_paged_attention_cpu(*batch.args, sm_scale=0.2, sliding_window=2
 expected = ragged_paged_attention_reference(*batch.args, sm_scale=0.2, sliding_window=25)
 np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 assert np.isfinite(out).all()
+from jengine.pallas_kernels.stacked_matmul import cpu as matmul_cpu
+assert matmul_cpu.KERNEL.load() is None, matmul_cpu.KERNEL.load()
+x, w = np.ones((3, 16), np.float32), np.arange(2 * 5 * 16, dtype=np.float32).reshape(2, 5, 16)
+np.testing.assert_allclose(matmul_cpu.stacked_matmul_cpu(x, w, 1), x @ w[1].T)
 print("kernel ok")
 """
 
@@ -65,7 +71,7 @@ def test_every_compiler_on_path_builds_a_correct_kernel(tmp_path, cxx):
     result = _run(CHECK_BUILD, tmp_path, CXX=cxx)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "kernel ok" in result.stdout
-    assert len(list(tmp_path.glob("*.so"))) == 1, "built into the given cache"
+    assert len(list(tmp_path.glob("*.so"))) == 2, "both kernels built into the given cache"
 
 
 def test_cxx_with_arguments(tmp_path):
@@ -81,7 +87,7 @@ import threading, time
 import jax
 from jengine.pallas_kernels.ragged_paged_attention import cpu
 calls = {"build": 0, "register": 0}
-build, register = cpu._build, jax.ffi.register_ffi_target
+build, register = cpu.KERNEL.build, jax.ffi.register_ffi_target
 
 def slow_build(compiler):
     calls["build"] += 1
@@ -92,7 +98,7 @@ def counting_register(*args, **kwargs):
     calls["register"] += 1
     return register(*args, **kwargs)
 
-cpu._build, jax.ffi.register_ffi_target = slow_build, counting_register
+cpu.KERNEL.build, jax.ffi.register_ffi_target = slow_build, counting_register
 barrier, results = threading.Barrier(2), []
 
 def start():
@@ -120,8 +126,9 @@ def test_a_build_past_the_timeout_leaves_the_reference_in_charge(tmp_path):
     compiler.write_text('#!/bin/sh\n[ "$1" = --version ] && echo hanging 1.0 && exit 0\nsleep 60\n')
     compiler.chmod(0o755)
     code = """
-from jengine.pallas_kernels.ragged_paged_attention import cpu, default_impl
-cpu.BUILD_TIMEOUT_S = 1
+from jengine.pallas_kernels import native_build
+from jengine.pallas_kernels.ragged_paged_attention import default_impl
+native_build.BUILD_TIMEOUT_S = 1
 print(default_impl())
 """
     start = time.monotonic()

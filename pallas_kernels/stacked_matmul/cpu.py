@@ -1,0 +1,74 @@
+"""`x @ w[layer].T` on CPU for a few rows of x: the C++ kernel in `cpu.cc`, called through
+the XLA FFI.
+
+Where it sits: `stacked_matmul` picks it on the CPU backend for float32 operands with at
+most `MAX_ROWS` rows (decode steps, short verifications), in place of the XLA reference,
+which stays its oracle and the path for everything else. It promises the reference's
+result to float32 rounding, reads only `w[layer]` (no copy of it), and takes derivatives
+through the reference.
+
+Why a C++ kernel: under the model's layer scan XLA:CPU copies each layer's weights out of
+the stacked array before its dot reads them, so a decode step read every weight twice and
+wrote it once (bench/README.md has the measurements).
+"""
+
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jengine.pallas_kernels.native_build import NativeKernel
+from jengine.pallas_kernels.stacked_matmul.reference import stacked_matmul_reference
+
+TARGET_NAME = "jengine_stacked_matmul"
+KERNEL = NativeKernel(
+    Path(__file__).with_name("cpu.cc"),
+    symbol="JengineStackedMatmul",
+    target=TARGET_NAME,
+    what="CPU stacked-matmul kernel",
+)
+LANES = 8
+MAX_ROWS = 16  # past this XLA's GEMM is faster (cpu.cc)
+
+
+def supports(x, w) -> bool:
+    """Whether the kernel takes these operands (arrays or `jax.ShapeDtypeStruct`s)."""
+    return (
+        len(x.shape) == 2
+        and len(w.shape) == 3
+        and x.shape[1] == w.shape[2]
+        and x.dtype == jnp.float32
+        and w.dtype == jnp.float32
+        and x.shape[1] % LANES == 0
+        and x.shape[0] <= MAX_ROWS
+    )
+
+
+def stacked_matmul_cpu(x: jax.Array, w: jax.Array, layer) -> jax.Array:
+    """See `reference.stacked_matmul_reference`."""
+    if not supports(x, w):
+        raise ValueError(
+            f"the CPU stacked-matmul kernel takes float32 x [T <= {MAX_ROWS}, D] and w "
+            f"[L, F, D] with D a multiple of {LANES}; got x {x.dtype}{tuple(x.shape)}, "
+            f"w {w.dtype}{tuple(w.shape)}"
+        )
+    reason = KERNEL.load()
+    if reason is not None:
+        raise RuntimeError(f"CPU stacked-matmul kernel unavailable: {reason}")
+    return _matmul(x, w, jnp.asarray(layer, jnp.int32).reshape(1))
+
+
+@jax.custom_jvp
+def _matmul(x, w, layer):
+    call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype))
+    return call(x, w, layer)
+
+
+@_matmul.defjvp
+def _matmul_jvp(primals, tangents):
+    # The kernel has no derivative of its own; the reference computes the same function.
+    x, w, layer = primals
+    return jax.jvp(
+        functools.partial(stacked_matmul_reference, layer=layer[0]), (x, w), tangents[:2]
+    )
