@@ -8,7 +8,9 @@ states and the updated cache; `compute_logits` turns chosen rows into logits.
 Promises:
 - layer weights are stacked on a leading `layers` axis and the layers run under one
   `lax.scan` with the whole KV cache in the carry, so compile time does not grow with depth
-  and the cache is updated in place (docs/architecture.md, "One step, end to end");
+  and the cache is updated in place (docs/architecture.md, "One step, end to end"); linear
+  weights are [L, out, in] as HF stores them, read by layer index (`stacked_matmul`), not
+  sliced out as the scan's `xs`;
 - numerics follow Hugging Face transformers for the same checkpoint (tests/models);
 - each token writes its K/V into its slot and attends to its own request's pages only.
 
