@@ -2,7 +2,7 @@
 no extras, used from a research repo that has packages of its own named `models` and
 `pallas_kernels`. `jengine chat`, `LLM().chat(...)` and `jengine serve` (one chat and one
 constrained request through the `openai` client) run there on the bundled model, so the
-wheel must carry it, the CPU kernel's source and every package the runtime imports; the
+wheel must carry it, the CPU kernels' sources and every package the runtime imports; the
 installed import names are jengine's own (`jengine.models`, `jengine.pallas_kernels`), so
 neither side shadows the other. pyproject.toml declares every third-party package the
 runtime imports."""
@@ -94,12 +94,13 @@ def run_in(repo: Path, args, timeout: float = 600) -> subprocess.CompletedProces
     return subprocess.run(args, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_the_wheel_carries_the_bundled_models_and_the_kernel_source(wheel):
+def test_the_wheel_carries_the_bundled_models_and_the_kernel_sources(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     for folder in ("shakespeare-llama", "shakespeare-llama-draft"):
         for file in ("config.json", "model.safetensors", "tokenizer.json"):
             assert f"jengine/models/{folder}/{file}" in names, (folder, file)
-    assert "jengine/pallas_kernels/ragged_paged_attention/cpu.cc" in names
+    for kernel in ("ragged_paged_attention", "stacked_matmul"):
+        assert f"jengine/pallas_kernels/{kernel}/cpu.cc" in names
 
 
 def test_jengine_chat_from_the_wheel(venv, user_repo):

@@ -1,10 +1,12 @@
 """Faults, injected on purpose (jengine/fault_injection.py) into a real `jengine serve`: a
 failure while building one request's output, or while formatting it, ends that request with
-an error and nothing else; a client that reads its stream slowly stalls nobody; a failing
+an error and nothing else; a client that reads its stream slowly stalls nobody; clients
+that hang up mid-generation get their sequences aborted and every KV block back; a failing
 engine step is logged with its request ids and takes the engine down cleanly into 503s.
 The server runs with JENGINE_FAULT_INJECTION set; the step fault kills its engine, so that
 test comes last."""
 
+import asyncio
 import threading
 import time
 
@@ -35,6 +37,24 @@ def server(tiny_model):
 def http(server):
     with httpx2.Client(base_url=server.url_for(), timeout=120) as client:
         yield client
+
+
+def engine_gauges(http) -> dict[str, float]:
+    text = http.get("/metrics").text
+    return {
+        name: metric(text, f"jengine:{name}")
+        for name in ("kv_cache_free_blocks", "kv_cache_total_blocks", "num_requests_running")
+    }
+
+
+def wait_until_idle(http, free_blocks: float, timeout: float = 30.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        gauges = engine_gauges(http)
+        if gauges["kv_cache_free_blocks"] == free_blocks and not gauges["num_requests_running"]:
+            return gauges
+        assert time.monotonic() < deadline, f"engine not idle: {gauges}"
+        time.sleep(0.2)
 
 
 def free_blocks(http) -> float:
@@ -124,6 +144,87 @@ def test_a_slow_reader_stalls_nobody(server, http):
         for choice in httpx2.Response(200, content=event).json()["choices"]:
             texts[choice["index"]] += choice["text"]
     assert texts == [choice["text"] for choice in expected["choices"]]
+
+
+def test_disconnects_return_kv_blocks(server, http):
+    """Clients that hang up mid-generation (60 concurrent streams, each as soon as its
+    first token arrives; one full-response client with n=2 while it runs) get their
+    sequences aborted, each counted once, and every KV block comes back to the pool."""
+    total = engine_gauges(http)["kv_cache_total_blocks"]
+    assert total == 1023  # LONG_SERVER_ARGS' 1024 blocks, minus the null block
+    start = wait_until_idle(http, total)["kv_cache_free_blocks"]
+    aborts = 'jengine:request_success_total{finished_reason="abort",model_name="tiny"}'
+    lengths = 'jengine:request_success_total{finished_reason="length",model_name="tiny"}'
+    before = http.get("/metrics").text
+    aborted_before, lengths_before = metric(before, aborts), metric(before, lengths)
+    # 1000 tokens take >= 1000 engine steps, seconds: far longer than a hang-up takes to be
+    # noticed (120 were not, once decode got faster: 50 of 60 streams finished first).
+    body = {**BODY, "max_tokens": 1000}
+    del body["temperature"]
+
+    async def run():
+        async def stream(aclient, seed):
+            json_body = {**body, "stream": True, "seed": seed, "temperature": 1.0}
+            async with aclient.stream("POST", "/v1/completions", json=json_body) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        return  # first token: hang up
+
+        async def full(aclient):
+            response = await aclient.post("/v1/completions", json={**body, "n": 2})
+            assert response.status_code == 200, response.text
+
+        limits = httpx2.Limits(max_connections=100)
+        async with httpx2.AsyncClient(
+            base_url=server.url_for(), timeout=120, limits=limits
+        ) as aclient:
+            await asyncio.gather(*(stream(aclient, seed) for seed in range(60)))
+            wait_until_idle(http, start)
+            # Hang up once a scrape sees both sequences run. Should the 1000 steps end
+            # between two scrapes, that response finished by length, and the client asks
+            # again.
+            finished_early = 0
+            deadline = time.monotonic() + 60
+            while True:
+                task = asyncio.create_task(full(aclient))
+                while not task.done():
+                    busy = (await aclient.get("/metrics")).text
+                    if metric(busy, "jengine:num_requests_running") == 2:
+                        break
+                    await asyncio.sleep(0.01)
+                if not task.done():
+                    break
+                task.result()  # a 200, or the error it was
+                finished_early += 1
+                assert time.monotonic() < deadline, "no scrape saw the n=2 request run"
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        return busy, finished_early
+
+    busy, finished_early = asyncio.run(run())
+    assert metric(busy, "jengine:kv_cache_free_blocks") < start
+    wait_until_idle(http, start)
+    # Each of the 62 sequences ends once, counted when the server notices its hang-up
+    # (which may come after the blocks are back): wait for all, then check that the
+    # count stops there. A stream whose hang-up the server noticed only after its 1000
+    # tokens would finish by length; the hang-ups are noticed long before that.
+    expected = 62 + 2 * finished_early
+    deadline = time.monotonic() + 30
+    while True:
+        metrics = http.get("/metrics").text
+        aborted = metric(metrics, aborts) - aborted_before
+        finished = metric(metrics, lengths) - lengths_before
+        assert aborted + finished <= expected, (aborted, finished, expected)
+        if aborted + finished == expected:
+            break
+        assert time.monotonic() < deadline, f"{aborted} aborted + {finished} finished of {expected}"
+        time.sleep(0.1)
+    assert aborted >= 2 + 30, f"only {aborted} of 62 sequences aborted ({finished} finished)"
+    assert metric(metrics, "jengine:compiles_after_warmup") == 0
+    # And the server is as good as new.
+    again = http.post("/v1/completions", json={**body, "max_tokens": 3, "ignore_eos": False})
+    assert again.json()["usage"]["completion_tokens"] == 3
 
 
 def test_a_failing_engine_step_dies_cleanly_into_503s(server, http):
