@@ -19,7 +19,7 @@ Promises:
   shared by the steps that schedule the same requests in the same order;
 - with speculative decoding, a request's drafts sit after its known tokens in its row
   (so they are its next inputs) and each verified position gets its own sampling row
-  (`spec_decode.add_verification_rows`), at the output index it would have without
+  (laid out by `spec_decode.verification_rows`), at the output index it would have without
   drafts; the rows of a step
   never outnumber its request bucket (the scheduler keeps them within max_num_seqs).
 
@@ -35,6 +35,7 @@ from jengine.core.kv_cache_utils import cdiv
 from jengine.core.sched_output import NewRequestData, SchedulerOutput
 from jengine.runner.buckets import BucketSpec, StepShape
 from jengine.runner.sampler import MAX_SUPPRESSED_IDS
+from jengine.runner.spec_decode import verification_rows
 from jengine.sampling_params import SamplingParams
 
 
@@ -317,10 +318,37 @@ class InputBatch:
             prompt_targets=prompt_targets,
         )
         if spec:
-            from jengine.runner.spec_decode import add_verification_rows  # (imports this)
-
-            add_verification_rows(self, prepared, spec, order, query_start_loc)
+            self._add_verification_rows(prepared, spec, order, query_start_loc)
         return prepared
+
+    def _add_verification_rows(
+        self, prepared: PreparedStep, spec: dict, order: "_Order", query_start_loc
+    ) -> None:
+        """Replace `prepared`'s sampling rows (one per request) by one per verified
+        position, each sampled as a step without drafts would sample that output index."""
+        req_ids, slots, n = prepared.req_ids, order.slots, len(order.slots)
+        R = prepared.shape.num_reqs
+        num_drafts = np.array([len(spec.get(r, ())) for r in req_ids], np.int32)
+        layout = verification_rows(num_drafts, query_start_loc[1 : n + 1] - 1)
+        row_slots = slots[layout.row_request]
+        arrays = neutral_sampling_arrays(R)
+        rows = len(row_slots)
+        arrays["slots"][:rows] = row_slots
+        for name in _PARAM_COLUMNS:
+            arrays[name][:rows] = self.params[name][row_slots]
+        output_index = self.num_tokens[row_slots] - self.num_prompt_tokens[row_slots]
+        output_index = output_index + layout.offset
+        arrays["output_index"][:rows] = output_index
+        if order.any_min_tokens:
+            suppressing = output_index < self.min_tokens[row_slots]
+            arrays["suppressed_ids"][:rows] = np.where(
+                suppressing[:, None], self.params["suppressed_ids"][row_slots], -1
+            )
+        arrays["sample_mask"][:rows] = prepared.sample_mask[:n][layout.row_request]
+        prepared.logits_indices = _padded(layout.logits_indices, R)
+        prepared.sampling = arrays
+        prepared.num_logprobs = [order.num_logprobs[i] for i in layout.row_request.tolist()]
+        prepared.spec_drafts = [spec.get(r, []) for r in req_ids]
 
     def _prompt_targets(self, req_ids, slots, starts, kv_lens, query_start_loc, targets):
         """Fill `targets` for requests that want prompt logprobs; returns their rows."""

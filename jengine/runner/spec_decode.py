@@ -1,14 +1,16 @@
 """Speculative decoding in the runner: the sampling rows of the positions a step verifies,
 and which drafts it keeps.
 
-Where it sits: `InputBatch.prepare` calls `add_verification_rows` when the scheduler
-sent drafts (`SchedulerOutput.scheduled_spec_decode_tokens`); after the step,
-`ModelRunner._verified_output` calls `accept_drafts` on what was sampled.
+Where it sits: `InputBatch.prepare` lays out its sampling rows by `verification_rows` when
+the scheduler sent drafts (`SchedulerOutput.scheduled_spec_decode_tokens`); after the step,
+`ModelRunner._verified_output` calls `accept_drafts` on what was sampled. Nothing here
+imports the rest of the runner: the persistent batch depends on this module, not back.
 
 What it promises:
-- every verified position (each draft's, and the one after the last draft) is sampled
-  exactly as a step without drafts would sample that output index: the same parameters,
-  seed and index, so the same random key;
+- every verified position (each draft's, and the one after the last draft) gets a
+  sampling row of its own, reading the logits of the token before it; `InputBatch`
+  samples each such row exactly as a step without drafts would sample that output index
+  (the same parameters, seed and index, so the same random key);
 - a request keeps its drafts up to the first that differs from the token sampled at its
   position, plus that token (the correction, or after every draft the bonus token).
   Greedy, this is the argmax rule; sampled, it is exact rejection sampling for drafts
@@ -16,50 +18,30 @@ What it promises:
   token comes from p without d. Either way the tokens are those of no speculation.
 """
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 
-from jengine.runner.input_batch import _PARAM_COLUMNS, _padded, neutral_sampling_arrays
 
-if TYPE_CHECKING:
-    from jengine.runner.input_batch import InputBatch, PreparedStep, _Order
+@dataclass(frozen=True)
+class VerificationRows:
+    """The sampling rows of a step with drafts: one per verified position (each draft's,
+    and the one after the last draft), a request's rows in a run."""
+
+    row_request: np.ndarray  # [rows] which request (index in the step) each row samples for
+    offset: np.ndarray  # [rows] the row's place in its request's run, 0 first
+    logits_indices: np.ndarray  # [rows] the token whose logits the row samples from
 
 
-def add_verification_rows(
-    batch: InputBatch, prepared: PreparedStep, spec: dict, order: _Order, query_start_loc
-) -> None:
-    """Replace `prepared`'s sampling rows (one per request) by one per verified position,
-    a request's rows in a run."""
-    req_ids, slots, n = prepared.req_ids, order.slots, len(order.slots)
-    R = prepared.shape.num_reqs
-    num_drafts = np.array([len(spec.get(r, ())) for r in req_ids], np.int32)
+def verification_rows(num_drafts: np.ndarray, last_token: np.ndarray) -> VerificationRows:
+    """Rows for requests with `num_drafts` drafts each, whose last scheduled token (the
+    last draft, or the last known token without drafts) is at `last_token` in the step."""
     rows_per_request = num_drafts + 1
-    row_request = np.repeat(np.arange(n), rows_per_request)
+    row_request = np.repeat(np.arange(len(num_drafts)), rows_per_request)
     first_row = np.cumsum(rows_per_request) - rows_per_request
     offset = np.arange(len(row_request)) - np.repeat(first_row, rows_per_request)
-    last = query_start_loc[1 : n + 1] - 1  # each request's last scheduled token
-    logits_indices = last[row_request] - num_drafts[row_request] + offset
-    row_slots = slots[row_request]
-    arrays = neutral_sampling_arrays(R)
-    rows = len(row_request)
-    arrays["slots"][:rows] = row_slots
-    for name in _PARAM_COLUMNS:
-        arrays[name][:rows] = batch.params[name][row_slots]
-    output_index = batch.num_tokens[row_slots] - batch.num_prompt_tokens[row_slots] + offset
-    arrays["output_index"][:rows] = output_index
-    if order.any_min_tokens:
-        suppressing = output_index < batch.min_tokens[row_slots]
-        arrays["suppressed_ids"][:rows] = np.where(
-            suppressing[:, None], batch.params["suppressed_ids"][row_slots], -1
-        )
-    arrays["sample_mask"][:rows] = prepared.sample_mask[:n][row_request]
-    prepared.logits_indices = _padded(logits_indices.astype(np.int32), R)
-    prepared.sampling = arrays
-    prepared.num_logprobs = [order.num_logprobs[i] for i in row_request.tolist()]
-    prepared.spec_drafts = [spec.get(r, []) for r in req_ids]
+    logits_indices = last_token[row_request] - num_drafts[row_request] + offset
+    return VerificationRows(row_request, offset, logits_indices.astype(np.int32))
 
 
 def accept_drafts(
