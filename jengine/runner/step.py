@@ -1,7 +1,8 @@
 """The step as pure functions over pytrees, and the pytrees they hand each other.
 
-Where it sits: `ModelRunner` jits these three functions once (binding the graphdef and
-the attention implementation) and calls them every step: `ForwardInputs.from_prepared`
+Where it sits: `ModelRunner` jits these three functions once (binding the graphdef, the
+attention implementation and the tensor-parallel mesh as static arguments) and calls them
+every step: `ForwardInputs.from_prepared`
 turns the numpy `PreparedStep` of `input_batch.py` into the model's inputs, `forward_step`
 runs the model, `sample_step` samples one token per request from the logits of its last
 token, and `prompt_logprobs_step` (only for requests that asked for prompt logprobs)
