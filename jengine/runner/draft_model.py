@@ -40,8 +40,8 @@ from jengine.models import AttentionMetadata
 from jengine.pallas_kernels.ragged_paged_attention import resolve_impl
 from jengine.runner.buckets import next_power_of_two
 from jengine.runner.compilation import StaticJit
-from jengine.runner.input_batch import PreparedStep
 from jengine.runner.kv_cache_sizing import KVCacheSizing
+from jengine.runner.prepared_step import PreparedStep
 from jengine.runner.step import ForwardInputs
 
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jengine.core.sched_output import SchedulerOutput
-from jengine.runner.input_batch import PreparedStep
+from jengine.runner.prepared_step import PreparedStep
 
 
 def place_grammar_rows(prepared: PreparedStep, scheduler_output: SchedulerOutput) -> np.ndarray:

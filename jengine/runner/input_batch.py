@@ -33,7 +33,8 @@ import numpy as np
 
 from jengine.core.kv_cache_utils import cdiv
 from jengine.core.sched_output import NewRequestData, SchedulerOutput
-from jengine.runner.buckets import BucketSpec, StepShape
+from jengine.runner.buckets import BucketSpec
+from jengine.runner.prepared_step import PreparedStep, neutral_sampling_arrays
 from jengine.runner.sampler import MAX_SUPPRESSED_IDS
 from jengine.runner.spec_decode import verification_rows
 from jengine.sampling_params import SamplingParams
@@ -53,57 +54,6 @@ class CachedRequestState:
     @property
     def uses_history(self) -> bool:
         return self.sampling_params.uses_history
-
-
-@dataclass(slots=True)
-class PreparedStep:
-    """One step's padded inputs (numpy) and what the host needs to read its outputs."""
-
-    shape: StepShape
-    req_ids: list[str]
-    input_ids: np.ndarray  # [T]
-    positions: np.ndarray  # [T]
-    slot_mapping: np.ndarray  # [T]
-    query_start_loc: np.ndarray  # [R + 1]
-    kv_lens: np.ndarray  # [R]
-    block_tables: np.ndarray  # [R, P]
-    logits_indices: np.ndarray  # [R]
-    sampling: dict[str, np.ndarray]  # SamplingMetadata fields
-    num_logprobs: list[int | None]  # per request
-    prompt_logprob_rows: dict[str, tuple[int, int]] = field(default_factory=dict)
-    prompt_targets: np.ndarray | None = None  # [T] next prompt token per position
-    # [R, ceil(V / 32)] packed allowed-token bits, every bit set on unconstrained rows
-    # (None: no request in the step is constrained).
-    grammar_bitmask: np.ndarray | None = None
-    # Speculative decoding: each request's drafts; then the sampling rows (logits_indices,
-    # sampling, num_logprobs) are one per verified position, a request's rows in a run.
-    spec_drafts: list[list[int]] | None = None
-
-    @property
-    def sample_mask(self) -> np.ndarray:
-        """[R] bool: which requests yield a token this step."""
-        return self.sampling["sample_mask"]
-
-
-def neutral_sampling_arrays(num_reqs: int) -> dict[str, np.ndarray]:
-    """SamplingMetadata fields for `num_reqs` rows that ask for nothing: greedy, no
-    truncation, penalties or history, no token yielded. Padding rows keep these values."""
-    R = num_reqs
-    return dict(
-        slots=np.zeros(R, np.int32),
-        temperature=np.zeros(R, np.float32),
-        top_k=np.zeros(R, np.int32),
-        top_p=np.ones(R, np.float32),
-        min_p=np.zeros(R, np.float32),
-        seeds=np.zeros(R, np.uint32),
-        output_index=np.zeros(R, np.int32),
-        presence_penalty=np.zeros(R, np.float32),
-        frequency_penalty=np.zeros(R, np.float32),
-        repetition_penalty=np.ones(R, np.float32),
-        use_history=np.zeros(R, bool),
-        suppressed_ids=np.full((R, MAX_SUPPRESSED_IDS), -1, np.int32),
-        sample_mask=np.zeros(R, bool),
-    )
 
 
 # Sampling columns that depend only on the request, kept per slot and gathered each step.
@@ -340,10 +290,7 @@ class InputBatch:
         output_index = output_index + layout.offset
         arrays["output_index"][:rows] = output_index
         if order.any_min_tokens:
-            suppressing = output_index < self.min_tokens[row_slots]
-            arrays["suppressed_ids"][:rows] = np.where(
-                suppressing[:, None], self.params["suppressed_ids"][row_slots], -1
-            )
+            arrays["suppressed_ids"] = self._suppressed_ids(row_slots, output_index, R)
         arrays["sample_mask"][:rows] = prepared.sample_mask[:n][layout.row_request]
         prepared.logits_indices = _padded(layout.logits_indices, R)
         prepared.sampling = arrays
@@ -374,15 +321,19 @@ class InputBatch:
         output_index = self.num_tokens[slots] - self.num_prompt_tokens[slots]
         arrays["output_index"] = _padded(output_index, R)
         if order.any_min_tokens:
-            # EOS and stop ids stay masked while the request is short of min_tokens.
-            suppressing = output_index < self.min_tokens[slots]
-            suppressed = np.full((R, MAX_SUPPRESSED_IDS), -1, np.int32)
-            suppressed[:n] = np.where(
-                suppressing[:, None], self.params["suppressed_ids"][slots], -1
-            )
-            arrays["suppressed_ids"] = suppressed
+            arrays["suppressed_ids"] = self._suppressed_ids(slots, output_index, R)
         arrays["sample_mask"] = sample_mask
         return arrays
+
+    def _suppressed_ids(self, slots: np.ndarray, output_index: np.ndarray, R: int) -> np.ndarray:
+        """[R, MAX_SUPPRESSED_IDS] for rows sampling for `slots` at `output_index`: EOS and
+        stop ids stay masked while the request is short of min_tokens."""
+        suppressing = output_index < self.min_tokens[slots]
+        suppressed = np.full((R, MAX_SUPPRESSED_IDS), -1, np.int32)
+        suppressed[: len(slots)] = np.where(
+            suppressing[:, None], self.params["suppressed_ids"][slots], -1
+        )
+        return suppressed
 
 
 @dataclass(slots=True)

@@ -40,13 +40,9 @@ from jengine.runner.buckets import BucketSpec, StepShape
 from jengine.runner.compilation import CompileCounter, StaticJit, compile_ahead_of_time
 from jengine.runner.draft_model import DraftModel, check_draft_model
 from jengine.runner.grammar_mask import place_grammar_rows
-from jengine.runner.input_batch import (
-    CachedRequestState,
-    InputBatch,
-    PreparedStep,
-    neutral_sampling_arrays,
-)
+from jengine.runner.input_batch import CachedRequestState, InputBatch
 from jengine.runner.kv_cache_sizing import KVCacheSizing, default_kv_budget
+from jengine.runner.prepared_step import PreparedStep, neutral_sampling_arrays
 from jengine.runner.sampler import SamplingMetadata, SamplingState, write_slot_history
 from jengine.runner.sharding import TensorParallel
 from jengine.runner.spec_decode import accept_drafts

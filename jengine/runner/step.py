@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from jengine.models import AttentionMetadata
 from jengine.runner.grammar_mask import apply_token_bitmask
-from jengine.runner.input_batch import PreparedStep
+from jengine.runner.prepared_step import PreparedStep
 from jengine.runner.sampler import SamplingMetadata, sample, top_logprobs
 from jengine.sampling_params import MAX_LOGPROBS
 

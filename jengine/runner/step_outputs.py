@@ -8,7 +8,7 @@ and logprob rows here; the scheduler's `update_from_output` reads the result.
 import numpy as np
 
 from jengine.core.outputs import LogprobsArrays, ModelRunnerOutput
-from jengine.runner.input_batch import PreparedStep
+from jengine.runner.prepared_step import PreparedStep
 from jengine.runner.step import SampleOutputs
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jengine.runner import sampler
-from jengine.runner.input_batch import neutral_sampling_arrays
+from jengine.runner.prepared_step import neutral_sampling_arrays
 from jengine.runner.sampler import MAX_SUPPRESSED_IDS, SamplingMetadata, SamplingState
 
 # Jitted as in the runner: op-by-op dispatch would be slow and test a different program.

@@ -1,0 +1,67 @@
+"""What the persistent batch hands the step: one step's padded numpy inputs
+(`PreparedStep`), and the sampling arrays of rows that ask for nothing.
+
+Where it sits: `InputBatch.prepare` builds a `PreparedStep`; `step.ForwardInputs`,
+`grammar_mask`, the draft model and `step_outputs` read it. It holds numpy arrays only and
+imports nothing of the runner but the bucket shape and the sampler's suppressed-id width.
+
+Axis letters: T tokens, R requests, P pages per request.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jengine.runner.buckets import StepShape
+from jengine.runner.sampler import MAX_SUPPRESSED_IDS
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    """One step's padded inputs (numpy) and what the host needs to read its outputs."""
+
+    shape: StepShape
+    req_ids: list[str]
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T]
+    query_start_loc: np.ndarray  # [R + 1]
+    kv_lens: np.ndarray  # [R]
+    block_tables: np.ndarray  # [R, P]
+    logits_indices: np.ndarray  # [R]
+    sampling: dict[str, np.ndarray]  # SamplingMetadata fields
+    num_logprobs: list[int | None]  # per request
+    prompt_logprob_rows: dict[str, tuple[int, int]] = field(default_factory=dict)
+    prompt_targets: np.ndarray | None = None  # [T] next prompt token per position
+    # [R, ceil(V / 32)] packed allowed-token bits, every bit set on unconstrained rows
+    # (None: no request in the step is constrained).
+    grammar_bitmask: np.ndarray | None = None
+    # Speculative decoding: each request's drafts; then the sampling rows (logits_indices,
+    # sampling, num_logprobs) are one per verified position, a request's rows in a run.
+    spec_drafts: list[list[int]] | None = None
+
+    @property
+    def sample_mask(self) -> np.ndarray:
+        """[R] bool: which requests yield a token this step."""
+        return self.sampling["sample_mask"]
+
+
+def neutral_sampling_arrays(num_reqs: int) -> dict[str, np.ndarray]:
+    """SamplingMetadata fields for `num_reqs` rows that ask for nothing: greedy, no
+    truncation, penalties or history, no token yielded. Padding rows keep these values."""
+    R = num_reqs
+    return dict(
+        slots=np.zeros(R, np.int32),
+        temperature=np.zeros(R, np.float32),
+        top_k=np.zeros(R, np.int32),
+        top_p=np.ones(R, np.float32),
+        min_p=np.zeros(R, np.float32),
+        seeds=np.zeros(R, np.uint32),
+        output_index=np.zeros(R, np.int32),
+        presence_penalty=np.zeros(R, np.float32),
+        frequency_penalty=np.zeros(R, np.float32),
+        repetition_penalty=np.ones(R, np.float32),
+        use_history=np.zeros(R, bool),
+        suppressed_ids=np.full((R, MAX_SUPPRESSED_IDS), -1, np.int32),
+        sample_mask=np.zeros(R, bool),
+    )
