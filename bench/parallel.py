@@ -48,6 +48,8 @@ def force_host_devices() -> None:
 def tp_step_collectives(llm) -> dict:
     """The compiled TP decode step at DECODE_BATCH requests: each collective, and the bytes
     one step moves (all-reduces and gathers of results this size, per device)."""
+    import jax
+
     from jengine.runner.sharding import step_collectives
     from jengine.runner.step import ForwardInputs
 
@@ -57,7 +59,11 @@ def tp_step_collectives(llm) -> dict:
     compiled = runner._forward_fn.lower(
         runner.params, runner.kv_cache, ForwardInputs.from_prepared(prepared)
     ).compile()
-    collectives = step_collectives(compiled.as_text())
+    hidden = jax.ShapeDtypeStruct(
+        (shape.num_tokens, runner.config.hidden_size), runner.dtype, sharding=runner.replicated
+    )
+    head = runner._logits_fn.lower(runner.params, hidden, prepared.logits_indices).compile()
+    collectives = step_collectives(compiled.as_text()) + step_collectives(head.as_text())
     per_step = {}
     for c in collectives:
         per_step[c["kind"]] = per_step.get(c["kind"], 0) + c["bytes"] * c["times_per_step"]

@@ -16,6 +16,12 @@ A step's shape is (tokens T, requests R, pages per request P, query block Bq):
 Padding waste of T and R is below 2x; the number of shapes is
 (#request buckets + #token buckets) x #page buckets, e.g. (7 + 6) x 2 = 26 for
 max_num_seqs 64, max_num_batched_tokens 512, max_model_len 512 and block_size 16.
+
+The LM head and the sampler run over a step's sampling rows only, padded to their own
+request bucket S <= R (`sample_rows`): a lone 128-token prompt computes one row of logits,
+not R = 64. The forward programs stay per shape; the head is a small program per (T, S)
+pair (`all_logits_shapes`) and the sampler one per S. With `sample_rows_fixed` (a draft
+model reads the step's sampled rows, and its programs are per R), S = R always.
 """
 
 from bisect import bisect_left
@@ -85,13 +91,15 @@ class BucketSpec:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_pages: int
+    sample_rows_fixed: bool = False
 
     @classmethod
-    def create(cls, max_num_seqs, max_num_batched_tokens, max_model_len, block_size):
+    def create(cls, max_num_seqs, max_num_batched_tokens, max_model_len, block_size, **options):
         return cls(
             max_num_seqs,
             max_num_batched_tokens,
             max_pages_per_request(max_model_len, block_size),
+            **options,
         )
 
     # The bucket lists and shapes, built once: shape_for runs every step.
@@ -129,6 +137,24 @@ class BucketSpec:
         if shape is None:  # at most len(all_shapes()) of them
             shape = self._shapes[key] = StepShape(*key)
         return shape
+
+    def sample_rows(self, shape: StepShape, num_rows: int) -> int:
+        """S: the padded number of sampling rows of a step of `shape` with `num_rows`."""
+        if shape.is_decode or self.sample_rows_fixed:
+            return shape.num_reqs
+        return smallest_fitting(self._request_buckets, num_rows)
+
+    def all_logits_shapes(self) -> list[tuple[int, int]]:
+        """Every (T, S) a step's head can run with: what warmup compiles."""
+        pairs = set()
+        for shape in self.all_shapes():
+            rows = (
+                [shape.num_reqs]
+                if shape.is_decode or self.sample_rows_fixed
+                else [r for r in self._request_buckets if r <= shape.num_reqs]
+            )
+            pairs.update((shape.num_tokens, r) for r in rows)
+        return sorted(pairs)
 
     def all_shapes(self) -> list[StepShape]:
         """Every shape `shape_for` can return: what warmup compiles."""

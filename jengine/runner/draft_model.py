@@ -81,7 +81,7 @@ class VerifiedLayout:
     @classmethod
     def of(cls, prepared: PreparedStep, k: int) -> "VerifiedLayout":
         n = len(prepared.req_ids)
-        rows = next(r for r in cls.row_counts(prepared.shape.num_reqs, k) if r >= n)
+        rows = next(r for r in cls.row_counts(prepared.num_sample_rows, k) if r >= n)
         layout = cls.empty(rows, k)
         drafts = prepared.spec_drafts or [()] * n
         counts = np.fromiter(map(len, drafts), np.int32, n)

@@ -2,7 +2,7 @@
 
 Where it sits: the scheduler sends the packed int32 bitmask rows of the constrained
 requests that sample (jengine/core/structured_output.py); `place_grammar_rows` puts them
-at those requests' sampling rows of an `[R, ceil(V / 32)]` mask (every token allowed
+at those requests' sampling rows of an `[S, ceil(V / 32)]` mask (every token allowed
 elsewhere), and `sample_step` applies it with `apply_token_bitmask` before any sampling
 rule (under a `lax.cond`: steps without constraints skip it).
 """
@@ -16,10 +16,10 @@ from jengine.runner.prepared_step import PreparedStep
 
 
 def place_grammar_rows(prepared: PreparedStep, scheduler_output: SchedulerOutput) -> np.ndarray:
-    """The step's [R, W] bitmask. A constrained request has one sampling row (it does not
+    """The step's [S, W] bitmask. A constrained request has one sampling row (it does not
     speculate); other requests' drafts may put more rows before it."""
     rows = scheduler_output.grammar_bitmask
-    full = np.full((prepared.shape.num_reqs, rows.shape[1]), -1, np.int32)
+    full = np.full((prepared.num_sample_rows, rows.shape[1]), -1, np.int32)
     drafts = prepared.spec_drafts or [()] * len(prepared.req_ids)
     first_row, row = {}, 0
     for req_id, request_drafts in zip(prepared.req_ids, drafts, strict=True):

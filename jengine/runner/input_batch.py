@@ -21,7 +21,9 @@ Promises:
   (so they are its next inputs) and each verified position gets its own sampling row
   (laid out by `spec_decode.verification_rows`), at the output index it would have without
   drafts; the rows of a step
-  never outnumber its request bucket (the scheduler keeps them within max_num_seqs).
+  never outnumber its request bucket (the scheduler keeps them within max_num_seqs);
+- the sampling rows (logits_indices, the sampling arrays) are padded to the step's own
+  row bucket S (`BucketSpec.sample_rows`), not to its request bucket R.
 
 Axis letters: T tokens, R requests, P pages per request.
 """
@@ -231,6 +233,7 @@ class InputBatch:
         num_pages = min(cdiv(reach, self.block_size), self.buckets.max_pages)
         shape = self.buckets.shape_for(total, num_rows, num_pages)
         T, R, P = shape.num_tokens, shape.num_reqs, shape.num_pages
+        S = self.buckets.sample_rows(shape, num_rows)
         if total == n:  # one token per request: the common decode step
             token_slots, positions = slots, starts
             query_start_loc = np.minimum(self._arange[: R + 1], n)
@@ -261,8 +264,8 @@ class InputBatch:
             query_start_loc=query_start_loc,
             kv_lens=_padded(kv_lens, R),
             block_tables=_padded(self.block_table[slots, :P], R),
-            logits_indices=np.maximum(query_start_loc[1:] - 1, 0).astype(np.int32, copy=False),
-            sampling=self._sampling_arrays(order, R, _padded(sample_mask, R)),
+            logits_indices=np.maximum(query_start_loc[1 : S + 1] - 1, 0).astype(np.int32),
+            sampling=self._sampling_arrays(order, S, _padded(sample_mask, S)),
             num_logprobs=order.num_logprobs.copy(),
             prompt_logprob_rows=prompt_logprob_rows,
             prompt_targets=prompt_targets,
@@ -277,7 +280,7 @@ class InputBatch:
         """Replace `prepared`'s sampling rows (one per request) by one per verified
         position, each sampled as a step without drafts would sample that output index."""
         req_ids, slots, n = prepared.req_ids, order.slots, len(order.slots)
-        R = prepared.shape.num_reqs
+        R = prepared.num_sample_rows
         num_drafts = np.array([len(spec.get(r, ())) for r in req_ids], np.int32)
         layout = verification_rows(num_drafts, query_start_loc[1 : n + 1] - 1)
         row_slots = slots[layout.row_request]

@@ -9,7 +9,8 @@ sizes its KV cache with `kv_cache_sizing.py` and compiles through `compilation.p
 Promises:
 - the KV cache and the sampling state are donated to the step functions (updated in
   place); params, cache and state are committed to one device from the start;
-- `warmup()` compiles every shape in `BucketSpec.all_shapes()` (and the slot-history
+- `warmup()` compiles every shape in `BucketSpec.all_shapes()`, every head shape of
+  `BucketSpec.all_logits_shapes()` (and the slot-history
   writer); afterwards serving compiles nothing, and `compiles_after_warmup` counts any
   compile that happens inside `execute` anyway (tests assert it stays 0);
 - the KV capacity comes from a memory budget (`kv_cache_memory_bytes`, or a fraction of
@@ -50,6 +51,7 @@ from jengine.runner.step import (
     ForwardInputs,
     SampleOutputs,
     forward_step,
+    logits_step,
     prompt_logprobs_step,
     sample_step,
 )
@@ -94,7 +96,12 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.buckets = BucketSpec.create(
-            max_num_seqs, max_num_batched_tokens, max_model_len, block_size
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+            block_size,
+            # The draft's proposal programs are per request bucket and read the sampled rows.
+            sample_rows_fixed=draft_model is not None,
         )
         self.input_batch = InputBatch(self.buckets, block_size, seed)
         self.graphdef, params = nnx.split(model)
@@ -139,6 +146,7 @@ class ModelRunner:
         self._forward_fn = StaticJit(
             forward_step, self.graphdef, self.attention_impl, mesh, donate_argnums=(1,)
         )
+        self._logits_fn = StaticJit(logits_step, self.graphdef, mesh)
         self._sample_fn = jax.jit(sample_step, donate_argnums=0)
         self._prompt_logprobs_fn = StaticJit(prompt_logprobs_step, self.graphdef, mesh)
         self._write_history = jax.jit(write_slot_history, donate_argnums=0)
@@ -201,6 +209,14 @@ class ModelRunner:
             (self._forward_fn, self.params, self.kv_cache, ForwardInputs.from_prepared(dummy))
             for dummy in map(self._dummy_step, shapes)
         ]
+        # The dummy steps run the head with S = R; the other (T, S) pairs run alone.
+        logits_shapes = [
+            (t, rows)
+            for t, rows in self.buckets.all_logits_shapes()
+            if not any(s.num_tokens == t and s.num_reqs == rows for s in shapes)
+        ]
+        head_args = [(hidden[t], np.zeros(rows, np.int32)) for t, rows in logits_shapes]
+        programs += [(self._logits_fn, self.params, *args) for args in head_args]
         programs += [
             (self._prompt_logprobs_fn, self.params, hidden[t], targets[t]) for t in token_counts
         ]
@@ -216,6 +232,7 @@ class ModelRunner:
         outputs += [
             self._prompt_logprobs_fn(self.params, hidden[t], targets[t]) for t in token_counts
         ]
+        outputs += [self._logits_fn(self.params, *args) for args in head_args]
         self.sampling_state = self._write_history(self.sampling_state, *self._history_args(None))
         # Wait for every warmup program, not only the last cache update: dispatch is
         # asynchronous, and a queue of unfinished warmup work (the prompt-logprob programs
@@ -246,11 +263,12 @@ class ModelRunner:
     def _run(self, prepared: PreparedStep):
         """Dispatch one step; returns (SampleOutputs, prompt logprobs or None) on device."""
         inputs = ForwardInputs.from_prepared(prepared)
-        self.kv_cache, logits, hidden = self._forward_fn(self.params, self.kv_cache, inputs)
+        self.kv_cache, hidden = self._forward_fn(self.params, self.kv_cache, inputs)
+        logits = self._logits_fn(self.params, hidden, prepared.logits_indices)
         want_logprobs = np.bool_(any(n is not None for n in prepared.num_logprobs))
         if prepared.grammar_bitmask is None:
             # No constrained request: the all-ones mask already on the device, unused.
-            bitmask, use_grammar = self._allow_all(prepared.shape.num_reqs), np.False_
+            bitmask, use_grammar = self._allow_all(prepared.num_sample_rows), np.False_
         else:  # placed like the all-ones masks: the same jit cache key
             bitmask, use_grammar = (
                 jax.device_put(prepared.grammar_bitmask, self.replicated),
@@ -269,13 +287,13 @@ class ModelRunner:
             prompt_logprobs = self._prompt_logprobs_fn(self.params, hidden, prepared.prompt_targets)
         return sampled, prompt_logprobs
 
-    def _allow_all(self, num_reqs: int) -> jax.Array:
-        """An all-ones [R, ceil(V / 32)] bitmask on the device, made once per R bucket."""
-        mask = self._allow_all_masks.get(num_reqs)
+    def _allow_all(self, num_rows: int) -> jax.Array:
+        """An all-ones [S, ceil(V / 32)] bitmask on the device, made once per S bucket."""
+        mask = self._allow_all_masks.get(num_rows)
         if mask is None:
             width = (self.config.vocab_size + 31) // 32
-            mask = jax.device_put(np.full((num_reqs, width), -1, np.int32), self.replicated)
-            self._allow_all_masks[num_reqs] = mask
+            mask = jax.device_put(np.full((num_rows, width), -1, np.int32), self.replicated)
+            self._allow_all_masks[num_rows] = mask
         return mask
 
     def _history_args(self, state: CachedRequestState | None):

@@ -5,7 +5,8 @@ Where it sits: `InputBatch.prepare` builds a `PreparedStep`; `step.ForwardInputs
 `grammar_mask`, the draft model and `step_outputs` read it. It holds numpy arrays only and
 imports nothing of the runner but the bucket shape and the sampler's suppressed-id width.
 
-Axis letters: T tokens, R requests, P pages per request.
+Axis letters: T tokens, R requests, P pages per request, S sampling rows (S <= R, their
+own bucket: `BucketSpec.sample_rows`).
 """
 
 from dataclasses import dataclass, field
@@ -28,12 +29,12 @@ class PreparedStep:
     query_start_loc: np.ndarray  # [R + 1]
     kv_lens: np.ndarray  # [R]
     block_tables: np.ndarray  # [R, P]
-    logits_indices: np.ndarray  # [R]
-    sampling: dict[str, np.ndarray]  # SamplingMetadata fields
+    logits_indices: np.ndarray  # [S] the token each sampling row reads
+    sampling: dict[str, np.ndarray]  # SamplingMetadata fields, [S] rows
     num_logprobs: list[int | None]  # per request
     prompt_logprob_rows: dict[str, tuple[int, int]] = field(default_factory=dict)
     prompt_targets: np.ndarray | None = None  # [T] next prompt token per position
-    # [R, ceil(V / 32)] packed allowed-token bits, every bit set on unconstrained rows
+    # [S, ceil(V / 32)] packed allowed-token bits, every bit set on unconstrained rows
     # (None: no request in the step is constrained).
     grammar_bitmask: np.ndarray | None = None
     # Speculative decoding: each request's drafts; then the sampling rows (logits_indices,
@@ -42,8 +43,13 @@ class PreparedStep:
 
     @property
     def sample_mask(self) -> np.ndarray:
-        """[R] bool: which requests yield a token this step."""
+        """[S] bool: which sampling rows yield a token this step."""
         return self.sampling["sample_mask"]
+
+    @property
+    def num_sample_rows(self) -> int:
+        """S, the padded number of sampling rows."""
+        return len(self.logits_indices)
 
 
 def neutral_sampling_arrays(num_reqs: int) -> dict[str, np.ndarray]:

@@ -1,17 +1,20 @@
 """The step as pure functions over pytrees, and the pytrees they hand each other.
 
-Where it sits: `ModelRunner` jits these three functions once (binding the graphdef, the
+Where it sits: `ModelRunner` jits these four functions once (binding the graphdef, the
 attention implementation and the tensor-parallel mesh as static arguments) and calls them
 every step: `ForwardInputs.from_prepared`
 turns the numpy `PreparedStep` of `input_batch.py` into the model's inputs, `forward_step`
-runs the model, `sample_step` samples one token per request from the logits of its last
-token, and `prompt_logprobs_step` (only for requests that asked for prompt logprobs)
-scores every scheduled position. Nothing here holds state or touches the host.
+runs the model, `logits_step` computes the logits of the step's sampling rows,
+`sample_step` samples one token per row, and `prompt_logprobs_step` (only for requests
+that asked for prompt logprobs) scores every scheduled position. Nothing here holds state
+or touches the host.
 
 Promises:
-- `forward_step` is `(params, kv_cache, inputs) -> (kv_cache, logits, hidden)` (graphdef,
+- `forward_step` is `(params, kv_cache, inputs) -> (kv_cache, hidden)` (graphdef,
   attention implementation and tensor-parallel mesh bound); the runner donates the KV
   cache, so it is updated in place;
+- `logits_step` is `(params, hidden, logits_indices) -> [S, V] logits`: the LM head runs
+  over the S sampling rows only, not over every request row of the step's shape;
 - `sample_step` is `(sampling_state, logits, meta, want_logprobs, grammar_bitmask,
   use_grammar) -> (sampling_state, SampleOutputs)`; the runner donates the sampling
   state; the top-logprob work runs only when `want_logprobs` is true and the
@@ -19,7 +22,7 @@ Promises:
 - logprobs are [R, MAX_LOGPROBS + 1] (the sampled or target token first), whatever a
   request asked for: the host slices what it wants.
 
-Axis letters: T tokens, R requests, k MAX_LOGPROBS.
+Axis letters: T tokens, S sampling rows, k MAX_LOGPROBS.
 """
 
 from dataclasses import dataclass
@@ -43,7 +46,6 @@ class ForwardInputs:
     input_ids: jax.Array  # [T]
     positions: jax.Array  # [T]
     attention: AttentionMetadata
-    logits_indices: jax.Array  # [R]
 
     @classmethod
     def from_prepared(cls, prepared: PreparedStep) -> "ForwardInputs":
@@ -57,27 +59,26 @@ class ForwardInputs:
                 query_start_loc=prepared.query_start_loc,
                 q_block_size=prepared.shape.q_block_size,
             ),
-            logits_indices=prepared.logits_indices,
         )
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class SampleOutputs:
-    sampled: jax.Array  # [R]
-    logprob_ids: jax.Array  # [R, k+1]
-    logprobs: jax.Array  # [R, k+1]
-    ranks: jax.Array  # [R]
+    sampled: jax.Array  # [S]
+    logprob_ids: jax.Array  # [S, k+1]
+    logprobs: jax.Array  # [S, k+1]
+    ranks: jax.Array  # [S]
 
 
-# The step is three jitted pure functions rather than one so that each compiles per the
-# bucket axes it depends on: the model per (T, R, P, Bq), sampling per R, prompt logprobs
-# per T. Warmup then compiles far fewer programs; a step pays two extra dispatches.
+# The step is several jitted pure functions rather than one so that each compiles per the
+# bucket axes it depends on: the model per (T, R, P, Bq), the head per (T, S), sampling per
+# S, prompt logprobs per T. Warmup then compiles far fewer programs (the head's are small);
+# a step pays a few extra dispatches.
 
 
 def forward_step(graphdef, attention_impl, mesh, params, kv_cache, inputs: ForwardInputs):
-    """Run the model over the step's tokens: (kv_cache, [R, V] logits, [T, D] hidden).
-    With a tensor-parallel `mesh`, the vocab-parallel logits are gathered for sampling."""
+    """Run the model over the step's tokens: (kv_cache, [T, D] hidden)."""
     model = nnx.merge(graphdef, params)
     hidden, kv_cache = model(
         inputs.input_ids,
@@ -87,7 +88,14 @@ def forward_step(graphdef, attention_impl, mesh, params, kv_cache, inputs: Forwa
         attention_impl=attention_impl,
         mesh=mesh,
     )
-    logits = model.compute_logits(hidden[inputs.logits_indices], mesh=mesh)
+    return kv_cache, hidden
+
+
+def logits_step(graphdef, mesh, params, hidden, logits_indices):
+    """[S, V] logits of the hidden rows `logits_indices` picks. With a tensor-parallel
+    `mesh`, the vocab-parallel logits are gathered for sampling."""
+    model = nnx.merge(graphdef, params)
+    logits = model.compute_logits(hidden[logits_indices], mesh=mesh)
     if mesh is not None:
         # Each device computes its vocab shard's logits, then the [R, V] logits are
         # gathered. Asked for replicated logits outright, XLA gathers the [D, V] head
@@ -95,7 +103,7 @@ def forward_step(graphdef, attention_impl, mesh, params, kv_cache, inputs: Forwa
         (axis,) = mesh.axis_names
         logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P(None, axis)))
         logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
-    return kv_cache, logits, hidden
+    return logits
 
 
 def sample_step(

@@ -73,8 +73,9 @@ def test_prefill_of_two_requests_is_padded_to_a_bucket(batch):
     expected_tables[0, :2] = [3, 7]
     expected_tables[1, 0] = 5
     np.testing.assert_array_equal(prepared.block_tables, expected_tables)
-    np.testing.assert_array_equal(prepared.logits_indices, [5, 8, 8, 8])
-    np.testing.assert_array_equal(prepared.sample_mask, [True, True, False, False])
+    # The head and the sampler run over the 2 sampling rows only (their own bucket).
+    np.testing.assert_array_equal(prepared.logits_indices, [5, 8])
+    np.testing.assert_array_equal(prepared.sample_mask, [True, True])
     assert prepared.prompt_targets is None and prepared.prompt_logprob_rows == {}
     np.testing.assert_array_equal(prepared.sampling["slots"][:2], [0, 1])
 
@@ -84,7 +85,7 @@ def test_chunked_prefill_samples_only_when_the_chunk_reaches_the_end(batch):
     first = run(batch, step(new=[new_req("a", prompt, [9, 2, 6])], tokens={"a": 4}))
     assert first.shape == StepShape(16, 4, 8, 16)
     np.testing.assert_array_equal(first.input_ids[:4], prompt[:4])
-    np.testing.assert_array_equal(first.sample_mask, [False, False, False, False])
+    np.testing.assert_array_equal(first.sample_mask, [False])  # S = 1 row
     assert first.kv_lens[0] == 4
 
     second = run(batch, step(cached=[CachedRequestData("a", [], 4)], tokens={"a": 6}))
@@ -93,8 +94,8 @@ def test_chunked_prefill_samples_only_when_the_chunk_reaches_the_end(batch):
     np.testing.assert_array_equal(second.slot_mapping[:6], [8, 9, 10, 11, 24, 25])
     np.testing.assert_array_equal(second.query_start_loc, [0, 6, 6, 6, 6])
     assert second.kv_lens[0] == 10
-    np.testing.assert_array_equal(second.sample_mask, [True, False, False, False])
-    np.testing.assert_array_equal(second.logits_indices, [5, 5, 5, 5])
+    np.testing.assert_array_equal(second.sample_mask, [True])
+    np.testing.assert_array_equal(second.logits_indices, [5])
 
 
 def test_decode_step_uses_the_sampled_token_and_new_blocks(batch):

@@ -86,6 +86,12 @@ def layout(llm: LLM) -> dict:
     lowered = runner._forward_fn.lower(
         runner.params, runner.kv_cache, ForwardInputs.from_prepared(prepared)
     )
+    hidden = jax.ShapeDtypeStruct(
+        (prepared.shape.num_tokens, runner.config.hidden_size),
+        runner.dtype,
+        sharding=runner.replicated,
+    )
+    head = runner._logits_fn.lower(runner.params, hidden, prepared.logits_indices)
     text = lowered.as_text()
     manual = text.find("sdy.manual_computation")
     call = re.search(rf"custom_call @{cpu.TARGET_NAME}\((.*)", text)
@@ -98,7 +104,9 @@ def layout(llm: LLM) -> dict:
         num_devices=len(cache.sharding.device_set),
         capacity_report=runner.capacity_report(),
         manual_computation_at=manual,
-        collectives=step_collectives(lowered.compile().as_text()),
+        # The step's forward, then its head over the sampling rows.
+        collectives=step_collectives(lowered.compile().as_text())
+        + step_collectives(head.compile().as_text()),
         step_shape=[prepared.shape.num_tokens, prepared.shape.num_reqs],
         custom_call_at=call.start() if call else -1,
     )
