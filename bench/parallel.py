@@ -57,7 +57,10 @@ def tp_step_collectives(llm) -> dict:
     shape = runner.buckets.shape_for(DECODE_BATCH, DECODE_BATCH, 1)
     prepared = runner._dummy_step(shape)
     compiled = runner._forward_fn.lower(
-        runner.params, runner.kv_cache, ForwardInputs.from_prepared(prepared)
+        runner.params,
+        runner.kv_cache,
+        ForwardInputs.from_prepared(prepared),
+        runner.sampling_state.last_token,
     ).compile()
     hidden = jax.ShapeDtypeStruct(
         (shape.num_tokens, runner.config.hidden_size), runner.dtype, sharding=runner.replicated

@@ -89,6 +89,9 @@ class SchedulerConfig:
         the lowest-priority running request is the one preempted).
     long_prefill_token_threshold: if > 0, a request gets at most this many tokens per step,
         so one long prompt cannot take the whole budget from the others.
+    async_scheduling: schedule and dispatch step N+1 before step N's sampled tokens reach
+        the host (vLLM's --async-scheduling); the engine core turns it off where it is
+        not exact (speculative decoding).
     """
 
     # vLLM's CPU server defaults; EngineArgs raises the budget to max_num_seqs if needed.
@@ -97,6 +100,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     policy: SchedulingPolicy = "fcfs"
     long_prefill_token_threshold: int = 0
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1", self.max_num_seqs)

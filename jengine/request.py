@@ -56,6 +56,9 @@ class Request:
         "status",
         "stop_reason",
         "num_computed_tokens",
+        "num_output_placeholders",
+        "num_prompt_logprobs_sent",
+        "num_prompt_logprobs_computed",
         "num_cached_tokens",
         "num_preemptions",
         "output_token_ids",
@@ -84,6 +87,14 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0
+        # Steps scheduled to sample a token for it whose tokens have not come back yet
+        # (async scheduling: the next step is scheduled before this one's results).
+        self.num_output_placeholders = 0
+        # Prompt-logprob rows sent to the front end, and computed since the request last
+        # (re)started: a request preempted mid-prompt computes its prompt again from
+        # position 0, and those rows must not be sent twice.
+        self.num_prompt_logprobs_sent = 0
+        self.num_prompt_logprobs_computed = 0
         # Prefix-cache hit length at the first schedule; -1 means "not scheduled yet".
         self.num_cached_tokens = -1
         self.num_preemptions = 0

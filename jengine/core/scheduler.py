@@ -19,8 +19,12 @@ What it promises (vLLM V1 rules):
   are freed and it re-enters the front of the waiting queue, so its eventual output is
   what it would have been without preemption. No new request is admitted in a step that
   preempted.
-- ``num_computed_tokens`` is advanced when a step is scheduled (so the next ``schedule``
-  could run before the previous results arrive).
+- ``num_computed_tokens`` is advanced when a step is scheduled, so the next ``schedule``
+  can run before the previous results arrive (async scheduling): a request that will
+  sample counts a placeholder (``num_output_placeholders``) for its token still on the
+  way, and decodes it next step from the device. A request whose next step needs that
+  token on the host first, or that would run past max_tokens, waits a step instead:
+  constrained requests (their grammar advances on the token) and draft-verifying ones.
 - A request with structured outputs waits (``WAITING_FOR_GRAMMAR``) until its grammar has
   compiled, without holding up anything else; each step the SchedulerOutput carries the
   token-bitmask rows of the constrained requests it samples, and a request whose grammar
@@ -167,7 +171,8 @@ class Scheduler(StepResults):
         return len(self.waiting) + len(self.running) + len(self.waiting_for_grammar)
 
     def has_unfinished_requests(self) -> bool:
-        return self.get_num_unfinished_requests() > 0
+        """Requests to run, or failed ones still to report (by the next update)."""
+        return self.get_num_unfinished_requests() > 0 or bool(self._grammar_failed)
 
     # -- schedule ---------------------------------------------------------------------
 
@@ -193,6 +198,8 @@ class Scheduler(StepResults):
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # a token still on the way is dropped
+        request.num_prompt_logprobs_computed = 0
         request.spec_token_ids = []
         request.num_preemptions += 1
         self._num_preemptions += 1
@@ -248,8 +255,12 @@ class Scheduler(StepResults):
             request = running[i]
             req_id = request.request_id
             num_computed = request.num_computed_tokens
+            placeholders = request.num_output_placeholders
+            if placeholders and not self._may_run_ahead(request):
+                i += 1
+                continue
             # As _num_new_tokens.
-            n = len(request.all_token_ids) - num_computed
+            n = len(request.all_token_ids) + placeholders - num_computed
             if 0 < threshold < n:
                 n = threshold
             if n > budget:
@@ -279,6 +290,8 @@ class Scheduler(StepResults):
             num_scheduled[req_id] = n
             cached[req_id] = CachedRequestData(req_id, new_block_ids, num_computed)
             request.num_computed_tokens = num_computed + n
+            if num_computed + n >= len(request.all_token_ids) + placeholders:
+                request.num_output_placeholders = placeholders + 1  # it samples
             budget -= n
             if spec and n > 1:
                 step.spec[req_id] = spec
@@ -286,6 +299,21 @@ class Scheduler(StepResults):
             i += 1
         step.budget = budget
         step.num_drafts = sum(map(len, step.spec.values()))
+
+    @staticmethod
+    def _may_run_ahead(request: Request) -> bool:
+        """Whether a request whose last token is still on the way may be scheduled now:
+        not if the token must reach the host first (a grammar advances on it, drafts are
+        proposed from it) or if the request may not sample any further."""
+        max_tokens = request.sampling_params.max_tokens
+        return (
+            request.structured_output is None
+            and not request.spec_token_ids
+            and (
+                max_tokens is None
+                or len(request.output_token_ids) + request.num_output_placeholders < max_tokens
+            )
+        )
 
     def _preempt_for(self, request: Request, n: int, i: int, step: _StepPlan):
         """Preempt running requests until ``request`` (at index i) gets room for n tokens.
@@ -356,6 +384,8 @@ class Scheduler(StepResults):
         ]
         for r in step.new:
             r.num_computed_tokens += step.num_scheduled[r.request_id]
+            if r.num_computed_tokens >= r.num_tokens:
+                r.num_output_placeholders = 1  # it samples
 
         removed = self.removed_req_ids
         removed.update(r.request_id for r in step.preempted)

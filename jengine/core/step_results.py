@@ -15,7 +15,7 @@ import time
 from jengine.core.outputs import ModelRunnerOutput
 from jengine.core.sched_output import SchedulerOutput
 from jengine.core.structured_output import StructuredOutputError
-from jengine.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from jengine.protocol import EngineCoreOutput, EngineCoreOutputs, LogprobsLists, SchedulerStats
 from jengine.request import Request, RequestStatus
 
 
@@ -34,6 +34,22 @@ def draft_room(request: Request, max_model_len: int) -> int:
     if params.max_tokens is not None:
         room = min(room, params.max_tokens - request.num_output_tokens - 1)
     return room
+
+
+def _unsent_prompt_rows(request: Request, rows: LogprobsLists) -> LogprobsLists | None:
+    """The prompt-logprob rows of a chunk the front end has not had yet. Requests that
+    want prompt logprobs take no prefix hits, so their chunks cover the prompt in order
+    from position 0, again after a preemption."""
+    computed = request.num_prompt_logprobs_computed
+    skip = request.num_prompt_logprobs_sent - computed
+    request.num_prompt_logprobs_computed = computed + len(rows.ranks)
+    if skip <= 0:
+        request.num_prompt_logprobs_sent += len(rows.ranks)
+        return rows
+    if skip >= len(rows.ranks):
+        return None
+    request.num_prompt_logprobs_sent += len(rows.ranks) - skip
+    return LogprobsLists(rows.token_ids[skip:], rows.logprobs[skip:], rows.ranks[skip:])
 
 
 class StepResults:
@@ -105,6 +121,8 @@ class StepResults:
             if request is None or request.status != running:
                 continue
             sampled = sampled_token_ids[index[req_id]]
+            if sampled:
+                request.num_output_placeholders -= 1
             if spec and req_id in spec:
                 # The accepted drafts and one more token came back; the rejected drafts'
                 # slots are computed again (and overwritten) from the next step on.
@@ -131,6 +149,8 @@ class StepResults:
                 new_logprobs, new_prompt_logprobs = runner_output.logprobs_lists(
                     req_id, len(new_token_ids), row_start, request.sampling_params
                 )
+                if new_prompt_logprobs is not None:
+                    new_prompt_logprobs = _unsent_prompt_rows(request, new_prompt_logprobs)
             if stopped:
                 any_stopped = True
                 self._free_request(request)

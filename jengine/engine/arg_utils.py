@@ -43,6 +43,7 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = CacheConfig.kv_cache_memory_bytes
     gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
     scheduling_policy: str = SchedulerConfig.policy
+    async_scheduling: bool = SchedulerConfig.async_scheduling
     seed: int = ModelConfig.seed
     attention_impl: str | None = ModelConfig.attention_impl
     # None leaves jax's process-wide compilation cache setting alone.
@@ -98,6 +99,7 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 policy=self.scheduling_policy,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
+                async_scheduling=self.async_scheduling,
             ),
             compilation=CompilationConfig(
                 cache_dir=self.compilation_cache_dir or None, warmup=self.warmup
@@ -152,6 +154,12 @@ class EngineArgs:
         add("--kv-cache-memory-bytes", type=int, help="KV-cache budget (default on CPU: 1 GiB)")
         add("--gpu-memory-utilization", type=float)
         add("--scheduling-policy", choices=["fcfs", "priority"])
+        add(
+            "--async-scheduling",
+            action=argparse.BooleanOptionalAction,
+            help="schedule the next step while the device runs this one (default on; off "
+            "with speculative decoding)",
+        )
         add("--seed", type=int)
         add("--attention-impl", choices=["reference", "cpu", "gpu", "tpu"])
         add("--tensor-parallel-size", type=int, help="devices to split the model over")

@@ -11,6 +11,14 @@ on up: the runner's state (the donated KV cache, the persistent batch) may be ha
 updated, so the engine does not run another step on it (EngineCoreProc's process exits
 and the server answers 503).
 
+Async scheduling (on unless `--no-async-scheduling`, or speculative decoding, whose drafts
+are proposed from tokens on the host): `step()` schedules and dispatches step N+1, then
+collects step N and returns its outputs, so the host's scheduling, input preparation and
+output processing overlap the device's work. The scheduler counts each in-flight token as
+a placeholder; a request that stops at step N has its token of step N+1 dropped (never
+emitted), and its blocks are freed while that step may still run: the device runs steps
+in order, so a later step that reuses them writes after it.
+
 Across hosts (`--num-hosts`), host 0's step sends its SchedulerOutput to the other hosts
 before running it, and the others (`run_follower`) run each one they receive: one SPMD
 step over the devices of all hosts (jengine/runner/distributed.py).
@@ -20,6 +28,7 @@ step over the devices of all hosts (jengine/runner/distributed.py).
 
 import logging
 import time
+from contextlib import contextmanager
 from functools import partial
 
 import jax
@@ -27,6 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jengine.config import EngineConfig
+from jengine.core.sched_output import SchedulerOutput
 from jengine.core.scheduler import Scheduler
 from jengine.core.structured_output import StructuredOutputManager
 from jengine.engine.tokenizer import grammar_tokenizer
@@ -40,7 +50,7 @@ from jengine.protocol import (
 from jengine.request import Request, RequestStatus
 from jengine.runner import distributed
 from jengine.runner.compilation import enable_compilation_cache
-from jengine.runner.model_runner import ModelRunner
+from jengine.runner.model_runner import InFlightStep, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +117,11 @@ class EngineCore:
         self.spec_decode_counts = dict(drafts=0, draft_tokens=0, accepted_tokens=0)
         if config.parallel.multi_host:
             self.broadcaster = distributed.StepBroadcaster()
+        self.async_scheduling = scheduler_config.async_scheduling and speculative is None
+        if scheduler_config.async_scheduling and speculative is not None:
+            logger.info("async scheduling is off: speculative decoding proposes on the host")
+        # The step dispatched but not collected yet (async scheduling).
+        self._in_flight: tuple[SchedulerOutput, InFlightStep] | None = None
         self._warmup(started)
         if self.broadcaster is not None and self.broadcaster.is_source:
             self.broadcaster.start_keep_alive()
@@ -146,22 +161,42 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
+        # A step still in flight for requests that have all ended has nothing to report:
+        # it is collected (and its tokens dropped) by the next step, whenever that comes.
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> EngineCoreOutputs:
-        if not self.scheduler.has_unfinished_requests():
+        """One engine step: the outputs of the step this call collects (with async
+        scheduling, the one dispatched by the call before; the first returns none)."""
+        previous, self._in_flight = self._in_flight, None
+        if self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            with self._failing_step(scheduler_output):
+                self._in_flight = (scheduler_output, self._dispatch(scheduler_output))
+        if not self.async_scheduling:
+            previous, self._in_flight = self._in_flight, None
+        if previous is None:
             return EngineCoreOutputs()
-        scheduler_output = self.scheduler.schedule()
-        try:
-            if self.faults is not None:
-                self.faults.check("engine_step", scheduler_output.num_scheduled_tokens)
-            if self.broadcaster is None:
-                runner_output = self.runner.execute(scheduler_output)
-            else:
-                with self.broadcaster.lock:  # the followers run the same step
-                    self.broadcaster.send_step(scheduler_output)
-                    runner_output = self.runner.execute(scheduler_output)
+        scheduler_output, in_flight = previous
+        with self._failing_step(scheduler_output):
+            runner_output = self.runner.collect(in_flight)
             outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._count(outputs)
+        return outputs
+
+    def _dispatch(self, scheduler_output: SchedulerOutput) -> InFlightStep:
+        if self.faults is not None:
+            self.faults.check("engine_step", scheduler_output.num_scheduled_tokens)
+        if self.broadcaster is None:
+            return self.runner.dispatch(scheduler_output)
+        with self.broadcaster.lock:  # the followers run the same step
+            self.broadcaster.send_step(scheduler_output)
+            return self.runner.dispatch(scheduler_output)
+
+    @contextmanager
+    def _failing_step(self, scheduler_output: SchedulerOutput):
+        try:
+            yield
         except Exception:
             logger.error(
                 "the engine step failed while running requests %s; its device state may be "
@@ -169,6 +204,8 @@ class EngineCore:
                 sorted(scheduler_output.num_scheduled_tokens),
             )
             raise
+
+    def _count(self, outputs: EngineCoreOutputs) -> None:
         stats = outputs.scheduler_stats
         if stats is not None:
             self.num_preemptions += stats.num_preemptions
@@ -176,7 +213,6 @@ class EngineCore:
             counts["drafts"] += stats.spec_num_drafts
             counts["draft_tokens"] += stats.spec_num_draft_tokens
             counts["accepted_tokens"] += stats.spec_num_accepted_tokens
-        return outputs
 
     def run_follower(self) -> None:
         """Hosts other than 0: run host 0's steps until it stops."""

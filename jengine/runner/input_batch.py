@@ -11,6 +11,10 @@ Promises:
   have q_len 0 and kv_len 0, so attention ignores them;
 - a request's tokens are prompt + the tokens this runner sampled for it, so the scheduler
   only sends deltas (see jengine/core/sched_output.py);
+- async scheduling: a step may be prepared before the previous one's sampled tokens
+  reach the host. `mark_sampling` counts each sampling request's token as pending until
+  `record_sampled_rows` brings it; a pending token's input position reads the device's
+  last sampled token of its slot (`from_slot`), and output indices count it;
 - every request keeps one slot (row of the on-device sampling history) while it runs, and
   its tokens, block table, counters and sampling parameters live in that row of
   preallocated per-slot arrays, so `prepare` gathers a step with a fixed number of
@@ -88,6 +92,9 @@ class InputBatch:
         # np.zeros maps pages lazily, so rows cost memory only as far as they are written.
         self.token_ids = np.zeros((S, buckets.max_pages * block_size + 1), np.int32)
         self.num_tokens = np.zeros(S, np.int32)  # prompt + sampled tokens known per slot
+        # Tokens sampled on the device but not yet recorded here (async scheduling).
+        self.num_pending = np.zeros(S, np.int32)
+        self.num_removals = 0  # requests dropped so far: a step's rows may have gone
         self.num_prompt_tokens = np.zeros(S, np.int32)
         self.num_computed_tokens = np.zeros(S, np.int32)
         self.block_table = np.zeros((S, buckets.max_pages), np.int32)  # zero past the end
@@ -100,6 +107,7 @@ class InputBatch:
         # repeats the order. Reset whenever membership changes.
         self._order: _Order | None = None
         self._arange = np.arange(S + 1, dtype=np.int32)
+        self._no_device_inputs: dict[int, np.ndarray] = {}  # T -> [T] of -1, read-only
 
     # -- following the scheduler ---------------------------------------------------------
 
@@ -109,6 +117,7 @@ class InputBatch:
             state = self.requests.pop(req_id, None)
             if state is not None:
                 self.free_slots.append(state.slot)
+                self.num_removals += 1
                 self._order = None
         added = [self._add(new) for new in scheduler_output.scheduled_new_reqs]
         if added:
@@ -139,6 +148,7 @@ class InputBatch:
         tokens = [*new.prompt_token_ids, *new.output_token_ids]
         self.token_ids[slot, : len(tokens)] = tokens
         self.num_tokens[slot] = len(tokens)
+        self.num_pending[slot] = 0
         self.num_prompt_tokens[slot] = state.num_prompt_tokens
         self.num_computed_tokens[slot] = new.num_computed_tokens
         self.block_table[slot] = 0
@@ -185,16 +195,38 @@ class InputBatch:
                 self.token_ids[slot, end : end + len(tokens)] = tokens
                 self.num_tokens[slot] = end + len(tokens)
 
-    def record_sampled_rows(self, prepared: PreparedStep, sampled: np.ndarray) -> None:
-        """Append `sampled[i]` to request i of `prepared` wherever its sample mask is set."""
+    def mark_sampling(self, prepared: PreparedStep) -> None:
+        """The requests of `prepared` that sample have one more token pending."""
+        num = len(prepared.req_ids)
+        slots = prepared.sampling["slots"][:num]
+        self.num_pending[slots[prepared.sample_mask[:num]]] += 1
+
+    def record_sampled_rows(
+        self, prepared: PreparedStep, sampled: np.ndarray, num_removals: int
+    ) -> None:
+        """Append `sampled[i]` to request i of `prepared` wherever its sample mask is set,
+        in place of its pending token. `num_removals`: `self.num_removals` when the step
+        was prepared; requests dropped since (their slots may be someone else's now) are
+        skipped."""
         num = len(prepared.req_ids)
         slots = prepared.sampling["slots"][:num]
         mask = prepared.sample_mask[:num]
+        if num_removals != self.num_removals:
+            requests = self.requests
+            mask = mask & np.fromiter(
+                (
+                    (state := requests.get(req_id)) is not None and state.slot == slot
+                    for req_id, slot in zip(prepared.req_ids, slots.tolist())
+                ),
+                bool,
+                num,
+            )
         sampled = sampled[:num]
         if not mask.all():
             slots, sampled = slots[mask], sampled[mask]
         self.token_ids[slots, self.num_tokens[slots]] = sampled
         self.num_tokens[slots] += 1
+        self.num_pending[slots] -= 1
 
     # -- building the padded step --------------------------------------------------------
 
@@ -247,8 +279,17 @@ class InputBatch:
             positions = np.arange(total, dtype=np.int32) - offsets
         pages, in_page = np.divmod(positions, self.block_size)
         slot_mapping = self.block_table[token_slots, pages] * self.block_size + in_page
-        # A chunk that reaches the last known token yields the next one.
-        sample_mask = kv_lens >= self.num_tokens[slots]
+        num_tokens = self.num_tokens[slots] + self.num_pending[slots]
+        # A chunk that reaches the last token yields the next one.
+        sample_mask = kv_lens >= num_tokens
+        from_slot = self._no_device_inputs.get(T)
+        if from_slot is None:
+            from_slot = self._no_device_inputs[T] = np.full(T, -1, np.int32)
+        if self.num_pending[slots].any():
+            # A position past the tokens known here holds a pending token: the device has
+            # it as its slot's last sampled token.
+            beyond = positions >= self.num_tokens[token_slots]
+            from_slot = _padded(np.where(beyond, token_slots, -1).astype(np.int32), T, -1)
         prompt_logprob_rows, prompt_targets = {}, None
         if order.any_prompt_logprobs:
             prompt_targets = np.zeros(T, np.int32)
@@ -259,13 +300,14 @@ class InputBatch:
             shape=shape,
             req_ids=req_ids,
             input_ids=_padded(self.token_ids[token_slots, positions], T),
+            from_slot=from_slot,
             positions=_padded(positions, T),
             slot_mapping=_padded(slot_mapping, T),  # padding -> the null page
             query_start_loc=query_start_loc,
             kv_lens=_padded(kv_lens, R),
             block_tables=_padded(self.block_table[slots, :P], R),
             logits_indices=np.maximum(query_start_loc[1 : S + 1] - 1, 0).astype(np.int32),
-            sampling=self._sampling_arrays(order, S, _padded(sample_mask, S)),
+            sampling=self._sampling_arrays(order, S, _padded(sample_mask, S), num_tokens),
             num_logprobs=order.num_logprobs.copy(),
             prompt_logprob_rows=prompt_logprob_rows,
             prompt_targets=prompt_targets,
@@ -312,7 +354,9 @@ class InputBatch:
             rows[req_ids[i]] = (begin, begin + num)
         return rows
 
-    def _sampling_arrays(self, order: "_Order", R: int, sample_mask) -> dict[str, np.ndarray]:
+    def _sampling_arrays(
+        self, order: "_Order", R: int, sample_mask, num_tokens
+    ) -> dict[str, np.ndarray]:
         slots, n = order.slots, len(order.slots)
         static = order.columns.get(R)
         if static is None:
@@ -321,7 +365,7 @@ class InputBatch:
             for name in _PARAM_COLUMNS:
                 static[name][:n] = self.params[name][slots]
         arrays = dict(static)  # the request-only columns are shared, never written
-        output_index = self.num_tokens[slots] - self.num_prompt_tokens[slots]
+        output_index = num_tokens - self.num_prompt_tokens[slots]
         arrays["output_index"] = _padded(output_index, R)
         if order.any_min_tokens:
             arrays["suppressed_ids"] = self._suppressed_ids(slots, output_index, R)
@@ -352,11 +396,11 @@ class _Order:
     columns: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
 
 
-def _padded(values: np.ndarray, rows: int) -> np.ndarray:
-    """`values` with zero rows appended up to `rows` (itself when it has them already:
+def _padded(values: np.ndarray, rows: int, fill: int = 0) -> np.ndarray:
+    """`values` with `fill` rows appended up to `rows` (itself when it has them already:
     callers pass freshly computed arrays only)."""
     if len(values) == rows:
         return values
-    out = np.zeros((rows, *values.shape[1:]), values.dtype)
+    out = np.full((rows, *values.shape[1:]), fill, values.dtype)
     out[: len(values)] = values
     return out

@@ -1,7 +1,10 @@
 """The device side of a step: weights, KV cache, sampling state; warmup and execute.
 
 Where it sits: `EngineCore` owns one ModelRunner; each step it calls
-`execute(SchedulerOutput) -> ModelRunnerOutput`. This is the only place that holds jax
+`dispatch(SchedulerOutput) -> InFlightStep`, which queues the step's device work, and
+later `collect(InFlightStep) -> ModelRunnerOutput`, which waits for its sampled tokens
+(`execute` is both at once). Under async scheduling the engine dispatches step N+1
+before it collects step N. This is the only place that holds jax
 arrays; the scheduler sees numbers and lists only. The runner follows the scheduler with
 `input_batch.InputBatch` (host arrays), runs the jitted functions of `step.py` on them,
 sizes its KV cache with `kv_cache_sizing.py` and compiles through `compilation.py`.
@@ -20,12 +23,16 @@ Promises:
   every position is sampled as it would be without drafts, and the drafts are kept up to
   the first the model disagrees with (`_verified_output`): the same tokens as without
   speculation, and for one-hot (n-gram) drafts exact rejection sampling;
+- steps are collected in the order they were dispatched, at most one step behind: a
+  request's token still on the way is read by the next step from the device
+  (`SamplingState.last_token`), and a request dropped in between never gets it;
 - `update_weights(params)` swaps in new weights of the same shapes without recompiling
   the step; weights already on the engine's devices are resharded there, never through
   the host.
 """
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +46,7 @@ from jengine.core.sched_output import SchedulerOutput
 from jengine.pallas_kernels.ragged_paged_attention import resolve_impl
 from jengine.runner.buckets import BucketSpec, StepShape
 from jengine.runner.compilation import CompileCounter, StaticJit, compile_ahead_of_time
-from jengine.runner.draft_model import DraftModel, check_draft_model
+from jengine.runner.draft_model import DraftModel, Drafts, check_draft_model
 from jengine.runner.grammar_mask import place_grammar_rows
 from jengine.runner.input_batch import CachedRequestState, InputBatch
 from jengine.runner.kv_cache_sizing import KVCacheSizing, default_kv_budget
@@ -206,7 +213,13 @@ class ModelRunner:
         }  # committed, like the forward's output it stands in for
         targets = {t: np.zeros(t, np.int32) for t in token_counts}
         programs = [
-            (self._forward_fn, self.params, self.kv_cache, ForwardInputs.from_prepared(dummy))
+            (
+                self._forward_fn,
+                self.params,
+                self.kv_cache,
+                ForwardInputs.from_prepared(dummy),
+                self.sampling_state.last_token,
+            )
             for dummy in map(self._dummy_step, shapes)
         ]
         # The dummy steps run the head with S = R; the other (T, S) pairs run alone.
@@ -248,6 +261,7 @@ class ModelRunner:
             shape=shape,
             req_ids=[],
             input_ids=zeros_t,
+            from_slot=np.full(T, -1, np.int32),
             positions=zeros_t,
             slot_mapping=zeros_t,
             query_start_loc=np.zeros(R + 1, np.int32),
@@ -263,7 +277,9 @@ class ModelRunner:
     def _run(self, prepared: PreparedStep):
         """Dispatch one step; returns (SampleOutputs, prompt logprobs or None) on device."""
         inputs = ForwardInputs.from_prepared(prepared)
-        self.kv_cache, hidden = self._forward_fn(self.params, self.kv_cache, inputs)
+        self.kv_cache, hidden = self._forward_fn(
+            self.params, self.kv_cache, inputs, self.sampling_state.last_token
+        )
         logits = self._logits_fn(self.params, hidden, prepared.logits_indices)
         want_logprobs = np.bool_(any(n is not None for n in prepared.num_logprobs))
         if prepared.grammar_bitmask is None:
@@ -316,18 +332,24 @@ class ModelRunner:
         return slot, prompt, output, bias_ids, bias_values
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        with self._compile_counter.counting():
-            return self._execute(scheduler_output)
+        """Run one step and wait for its results."""
+        return self.collect(self.dispatch(scheduler_output))
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        for state in self.input_batch.update(scheduler_output):
+    def dispatch(self, scheduler_output: SchedulerOutput) -> "InFlightStep":
+        """Queue one step's device work; its results stay on the device until `collect`."""
+        with self._compile_counter.counting():
+            return self._dispatch(scheduler_output)
+
+    def _dispatch(self, scheduler_output: SchedulerOutput) -> "InFlightStep":
+        batch = self.input_batch
+        for state in batch.update(scheduler_output):
             if state.uses_history:
                 self.sampling_state = self._write_history(
                     self.sampling_state, *self._history_args(state)
                 )
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
-        prepared = self.input_batch.prepare(scheduler_output)
+            return InFlightStep(None, None, None, None, batch.num_removals)
+        prepared = batch.prepare(scheduler_output)
         if scheduler_output.grammar_bitmask is not None:
             prepared.grammar_bitmask = place_grammar_rows(prepared, scheduler_output)
         outputs, prompt_logprobs = self._run(prepared)
@@ -336,20 +358,27 @@ class ModelRunner:
             # Dispatched before the host waits for the step: the host's work on the
             # sampled tokens overlaps the proposal.
             drafts = self.draft.propose_after(prepared, outputs.sampled)
-        output = self._to_runner_output(prepared, outputs, prompt_logprobs)
-        if drafts is not None:
-            output.draft_token_ids = drafts.lists()
+        if prepared.spec_drafts is None:
+            batch.mark_sampling(prepared)
+        return InFlightStep(prepared, outputs, prompt_logprobs, drafts, batch.num_removals)
+
+    def collect(self, step: "InFlightStep") -> ModelRunnerOutput:
+        """Wait for a dispatched step's sampled tokens (the oldest not yet collected)."""
+        if step.prepared is None:
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        output = self._to_runner_output(step)
+        if step.drafts is not None:
+            output.draft_token_ids = step.drafts.lists()
         return output
 
-    def _to_runner_output(
-        self, prepared: PreparedStep, outputs: SampleOutputs, prompt_logprobs
-    ) -> ModelRunnerOutput:
+    def _to_runner_output(self, step: "InFlightStep") -> ModelRunnerOutput:
+        prepared, outputs, prompt_logprobs = step.prepared, step.outputs, step.prompt_logprobs
         if prepared.spec_drafts is not None:
             return self._verified_output(prepared, outputs, prompt_logprobs)
         num = len(prepared.req_ids)
         sampled = np.asarray(outputs.sampled)[:num]
         mask = prepared.sample_mask[:num]
-        self.input_batch.record_sampled_rows(prepared, sampled)
+        self.input_batch.record_sampled_rows(prepared, sampled, step.num_removals)
         # tolist() gives Python ints in one call; a decode step samples every request.
         tokens = sampled.tolist()
         if mask.all():
@@ -384,3 +413,15 @@ class ModelRunner:
         old weight's sharding, so the step never recompiles.
         """
         self.params = updated_params(self.params, params, self.tensor_parallel, self.config)
+
+
+@dataclass(frozen=True, slots=True)
+class InFlightStep:
+    """A dispatched step: what `collect` needs to read its results (prepared is None when
+    it scheduled no tokens)."""
+
+    prepared: PreparedStep | None
+    outputs: SampleOutputs | None  # on device
+    prompt_logprobs: tuple | None  # on device
+    drafts: Drafts | None
+    num_removals: int  # InputBatch.num_removals when it was dispatched

@@ -24,6 +24,9 @@ class PreparedStep:
     shape: StepShape
     req_ids: list[str]
     input_ids: np.ndarray  # [T]
+    # [T] slot whose last sampled token (on the device) is the input instead, -1: none
+    # (async scheduling: the token sampled by the step before has not reached the host).
+    from_slot: np.ndarray
     positions: np.ndarray  # [T]
     slot_mapping: np.ndarray  # [T]
     query_start_loc: np.ndarray  # [R + 1]

@@ -35,11 +35,13 @@ MAX_SUPPRESSED_IDS = 16  # EOS + stop token ids masked before min_tokens
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class SamplingState:
-    """Per-slot history the penalties and logit bias need: [S, V] each."""
+    """Per-slot history the penalties and logit bias need ([S, V] each), and each slot's
+    last sampled token ([S]: the next step's input under async scheduling)."""
 
     output_counts: jax.Array  # int32: how often each token was generated
     prompt_mask: jax.Array  # bool: token occurs in the prompt
     logit_bias: jax.Array  # float32: dense bias (zero where none)
+    last_token: jax.Array  # int32
 
     @classmethod
     def zeros(cls, num_slots: int, vocab_size: int) -> "SamplingState":
@@ -47,6 +49,7 @@ class SamplingState:
             jnp.zeros((num_slots, vocab_size), jnp.int32),
             jnp.zeros((num_slots, vocab_size), jnp.bool_),
             jnp.zeros((num_slots, vocab_size), jnp.float32),
+            jnp.zeros((num_slots,), jnp.int32),
         )
 
 
@@ -201,7 +204,8 @@ def _sample_general(logits: jax.Array, meta: SamplingMetadata, state: SamplingSt
 def sample(
     logits: jax.Array, meta: SamplingMetadata, state: SamplingState
 ) -> tuple[jax.Array, SamplingState]:
-    """[R, V] f32 logits -> ([R] int32 sampled ids, state with the new tokens counted)."""
+    """[R, V] f32 logits -> ([R] int32 sampled ids, state with the new tokens counted and
+    each sampling slot's last token set)."""
     # A plain greedy batch (no history, nothing suppressed) is an argmax of the logits as
     # they are; the general path copies the [R, V] logits at least once (~2 ms at 64 rows).
     plain_greedy = (
@@ -221,7 +225,8 @@ def sample(
     # Count the new token for penalties; rows that yield nothing write out of range.
     count_rows = jnp.where(meta.sample_mask, meta.slots, state.output_counts.shape[0])
     counts = state.output_counts.at[count_rows, sampled].add(1, mode="drop")
-    return sampled, SamplingState(counts, state.prompt_mask, state.logit_bias)
+    last_token = state.last_token.at[count_rows].set(sampled, mode="drop")
+    return sampled, SamplingState(counts, state.prompt_mask, state.logit_bias, last_token)
 
 
 def top_logprobs(
@@ -265,4 +270,5 @@ def write_slot_history(
         state.output_counts.at[slot].set(counts),
         state.prompt_mask.at[slot].set(prompt),
         state.logit_bias.at[slot].set(bias),
+        state.last_token,
     )

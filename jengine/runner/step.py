@@ -10,9 +10,10 @@ that asked for prompt logprobs) scores every scheduled position. Nothing here ho
 or touches the host.
 
 Promises:
-- `forward_step` is `(params, kv_cache, inputs) -> (kv_cache, hidden)` (graphdef,
-  attention implementation and tensor-parallel mesh bound); the runner donates the KV
-  cache, so it is updated in place;
+- `forward_step` is `(params, kv_cache, inputs, last_token) -> (kv_cache, hidden)`
+  (graphdef, attention implementation and tensor-parallel mesh bound); the runner donates
+  the KV cache, so it is updated in place; an input whose `from_slot` is set is that
+  slot's `last_token` (the previous step's sampled token, never seen by the host);
 - `logits_step` is `(params, hidden, logits_indices) -> [S, V] logits`: the LM head runs
   over the S sampling rows only, not over every request row of the step's shape;
 - `sample_step` is `(sampling_state, logits, meta, want_logprobs, grammar_bitmask,
@@ -44,6 +45,7 @@ from jengine.sampling_params import MAX_LOGPROBS
 @dataclass(frozen=True)
 class ForwardInputs:
     input_ids: jax.Array  # [T]
+    from_slot: jax.Array  # [T] take the input from this slot's last sampled token (-1: no)
     positions: jax.Array  # [T]
     attention: AttentionMetadata
 
@@ -51,6 +53,7 @@ class ForwardInputs:
     def from_prepared(cls, prepared: PreparedStep) -> "ForwardInputs":
         return cls(
             input_ids=prepared.input_ids,
+            from_slot=prepared.from_slot,
             positions=prepared.positions,
             attention=AttentionMetadata(
                 slot_mapping=prepared.slot_mapping,
@@ -77,11 +80,14 @@ class SampleOutputs:
 # a step pays a few extra dispatches.
 
 
-def forward_step(graphdef, attention_impl, mesh, params, kv_cache, inputs: ForwardInputs):
+def forward_step(
+    graphdef, attention_impl, mesh, params, kv_cache, inputs: ForwardInputs, last_token
+):
     """Run the model over the step's tokens: (kv_cache, [T, D] hidden)."""
     model = nnx.merge(graphdef, params)
+    from_device = last_token[jnp.maximum(inputs.from_slot, 0)]
     hidden, kv_cache = model(
-        inputs.input_ids,
+        jnp.where(inputs.from_slot >= 0, from_device, inputs.input_ids),
         inputs.positions,
         kv_cache,
         inputs.attention,

@@ -202,7 +202,8 @@ def test_recorded_rows_feed_the_next_step_like_recorded_lists(batch):
             tokens={"a": 3, "b": 4},  # b's chunk ends mid-prompt: nothing sampled
         ),
     )
-    batch.record_sampled_rows(first, np.array([40, 50, 0, 0], np.int32))
+    batch.mark_sampling(first)
+    batch.record_sampled_rows(first, np.array([40, 50, 0, 0], np.int32), batch.num_removals)
     np.testing.assert_array_equal(batch.all_token_ids("a"), [1, 2, 3, 40])
     np.testing.assert_array_equal(batch.all_token_ids("b"), list(range(10, 16)))
     second = run(
@@ -215,6 +216,52 @@ def test_recorded_rows_feed_the_next_step_like_recorded_lists(batch):
     np.testing.assert_array_equal(second.input_ids[:3], [40, 14, 15])
     np.testing.assert_array_equal(second.sample_mask[:2], [True, True])
     np.testing.assert_array_equal(second.sampling["output_index"][:2], [1, 0])
+
+
+def test_a_pending_token_is_read_from_the_device_and_counted(batch):
+    """Async scheduling: the next step is prepared before the last one's token is back.
+    Its input position points at the slot's last sampled token on the device, its output
+    index counts the token, and a request dropped before the token is back never gets
+    it (its slot went to someone else)."""
+    first = run(
+        batch,
+        step(
+            new=[new_req("a", [1, 2, 3], [3]), new_req("b", [7, 8], [4])],
+            tokens={"a": 3, "b": 2},
+        ),
+    )
+    batch.mark_sampling(first)
+    removals = batch.num_removals
+    second = run(
+        batch,
+        step(
+            cached=[CachedRequestData("a", [], 3), CachedRequestData("b", [], 2)],
+            tokens={"a": 1, "b": 1},
+        ),
+    )
+    slot_a, slot_b = batch.requests["a"].slot, batch.requests["b"].slot
+    np.testing.assert_array_equal(second.from_slot[:2], [slot_a, slot_b])
+    np.testing.assert_array_equal(second.positions[:2], [3, 2])
+    np.testing.assert_array_equal(second.sample_mask[:2], [True, True])
+    np.testing.assert_array_equal(second.sampling["output_index"][:2], [1, 1])
+    batch.mark_sampling(second)
+    # b ends and c takes its slot before the first step's tokens are collected.
+    third = run(
+        batch,
+        step(
+            new=[new_req("c", [5, 6, 7, 8, 9], [6, 7])],
+            cached=[CachedRequestData("a", [], 4)],
+            tokens={"a": 1, "c": 5},
+            removed={"b"},
+        ),
+    )
+    assert batch.requests["c"].slot == slot_b
+    batch.record_sampled_rows(first, np.array([40, 50], np.int32), removals)
+    np.testing.assert_array_equal(batch.all_token_ids("a"), [1, 2, 3, 40])
+    np.testing.assert_array_equal(batch.all_token_ids("c"), [5, 6, 7, 8, 9])
+    # a's second token is still pending: the third step reads it from the device.
+    np.testing.assert_array_equal(third.from_slot[:6], [slot_a, -1, -1, -1, -1, -1])
+    np.testing.assert_array_equal(third.sampling["output_index"][:2], [2, 0])
 
 
 def test_same_order_after_a_membership_change_is_not_served_from_the_cache(batch):

@@ -84,7 +84,10 @@ def layout(llm: LLM) -> dict:
     cache = runner.kv_cache
     prepared = runner._dummy_step(runner.buckets.shape_for(1, 1, 2))
     lowered = runner._forward_fn.lower(
-        runner.params, runner.kv_cache, ForwardInputs.from_prepared(prepared)
+        runner.params,
+        runner.kv_cache,
+        ForwardInputs.from_prepared(prepared),
+        runner.sampling_state.last_token,
     )
     hidden = jax.ShapeDtypeStruct(
         (prepared.shape.num_tokens, runner.config.hidden_size),

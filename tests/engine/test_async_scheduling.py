@@ -1,0 +1,186 @@
+"""Async scheduling changes nothing a request sees: the same tokens, logprobs (1e-6) and
+finish reasons as with `--no-async-scheduling`, for every sampling feature, structured
+outputs, chunked prefill, prefix hits and preemption in one batch; a request that stops
+emits nothing past its stop; an abort while its step is in flight frees its blocks; and
+neither mode compiles after warmup.
+
+Both engines run the tiny model with a real tokenizer (stop strings, grammars), a 24-token
+budget (long prompts are chunked) and 24 blocks of 16 tokens for 8 running requests
+(preemption).
+"""
+
+import numpy as np
+import pytest
+
+from jengine import LLM, SamplingParams
+from jengine.sampling_params import StructuredOutputsParams
+from tests.entrypoints.tiny_model import make_tiny_model
+
+ENGINE = dict(
+    dtype="float32",
+    max_model_len=384,
+    max_num_seqs=8,
+    max_num_batched_tokens=24,
+    block_size=16,
+    num_gpu_blocks_override=25,
+)
+MODES = {"async": True, "sync": False}
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    path = make_tiny_model(str(tmp_path_factory.mktemp("tiny_model_async")))
+    return {name: LLM(path, async_scheduling=on, **ENGINE) for name, on in MODES.items()}
+
+
+def completions(output) -> tuple[list, list]:
+    """What a request sees of its completions: (tokens, text, finish and stop reasons of
+    each), and its logprob rows (each completion's, then the prompt's) as {token: value}."""
+    seen = [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in output.outputs]
+    rows = [row for c in output.outputs for row in c.logprobs or []]
+    rows += [row for row in output.prompt_logprobs or [] if row is not None]
+    return seen, [{t: lp.logprob for t, lp in row.items()} for row in rows]
+
+
+def both(engines, prompts, params) -> dict[str, list]:
+    return {name: llm.generate(prompts, params, use_tqdm=False) for name, llm in engines.items()}
+
+
+# Async scheduling admits and retires requests one step later, so a token may be computed
+# in a step of another shape (row bucket, kernel or GEMM): a few float32 ulps apart.
+LOGPROB_TOLERANCE = 1e-5
+
+
+def assert_same(outputs: dict[str, list]) -> None:
+    for i, (got, expected) in enumerate(zip(outputs["async"], outputs["sync"], strict=True)):
+        (seen, rows), (seen_sync, rows_sync) = completions(got), completions(expected)
+        assert seen == seen_sync, f"request {i} differs with async scheduling"
+        if got.prompt_logprobs is not None:  # one row per prompt token, the first None
+            assert len(got.prompt_logprobs) == len(got.prompt_token_ids)
+        assert len(rows) == len(rows_sync)
+        for row, row_sync in zip(rows, rows_sync):
+            assert row.keys() == row_sync.keys(), f"request {i}: other top logprobs"
+            for token, value in row.items():
+                assert abs(value - row_sync[token]) <= LOGPROB_TOLERANCE, (i, token)
+
+
+def assert_clean(engines) -> None:
+    for llm in engines.values():
+        core = llm.engine_core
+        assert not core.has_unfinished_requests()
+        assert core.num_free_blocks() == core.runner.num_blocks - 1  # nothing leaked
+        assert core.compiles_after_warmup() == 0
+
+
+def test_the_engines_run_in_the_modes_they_were_asked_for(engines):
+    assert engines["async"].engine_core.async_scheduling
+    assert not engines["sync"].engine_core.async_scheduling
+
+
+def test_every_sampling_feature_under_chunking_prefix_hits_and_preemption(engines):
+    rng = np.random.default_rng(0)
+    words = "the of and a to in is was for on that with as by at".split()
+    prefix = " ".join(rng.choice(words, 40))  # shared: prefix-cache hits
+    prompts = [
+        (prefix if i % 2 else "") + " ".join(rng.choice(words, int(rng.integers(3, 70))))
+        for i in range(16)
+    ]
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, logprobs=3, prompt_logprobs=2),
+        SamplingParams(temperature=1.0, top_p=0.9, top_k=40, seed=11, max_tokens=48),
+        SamplingParams(temperature=0.8, min_p=0.05, seed=12, max_tokens=33, logprobs=1),
+        SamplingParams(
+            temperature=0.7,
+            seed=13,
+            presence_penalty=0.6,
+            frequency_penalty=0.4,
+            repetition_penalty=1.2,
+            max_tokens=45,
+        ),
+        SamplingParams(temperature=0, logit_bias={40: 4.0, 41: -100.0}, max_tokens=30),
+        SamplingParams(temperature=1.0, seed=14, min_tokens=20, max_tokens=30),
+        SamplingParams(temperature=1.0, seed=15, n=2, max_tokens=36),
+        SamplingParams(temperature=0, max_tokens=1),  # ends with its first token
+    ]
+    outputs = both(engines, prompts, (params * 2)[: len(prompts)])
+    assert_same(outputs)
+    assert engines["async"].engine_core.num_preemptions > 0
+    assert any(o.num_cached_tokens > 0 for o in outputs["async"])
+    assert_clean(engines)
+
+
+def test_structured_outputs_mixed_with_free_requests(engines):
+    prompts = [f"Request {i}: answer" for i in range(6)]
+    constrained = [
+        StructuredOutputsParams(regex=r"[a-z]{3,8}( [a-z]{2,6}){2}\."),
+        StructuredOutputsParams(choice=["yes", "no", "maybe so"]),
+        StructuredOutputsParams(json={"type": "object", "properties": {"n": {"type": "integer"}},
+                                      "required": ["n"], "additionalProperties": False}),
+    ]  # fmt: skip
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, structured_outputs=constrained[0]),
+        SamplingParams(temperature=0, max_tokens=30),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=20, structured_outputs=constrained[1]),
+        SamplingParams(temperature=1.0, seed=6, max_tokens=25),
+        SamplingParams(temperature=0, max_tokens=40, structured_outputs=constrained[2]),
+        SamplingParams(temperature=0, max_tokens=35, logprobs=2),
+    ]
+    outputs = both(engines, prompts, params)
+    assert_same(outputs)
+    assert outputs["async"][2].outputs[0].text in ("yes", "no", "maybe so")
+    assert_clean(engines)
+
+
+def test_a_stop_emits_nothing_past_it(engines):
+    """Stop token, stop string and EOS: with async scheduling the step after the stop is
+    already running when the stop is seen; its token is dropped, never emitted."""
+    prompt = "Tell me about the sea"
+    free = engines["sync"].generate(prompt, SamplingParams(temperature=0, max_tokens=20))
+    tokens, text = free[0].outputs[0].token_ids, free[0].outputs[0].text
+    eos = engines["sync"].get_tokenizer().eos_token_id
+    params = [
+        SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[tokens[5]]),
+        SamplingParams(temperature=0, max_tokens=20, stop=[text[8:12]]),
+        # EOS forced once min_tokens allows it: the 4th token.
+        SamplingParams(temperature=0, max_tokens=20, min_tokens=3, logit_bias={eos: 100.0}),
+    ]
+    outputs = both(engines, [prompt] * 3, params)
+    assert_same(outputs)
+    by_token, by_string, by_eos = (o.outputs[0] for o in outputs["async"])
+    first_stop = tokens.index(tokens[5])
+    assert by_token.token_ids == tokens[: first_stop + 1]
+    assert (by_token.finish_reason, by_token.stop_reason) == ("stop", tokens[5])
+    assert by_string.finish_reason == "stop" and by_string.text == text[: text.index(text[8:12])]
+    assert by_eos.token_ids == by_eos.token_ids[:3] + [eos] and by_eos.finish_reason == "stop"
+    assert_clean(engines)
+
+
+def test_an_abort_while_its_step_is_in_flight_frees_its_blocks(engines):
+    llm = engines["async"]
+    engine, core = llm.llm_engine, llm.engine_core
+    params = SamplingParams(temperature=0, max_tokens=50)
+    for i in range(4):
+        engine.add_request(f"abort-{i}", {"prompt": f"Abort me {i} " * 8}, params)
+    for _ in range(6):
+        engine.step()
+    assert core._in_flight is not None  # a step of these requests is on the device
+    assert core.num_free_blocks() < core.runner.num_blocks - 1
+    engine.abort_request([f"abort-{i}" for i in range(4)])
+    assert core.num_free_blocks() == core.runner.num_blocks - 1
+    assert not engine.has_unfinished_requests()
+    # The dropped step is collected by the next one, and nothing of it leaks into later
+    # requests.
+    outputs = both(engines, ["After the abort"], SamplingParams(temperature=0, max_tokens=12))
+    assert_same(outputs)
+    assert_clean(engines)
+
+
+def test_speculative_decoding_runs_synchronously(tmp_path_factory):
+    """n-gram drafts are proposed from the tokens on the host: the engine says so and
+    runs every step synchronously."""
+    path = make_tiny_model(str(tmp_path_factory.mktemp("tiny_model_spec")))
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    llm = LLM(path, speculative_config=spec, **ENGINE)
+    assert not llm.engine_core.async_scheduling
+    output = llm.generate("one two one two one two", SamplingParams(temperature=0, max_tokens=8))
+    assert len(output[0].outputs[0].token_ids) == 8
