@@ -9,7 +9,13 @@ the jitted model and sampler are replaced: every request "samples" a fixed token
 request has a 128-token prompt and never finishes while the steps are timed; timing
 starts once every request is decoding.
 
-    jengine bench overhead [--num-running 1,64,256] [--steps 200]
+Then, with `--device` (on by default), the real engine on the benchmark model: the
+median engine step while N requests decode, with async scheduling and without, beside the
+device time of the same decode step (its programs run back to back, inputs prepared, each
+step waited for). With async scheduling the host's work overlaps the device's, so the step
+should come close to the device time.
+
+    jengine bench overhead [--num-running 1,64,256] [--steps 200] [--no-device]
 """
 
 import argparse
@@ -26,7 +32,7 @@ from jengine.protocol import EngineCoreRequest
 from jengine.request import Request
 from jengine.runner.buckets import BucketSpec
 from jengine.runner.input_batch import InputBatch
-from jengine.runner.model_runner import ModelRunner
+from jengine.runner.model_runner import InFlightStep, ModelRunner
 from jengine.runner.step import SampleOutputs
 from jengine.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -49,7 +55,8 @@ class NoOpRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
         prepared = self.input_batch.prepare(scheduler_output)
-        rows = prepared.shape.num_reqs
+        self.input_batch.mark_sampling(prepared)
+        rows = prepared.num_sample_rows
         sampled = SampleOutputs(
             sampled=np.full(rows, SAMPLED_TOKEN, np.int32),
             logprob_ids=np.zeros((rows, MAX_LOGPROBS + 1), np.int32),
@@ -57,7 +64,8 @@ class NoOpRunner:
             ranks=np.zeros(rows, np.int32),
         )
         # The real runner's conversion of device outputs into a ModelRunnerOutput.
-        return ModelRunner._to_runner_output(self, prepared, sampled, None)
+        step = InFlightStep(prepared, sampled, None, None, self.input_batch.num_removals)
+        return ModelRunner._to_runner_output(self, step)
 
 
 def step_times(num_running: int, steps: int, tokenizer) -> dict:
@@ -110,6 +118,49 @@ def step_times(num_running: int, steps: int, tokenizer) -> dict:
     )
 
 
+def device_step_times(model_dir: str, num_running: list[int], steps: int) -> list[dict]:
+    """Median engine step (steady decoding) per mode, and the device time of that step."""
+    import jax
+
+    from jengine import LLM
+
+    results = {n: dict(num_running=n) for n in num_running}
+    for mode in ("async", "sync"):
+        llm = LLM(
+            model_dir,
+            dtype="float32",
+            max_model_len=PROMPT_LEN + steps + 64,
+            max_num_seqs=max(num_running),
+            async_scheduling=mode == "async",
+        )
+        engine, runner = llm.llm_engine, llm.engine_core.runner
+        rng = np.random.default_rng(0)
+        for n in num_running:
+            params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+            for index in range(n):
+                prompt = rng.integers(100, 31000, size=PROMPT_LEN).tolist()
+                engine.add_request(f"{n}-{index}", {"prompt_token_ids": prompt}, params)
+            times = []
+            while engine.has_unfinished_requests():
+                started = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - started)
+            # Steady decoding: past the prefills, before the requests end.
+            results[n][f"{mode}_step_ms"] = 1000 * statistics.median(times[-steps // 2 : -5])
+            if mode == "sync":
+                shape = runner.buckets.shape_for(n, n, -(-(PROMPT_LEN + steps) // 16))
+                dummy = runner._dummy_step(shape)
+                device = []
+                for _ in range(20):
+                    jax.block_until_ready((runner.kv_cache, runner.sampling_state))
+                    started = time.perf_counter()
+                    jax.block_until_ready(runner._run(dummy))
+                    device.append(time.perf_counter() - started)
+                results[n]["device_ms"] = 1000 * statistics.median(device[5:])
+        del llm, engine, runner
+    return list(results.values())
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="jengine bench overhead", description=__doc__.split("\n")[0]
@@ -117,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     add_common_args(parser, "overhead")
     parser.add_argument("--num-running", default="1,64,256")
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--device", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args(argv)
 
     versions = package_versions("transformers")
@@ -133,11 +185,26 @@ def main(argv: list[str] | None = None) -> None:
             f"{num_running:4d} running: {result['median_ms']:.3f} ms per step "
             f"(median; mean {result['mean_ms']:.3f}): {parts}"
         )
+    device = []
+    if args.device:
+        counts = [int(n) for n in args.num_running.split(",")]
+        device = device_step_times(make_bench_model(args.model_dir), counts, args.steps)
+        for row in device:
+            print(
+                f"{row['num_running']:4d} running, real engine: step {row['async_step_ms']:.3f} "
+                f"ms async / {row['sync_step_ms']:.3f} ms sync; device {row['device_ms']:.3f} "
+                f"ms (async - device = {row['async_step_ms'] - row['device_ms']:+.3f} ms)"
+            )
     write_result(
         "overhead",
         args,
         versions,
-        dict(detokenized=tokenizer is not None, prompt_len=PROMPT_LEN, results=results),
+        dict(
+            detokenized=tokenizer is not None,
+            prompt_len=PROMPT_LEN,
+            results=results,
+            device=device,
+        ),
     )
 
 

@@ -48,25 +48,17 @@ def force_host_devices() -> None:
 def tp_step_collectives(llm) -> dict:
     """The compiled TP decode step at DECODE_BATCH requests: each collective, and the bytes
     one step moves (all-reduces and gathers of results this size, per device)."""
-    import jax
 
     from jengine.runner.sharding import step_collectives
-    from jengine.runner.step import ForwardInputs
 
     runner = llm.engine_core.runner
     shape = runner.buckets.shape_for(DECODE_BATCH, DECODE_BATCH, 1)
     prepared = runner._dummy_step(shape)
-    compiled = runner._forward_fn.lower(
-        runner.params,
-        runner.kv_cache,
-        ForwardInputs.from_prepared(prepared),
-        runner.sampling_state.last_token,
-    ).compile()
-    hidden = jax.ShapeDtypeStruct(
-        (shape.num_tokens, runner.config.hidden_size), runner.dtype, sharding=runner.replicated
-    )
-    head = runner._logits_fn.lower(runner.params, hidden, prepared.logits_indices).compile()
-    collectives = step_collectives(compiled.as_text()) + step_collectives(head.as_text())
+    collectives = [
+        c
+        for lowered in runner.lower_step(prepared)
+        for c in step_collectives(lowered.compile().as_text())
+    ]
     per_step = {}
     for c in collectives:
         per_step[c["kind"]] = per_step.get(c["kind"], 0) + c["bytes"] * c["times_per_step"]

@@ -19,9 +19,10 @@ max_num_seqs 64, max_num_batched_tokens 512, max_model_len 512 and block_size 16
 
 The LM head and the sampler run over a step's sampling rows only, padded to their own
 request bucket S <= R (`sample_rows`): a lone 128-token prompt computes one row of logits,
-not R = 64. The forward programs stay per shape; the head is a small program per (T, S)
-pair (`all_logits_shapes`) and the sampler one per S. With `sample_rows_fixed` (a draft
-model reads the step's sampled rows, and its programs are per R), S = R always.
+not R = 64. The forward programs stay per shape, head and sampler are one program per S,
+and keeping S of R rows is a tiny program per (R, S) pair (`all_row_selections`). With
+`sample_rows_fixed` (a draft model reads the step's sampled rows, and its programs are per
+R), S = R always.
 """
 
 from bisect import bisect_left
@@ -144,16 +145,14 @@ class BucketSpec:
             return shape.num_reqs
         return smallest_fitting(self._request_buckets, num_rows)
 
-    def all_logits_shapes(self) -> list[tuple[int, int]]:
-        """Every (T, S) a step's head can run with: what warmup compiles."""
+    def all_row_selections(self) -> list[tuple[int, int]]:
+        """Every (R, S) with S < R a step can keep S of its R rows with: what warmup
+        compiles besides the shapes."""
         pairs = set()
         for shape in self.all_shapes():
-            rows = (
-                [shape.num_reqs]
-                if shape.is_decode or self.sample_rows_fixed
-                else [r for r in self._request_buckets if r <= shape.num_reqs]
-            )
-            pairs.update((shape.num_tokens, r) for r in rows)
+            if not (shape.is_decode or self.sample_rows_fixed):
+                R = shape.num_reqs
+                pairs.update((R, rows) for rows in self._request_buckets if rows < R)
         return sorted(pairs)
 
     def all_shapes(self) -> list[StepShape]:

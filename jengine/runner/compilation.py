@@ -83,11 +83,13 @@ class StaticJit:
     with the rest. `donate_argnums` count from the first argument after `bound`."""
 
     def __init__(self, fn, *bound, donate_argnums: tuple[int, ...] = ()):
-        self._bound = bound
+        # One module-level function jitted, with `fn` a static argument too: jax's trace
+        # cache is keyed by the function, so equal engines share traces.
+        self._bound = (fn, *map(_HashedOnce, bound))
         self._jitted = jax.jit(
-            fn,
-            static_argnums=tuple(range(len(bound))),
-            donate_argnums=tuple(len(bound) + i for i in donate_argnums),
+            _call_bound,
+            static_argnums=tuple(range(len(self._bound))),
+            donate_argnums=tuple(len(self._bound) + i for i in donate_argnums),
         )
 
     def __call__(self, *args):
@@ -95,6 +97,30 @@ class StaticJit:
 
     def lower(self, *args):
         return self._jitted.lower(*self._bound, *args)
+
+
+def _call_bound(fn, *args):
+    return fn(*(a.value if isinstance(a, _HashedOnce) else a for a in args))
+
+
+class _HashedOnce:
+    """A static argument whose hash is computed once: jax hashes static arguments on every
+    call, and hashing a model's graphdef costs ~0.1 ms, twice a step. Equal to another
+    when the arguments are equal, so equal engines still share traces."""
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value):
+        self.value = value
+        self._hash = hash(value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _HashedOnce) and (
+            self.value is other.value or self.value == other.value
+        )
 
 
 def compile_ahead_of_time(programs: Sequence[tuple]) -> None:

@@ -40,7 +40,7 @@ import numpy as np
 from jengine.core.kv_cache_utils import cdiv
 from jengine.core.sched_output import NewRequestData, SchedulerOutput
 from jengine.runner.buckets import BucketSpec
-from jengine.runner.prepared_step import PreparedStep, neutral_sampling_arrays
+from jengine.runner.prepared_step import PreparedStep, neutral_sampling_arrays, padded
 from jengine.runner.sampler import MAX_SUPPRESSED_IDS
 from jengine.runner.spec_decode import verification_rows
 from jengine.sampling_params import SamplingParams
@@ -289,7 +289,7 @@ class InputBatch:
             # A position past the tokens known here holds a pending token: the device has
             # it as its slot's last sampled token.
             beyond = positions >= self.num_tokens[token_slots]
-            from_slot = _padded(np.where(beyond, token_slots, -1).astype(np.int32), T, -1)
+            from_slot = padded(np.where(beyond, token_slots, -1).astype(np.int32), T, -1)
         prompt_logprob_rows, prompt_targets = {}, None
         if order.any_prompt_logprobs:
             prompt_targets = np.zeros(T, np.int32)
@@ -299,15 +299,15 @@ class InputBatch:
         prepared = PreparedStep(
             shape=shape,
             req_ids=req_ids,
-            input_ids=_padded(self.token_ids[token_slots, positions], T),
+            input_ids=padded(self.token_ids[token_slots, positions], T),
             from_slot=from_slot,
-            positions=_padded(positions, T),
-            slot_mapping=_padded(slot_mapping, T),  # padding -> the null page
+            positions=padded(positions, T),
+            slot_mapping=padded(slot_mapping, T),  # padding -> the null page
             query_start_loc=query_start_loc,
-            kv_lens=_padded(kv_lens, R),
-            block_tables=_padded(self.block_table[slots, :P], R),
+            kv_lens=padded(kv_lens, R),
+            block_tables=padded(self.block_table[slots, :P], R),
             logits_indices=np.maximum(query_start_loc[1 : S + 1] - 1, 0).astype(np.int32),
-            sampling=self._sampling_arrays(order, S, _padded(sample_mask, S), num_tokens),
+            sampling=self._sampling_arrays(order, S, padded(sample_mask, S), num_tokens),
             num_logprobs=order.num_logprobs.copy(),
             prompt_logprob_rows=prompt_logprob_rows,
             prompt_targets=prompt_targets,
@@ -337,7 +337,7 @@ class InputBatch:
         if order.any_min_tokens:
             arrays["suppressed_ids"] = self._suppressed_ids(row_slots, output_index, R)
         arrays["sample_mask"][:rows] = prepared.sample_mask[:n][layout.row_request]
-        prepared.logits_indices = _padded(layout.logits_indices, R)
+        prepared.logits_indices = padded(layout.logits_indices, R)
         prepared.sampling = arrays
         prepared.num_logprobs = [order.num_logprobs[i] for i in layout.row_request.tolist()]
         prepared.spec_drafts = [spec.get(r, []) for r in req_ids]
@@ -366,7 +366,7 @@ class InputBatch:
                 static[name][:n] = self.params[name][slots]
         arrays = dict(static)  # the request-only columns are shared, never written
         output_index = num_tokens - self.num_prompt_tokens[slots]
-        arrays["output_index"] = _padded(output_index, R)
+        arrays["output_index"] = padded(output_index, R)
         if order.any_min_tokens:
             arrays["suppressed_ids"] = self._suppressed_ids(slots, output_index, R)
         arrays["sample_mask"] = sample_mask
@@ -394,13 +394,3 @@ class _Order:
     any_min_tokens: bool
     # R -> padded sampling columns; only the request-only ones are read from these.
     columns: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
-
-
-def _padded(values: np.ndarray, rows: int, fill: int = 0) -> np.ndarray:
-    """`values` with `fill` rows appended up to `rows` (itself when it has them already:
-    callers pass freshly computed arrays only)."""
-    if len(values) == rows:
-        return values
-    out = np.full((rows, *values.shape[1:]), fill, values.dtype)
-    out[: len(values)] = values
-    return out

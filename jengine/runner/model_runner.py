@@ -12,8 +12,8 @@ sizes its KV cache with `kv_cache_sizing.py` and compiles through `compilation.p
 Promises:
 - the KV cache and the sampling state are donated to the step functions (updated in
   place); params, cache and state are committed to one device from the start;
-- `warmup()` compiles every shape in `BucketSpec.all_shapes()`, every head shape of
-  `BucketSpec.all_logits_shapes()` (and the slot-history
+- `warmup()` compiles every shape in `BucketSpec.all_shapes()`, every row selection of
+  `BucketSpec.all_row_selections()` (and the slot-history
   writer); afterwards serving compiles nothing, and `compiles_after_warmup` counts any
   compile that happens inside `execute` anyway (tests assert it stays 0);
 - the KV capacity comes from a memory budget (`kv_cache_memory_bytes`, or a fraction of
@@ -57,8 +57,8 @@ from jengine.runner.spec_decode import accept_drafts
 from jengine.runner.step import (
     ForwardInputs,
     SampleOutputs,
+    first_rows,
     forward_step,
-    logits_step,
     prompt_logprobs_step,
     sample_step,
 )
@@ -153,8 +153,8 @@ class ModelRunner:
         self._forward_fn = StaticJit(
             forward_step, self.graphdef, self.attention_impl, mesh, donate_argnums=(1,)
         )
-        self._logits_fn = StaticJit(logits_step, self.graphdef, mesh)
-        self._sample_fn = jax.jit(sample_step, donate_argnums=0)
+        self._first_rows = jax.jit(first_rows, static_argnums=1)
+        self._sample_fn = StaticJit(sample_step, self.graphdef, mesh, donate_argnums=(0,))
         self._prompt_logprobs_fn = StaticJit(prompt_logprobs_step, self.graphdef, mesh)
         self._write_history = jax.jit(write_slot_history, donate_argnums=0)
         self._compile_counter = CompileCounter()
@@ -207,8 +207,9 @@ class ModelRunner:
         """
         shapes = self.buckets.all_shapes()
         token_counts = sorted({s.num_tokens for s in shapes})
+        hidden_size = self.config.hidden_size
         hidden = {
-            t: jax.device_put(jnp.zeros((t, self.config.hidden_size), self.dtype), self.replicated)
+            t: jax.device_put(jnp.zeros((t, hidden_size), self.dtype), self.replicated)
             for t in token_counts
         }  # committed, like the forward's output it stands in for
         targets = {t: np.zeros(t, np.int32) for t in token_counts}
@@ -222,14 +223,15 @@ class ModelRunner:
             )
             for dummy in map(self._dummy_step, shapes)
         ]
-        # The dummy steps run the head with S = R; the other (T, S) pairs run alone.
-        logits_shapes = [
-            (t, rows)
-            for t, rows in self.buckets.all_logits_shapes()
-            if not any(s.num_tokens == t and s.num_reqs == rows for s in shapes)
+        # The dummy steps sample S = R rows; the selections of fewer rows run alone.
+        selections = [
+            (
+                jax.device_put(jnp.zeros((r, hidden_size), self.dtype), self.replicated),
+                s,
+            )
+            for r, s in self.buckets.all_row_selections()
         ]
-        head_args = [(hidden[t], np.zeros(rows, np.int32)) for t, rows in logits_shapes]
-        programs += [(self._logits_fn, self.params, *args) for args in head_args]
+        programs += [(self._first_rows, *args) for args in selections]
         programs += [
             (self._prompt_logprobs_fn, self.params, hidden[t], targets[t]) for t in token_counts
         ]
@@ -245,7 +247,7 @@ class ModelRunner:
         outputs += [
             self._prompt_logprobs_fn(self.params, hidden[t], targets[t]) for t in token_counts
         ]
-        outputs += [self._logits_fn(self.params, *args) for args in head_args]
+        outputs += [self._first_rows(*args) for args in selections]
         self.sampling_state = self._write_history(self.sampling_state, *self._history_args(None))
         # Wait for every warmup program, not only the last cache update: dispatch is
         # asynchronous, and a queue of unfinished warmup work (the prompt-logprob programs
@@ -277,10 +279,11 @@ class ModelRunner:
     def _run(self, prepared: PreparedStep):
         """Dispatch one step; returns (SampleOutputs, prompt logprobs or None) on device."""
         inputs = ForwardInputs.from_prepared(prepared)
-        self.kv_cache, hidden = self._forward_fn(
+        self.kv_cache, hidden, rows = self._forward_fn(
             self.params, self.kv_cache, inputs, self.sampling_state.last_token
         )
-        logits = self._logits_fn(self.params, hidden, prepared.logits_indices)
+        if prepared.num_sample_rows < prepared.shape.num_reqs:
+            rows = self._first_rows(rows, prepared.num_sample_rows)
         want_logprobs = np.bool_(any(n is not None for n in prepared.num_logprobs))
         if prepared.grammar_bitmask is None:
             # No constrained request: the all-ones mask already on the device, unused.
@@ -292,7 +295,8 @@ class ModelRunner:
             )
         self.sampling_state, sampled = self._sample_fn(
             self.sampling_state,
-            logits,
+            self.params,
+            rows,
             SamplingMetadata(**prepared.sampling),
             want_logprobs,
             bitmask,
@@ -302,6 +306,30 @@ class ModelRunner:
         if prepared.prompt_logprob_rows:
             prompt_logprobs = self._prompt_logprobs_fn(self.params, hidden, prepared.prompt_targets)
         return sampled, prompt_logprobs
+
+    def lower_step(self, prepared: PreparedStep) -> list:
+        """The lowered forward and sampling programs of a step like `prepared` (for
+        inspecting what a step compiles to: collectives, custom calls)."""
+        forward = self._forward_fn.lower(
+            self.params,
+            self.kv_cache,
+            ForwardInputs.from_prepared(prepared),
+            self.sampling_state.last_token,
+        )
+        num_rows = prepared.num_sample_rows
+        rows = jax.ShapeDtypeStruct(
+            (num_rows, self.config.hidden_size), self.dtype, sharding=self.replicated
+        )
+        sample = self._sample_fn.lower(
+            self.sampling_state,
+            self.params,
+            rows,
+            SamplingMetadata(**prepared.sampling),
+            np.False_,
+            self._allow_all(num_rows),
+            np.False_,
+        )
+        return [forward, sample]
 
     def _allow_all(self, num_rows: int) -> jax.Array:
         """An all-ones [S, ceil(V / 32)] bitmask on the device, made once per S bucket."""

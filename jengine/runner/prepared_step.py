@@ -74,3 +74,13 @@ def neutral_sampling_arrays(num_reqs: int) -> dict[str, np.ndarray]:
         suppressed_ids=np.full((R, MAX_SUPPRESSED_IDS), -1, np.int32),
         sample_mask=np.zeros(R, bool),
     )
+
+
+def padded(values: np.ndarray, rows: int, fill: int = 0) -> np.ndarray:
+    """`values` with `fill` rows appended up to `rows` (itself when it has them already:
+    the arrays of a step are never written once built)."""
+    if len(values) == rows:
+        return values
+    out = np.full((rows, *values.shape[1:]), fill, values.dtype)
+    out[: len(values)] = values
+    return out

@@ -1,29 +1,34 @@
 """The step as pure functions over pytrees, and the pytrees they hand each other.
 
-Where it sits: `ModelRunner` jits these four functions once (binding the graphdef, the
+Where it sits: `ModelRunner` jits these functions once (binding the graphdef, the
 attention implementation and the tensor-parallel mesh as static arguments) and calls them
 every step: `ForwardInputs.from_prepared`
 turns the numpy `PreparedStep` of `input_batch.py` into the model's inputs, `forward_step`
-runs the model, `logits_step` computes the logits of the step's sampling rows,
-`sample_step` samples one token per row, and `prompt_logprobs_step` (only for requests
-that asked for prompt logprobs) scores every scheduled position. Nothing here holds state
-or touches the host.
+runs the model and picks the hidden row of each sampling row, `first_rows` keeps the S
+sampling rows of those R (steps whose rows are fewer than their requests' bucket),
+`sample_step` computes their logits and samples one token per row, and
+`prompt_logprobs_step` (only for requests that asked for prompt logprobs) scores every
+scheduled position. Nothing here holds state or touches the host.
 
 Promises:
-- `forward_step` is `(params, kv_cache, inputs, last_token) -> (kv_cache, hidden)`
+- `forward_step` is `(params, kv_cache, inputs, last_token) -> (kv_cache, hidden, rows)`
   (graphdef, attention implementation and tensor-parallel mesh bound); the runner donates
   the KV cache, so it is updated in place; an input whose `from_slot` is set is that
   slot's `last_token` (the previous step's sampled token, never seen by the host);
-- `logits_step` is `(params, hidden, logits_indices) -> [S, V] logits`: the LM head runs
-  over the S sampling rows only, not over every request row of the step's shape;
-- `sample_step` is `(sampling_state, logits, meta, want_logprobs, grammar_bitmask,
-  use_grammar) -> (sampling_state, SampleOutputs)`; the runner donates the sampling
-  state; the top-logprob work runs only when `want_logprobs` is true and the
-  structured-output masking only when `use_grammar` is (`lax.cond`s);
-- logprobs are [R, MAX_LOGPROBS + 1] (the sampled or target token first), whatever a
+- `sample_step` is `(sampling_state, params, rows, meta, want_logprobs, grammar_bitmask,
+  use_grammar) -> (sampling_state, SampleOutputs)` (graphdef and mesh bound): the LM head
+  runs over the S sampling rows only, not over every request row of the step's shape;
+  the runner donates the sampling state; the top-logprob work runs only when
+  `want_logprobs` is true and the structured-output masking only when `use_grammar` is
+  (`lax.cond`s);
+- logprobs are [S, MAX_LOGPROBS + 1] (the sampled or target token first), whatever a
   request asked for: the host slices what it wants.
 
-Axis letters: T tokens, S sampling rows, k MAX_LOGPROBS.
+Why the head is in the sampling program, not a program of its own: XLA:CPU runs a program
+as small as a gather and a matmul inline, on the calling thread, so the host would wait
+for the whole LM head there instead of queueing it behind the forward.
+
+Axis letters: T tokens, R requests, S sampling rows (S <= R), D hidden, k MAX_LOGPROBS.
 """
 
 from dataclasses import dataclass
@@ -36,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from jengine.models import AttentionMetadata
 from jengine.runner.grammar_mask import apply_token_bitmask
-from jengine.runner.prepared_step import PreparedStep
+from jengine.runner.prepared_step import PreparedStep, padded
 from jengine.runner.sampler import SamplingMetadata, sample, top_logprobs
 from jengine.sampling_params import MAX_LOGPROBS
 
@@ -48,6 +53,7 @@ class ForwardInputs:
     from_slot: jax.Array  # [T] take the input from this slot's last sampled token (-1: no)
     positions: jax.Array  # [T]
     attention: AttentionMetadata
+    logits_indices: jax.Array  # [R] the token each sampling row reads, padded to R
 
     @classmethod
     def from_prepared(cls, prepared: PreparedStep) -> "ForwardInputs":
@@ -62,6 +68,7 @@ class ForwardInputs:
                 query_start_loc=prepared.query_start_loc,
                 q_block_size=prepared.shape.q_block_size,
             ),
+            logits_indices=padded(prepared.logits_indices, prepared.shape.num_reqs),
         )
 
 
@@ -75,15 +82,16 @@ class SampleOutputs:
 
 
 # The step is several jitted pure functions rather than one so that each compiles per the
-# bucket axes it depends on: the model per (T, R, P, Bq), the head per (T, S), sampling per
-# S, prompt logprobs per T. Warmup then compiles far fewer programs (the head's are small);
-# a step pays a few extra dispatches.
+# bucket axes it depends on: the model per (T, R, P, Bq), head and sampling per S, the row
+# selection per (R, S), prompt logprobs per T. Warmup then compiles far fewer programs; a
+# step pays a few extra dispatches.
 
 
 def forward_step(
     graphdef, attention_impl, mesh, params, kv_cache, inputs: ForwardInputs, last_token
 ):
-    """Run the model over the step's tokens: (kv_cache, [T, D] hidden)."""
+    """Run the model over the step's tokens: (kv_cache, [T, D] hidden, [R, D] the hidden
+    rows of the sampling rows)."""
     model = nnx.merge(graphdef, params)
     from_device = last_token[jnp.maximum(inputs.from_slot, 0)]
     hidden, kv_cache = model(
@@ -94,14 +102,18 @@ def forward_step(
         attention_impl=attention_impl,
         mesh=mesh,
     )
-    return kv_cache, hidden
+    return kv_cache, hidden, hidden[inputs.logits_indices]
 
 
-def logits_step(graphdef, mesh, params, hidden, logits_indices):
-    """[S, V] logits of the hidden rows `logits_indices` picks. With a tensor-parallel
-    `mesh`, the vocab-parallel logits are gathered for sampling."""
-    model = nnx.merge(graphdef, params)
-    logits = model.compute_logits(hidden[logits_indices], mesh=mesh)
+def first_rows(rows, num_rows: int):
+    """[S, D]: the first S of [R, D] rows (S static)."""
+    return rows[:num_rows]
+
+
+def _logits(model, rows, mesh):
+    """[S, V] logits of hidden rows. With a tensor-parallel `mesh`, the vocab-parallel
+    logits are gathered for sampling."""
+    logits = model.compute_logits(rows, mesh=mesh)
     if mesh is not None:
         # Each device computes its vocab shard's logits, then the [R, V] logits are
         # gathered. Asked for replicated logits outright, XLA gathers the [D, V] head
@@ -113,14 +125,24 @@ def logits_step(graphdef, mesh, params, hidden, logits_indices):
 
 
 def sample_step(
-    sampling_state, logits, meta: SamplingMetadata, want_logprobs, grammar_bitmask, use_grammar
+    graphdef,
+    mesh,
+    sampling_state,
+    params,
+    rows,
+    meta: SamplingMetadata,
+    want_logprobs,
+    grammar_bitmask,
+    use_grammar,
 ):
-    """Sample one token per request, with its top logprobs when `want_logprobs`.
+    """Sample one token per sampling row from its [D] hidden row, with its top logprobs
+    when `want_logprobs`.
 
     With `use_grammar`, tokens `grammar_bitmask` forbids are masked first, so every
     sampling rule and the logprobs see the masked logits (as vLLM's do); without it the
     masking costs nothing.
     """
+    logits = _logits(nnx.merge(graphdef, params), rows, mesh)
     logits = jax.lax.cond(use_grammar, apply_token_bitmask, lambda x, _: x, logits, grammar_bitmask)
     sampled, sampling_state = sample(logits, meta, sampling_state)
 

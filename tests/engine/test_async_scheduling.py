@@ -79,7 +79,8 @@ def test_the_engines_run_in_the_modes_they_were_asked_for(engines):
 
 def test_every_sampling_feature_under_chunking_prefix_hits_and_preemption(engines):
     rng = np.random.default_rng(0)
-    words = "the of and a to in is was for on that with as by at".split()
+    words = ["the", "of", "and", "a", "to", "in", "is", "was", "for", "on", "that", "with",
+             "as", "by", "at"]  # fmt: skip
     prefix = " ".join(rng.choice(words, 40))  # shared: prefix-cache hits
     prompts = [
         (prefix if i % 2 else "") + " ".join(rng.choice(words, int(rng.integers(3, 70))))

@@ -20,7 +20,6 @@ from jengine import LLM, SamplingParams
 from jengine.models import load_model
 from jengine.pallas_kernels.ragged_paged_attention import cpu
 from jengine.runner.sharding import step_collectives
-from jengine.runner.step import ForwardInputs
 
 SHARED = list(range(10, 42))  # two full 16-token blocks: the second prompt hits them
 PROMPTS = [
@@ -83,18 +82,7 @@ def layout(llm: LLM) -> dict:
         (split if shard != leaf.shape else whole).append(name)
     cache = runner.kv_cache
     prepared = runner._dummy_step(runner.buckets.shape_for(1, 1, 2))
-    lowered = runner._forward_fn.lower(
-        runner.params,
-        runner.kv_cache,
-        ForwardInputs.from_prepared(prepared),
-        runner.sampling_state.last_token,
-    )
-    hidden = jax.ShapeDtypeStruct(
-        (prepared.shape.num_tokens, runner.config.hidden_size),
-        runner.dtype,
-        sharding=runner.replicated,
-    )
-    head = runner._logits_fn.lower(runner.params, hidden, prepared.logits_indices)
+    lowered, sample = runner.lower_step(prepared)
     text = lowered.as_text()
     manual = text.find("sdy.manual_computation")
     call = re.search(rf"custom_call @{cpu.TARGET_NAME}\((.*)", text)
@@ -107,9 +95,9 @@ def layout(llm: LLM) -> dict:
         num_devices=len(cache.sharding.device_set),
         capacity_report=runner.capacity_report(),
         manual_computation_at=manual,
-        # The step's forward, then its head over the sampling rows.
+        # The step's forward, then its head and sampler over the sampling rows.
         collectives=step_collectives(lowered.compile().as_text())
-        + step_collectives(head.compile().as_text()),
+        + step_collectives(sample.compile().as_text()),
         step_shape=[prepared.shape.num_tokens, prepared.shape.num_reqs],
         custom_call_at=call.start() if call else -1,
     )
