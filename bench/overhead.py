@@ -131,6 +131,7 @@ def device_step_times(model_dir: str, num_running: list[int], steps: int) -> lis
             dtype="float32",
             max_model_len=PROMPT_LEN + steps + 64,
             max_num_seqs=max(num_running),
+            kv_cache_memory_bytes=4 << 30,  # every request's whole length: no preemption
             async_scheduling=mode == "async",
         )
         engine, runner = llm.llm_engine, llm.engine_core.runner
