@@ -118,8 +118,19 @@ def step_times(num_running: int, steps: int, tokenizer) -> dict:
     )
 
 
+def _recording(prepare, into: list):
+    """`prepare` that also keeps each step it prepares in `into`."""
+
+    def recording(scheduler_output):
+        into.append(prepare(scheduler_output))
+        return into[-1]
+
+    return recording
+
+
 def device_step_times(model_dir: str, num_running: list[int], steps: int) -> list[dict]:
-    """Median engine step (steady decoding) per mode, and the device time of that step."""
+    """Median engine step (steady decoding) per mode, and the device time of such a step:
+    one of the steps the engine ran, prepared again and run alone, waited for."""
     import jax
 
     from jengine import LLM
@@ -141,21 +152,25 @@ def device_step_times(model_dir: str, num_running: list[int], steps: int) -> lis
             for index in range(n):
                 prompt = rng.integers(100, 31000, size=PROMPT_LEN).tolist()
                 engine.add_request(f"{n}-{index}", {"prompt_token_ids": prompt}, params)
-            times = []
+            times, prepared = [], []
+            prepare = runner.input_batch.prepare
+            runner.input_batch.prepare = _recording(prepare, prepared)
             while engine.has_unfinished_requests():
                 started = time.perf_counter()
                 engine.step()
                 times.append(time.perf_counter() - started)
+            runner.input_batch.prepare = prepare
             # Steady decoding: past the prefills, before the requests end.
             results[n][f"{mode}_step_ms"] = 1000 * statistics.median(times[-steps // 2 : -5])
             if mode == "sync":
-                shape = runner.buckets.shape_for(n, n, -(-(PROMPT_LEN + steps) // 16))
-                dummy = runner._dummy_step(shape)
+                # A decode step from the middle (its blocks are free now: rewriting them
+                # harms nothing).
+                step = prepared[-steps // 4]
                 device = []
                 for _ in range(20):
                     jax.block_until_ready((runner.kv_cache, runner.sampling_state))
                     started = time.perf_counter()
-                    jax.block_until_ready(runner._run(dummy))
+                    jax.block_until_ready(runner._run(step))
                     device.append(time.perf_counter() - started)
                 results[n]["device_ms"] = 1000 * statistics.median(device[5:])
         del llm, engine, runner
