@@ -32,8 +32,8 @@ from jengine.protocol import EngineCoreRequest
 from jengine.request import Request
 from jengine.runner.buckets import BucketSpec
 from jengine.runner.input_batch import InputBatch
-from jengine.runner.model_runner import InFlightStep, ModelRunner
 from jengine.runner.step import SampleOutputs
+from jengine.runner.step_outputs import InFlightStep, collected_output
 from jengine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 from .common import add_common_args, package_versions, print_header, write_result
@@ -65,7 +65,7 @@ class NoOpRunner:
         )
         # The real runner's conversion of device outputs into a ModelRunnerOutput.
         step = InFlightStep(prepared, sampled, None, None, self.input_batch.num_removals)
-        return ModelRunner._to_runner_output(self, step)
+        return collected_output(step, self.input_batch)
 
 
 def step_times(num_running: int, steps: int, tokenizer) -> dict:

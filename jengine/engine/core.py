@@ -50,7 +50,8 @@ from jengine.protocol import (
 from jengine.request import Request, RequestStatus
 from jengine.runner import distributed
 from jengine.runner.compilation import enable_compilation_cache
-from jengine.runner.model_runner import InFlightStep, ModelRunner
+from jengine.runner.model_runner import ModelRunner
+from jengine.runner.step_outputs import InFlightStep
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ Promises:
   tokens and max concurrency;
 - speculative decoding: a request's drafts run as one query block after its last token,
   every position is sampled as it would be without drafts, and the drafts are kept up to
-  the first the model disagrees with (`_verified_output`): the same tokens as without
+  the first the model disagrees with (`step_outputs`): the same tokens as without
   speculation, and for one-hot (n-gram) drafts exact rejection sampling;
 - steps are collected in the order they were dispatched, at most one step behind: a
   request's token still on the way is read by the next step from the device
@@ -32,7 +32,6 @@ Promises:
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -46,23 +45,21 @@ from jengine.core.sched_output import SchedulerOutput
 from jengine.pallas_kernels.ragged_paged_attention import resolve_impl
 from jengine.runner.buckets import BucketSpec, StepShape
 from jengine.runner.compilation import CompileCounter, StaticJit, compile_ahead_of_time
-from jengine.runner.draft_model import DraftModel, Drafts, check_draft_model
+from jengine.runner.draft_model import DraftModel, check_draft_model
 from jengine.runner.grammar_mask import place_grammar_rows
 from jengine.runner.input_batch import CachedRequestState, InputBatch
 from jengine.runner.kv_cache_sizing import KVCacheSizing, default_kv_budget
 from jengine.runner.prepared_step import PreparedStep, neutral_sampling_arrays
 from jengine.runner.sampler import SamplingMetadata, SamplingState, write_slot_history
 from jengine.runner.sharding import TensorParallel
-from jengine.runner.spec_decode import accept_drafts
 from jengine.runner.step import (
     ForwardInputs,
-    SampleOutputs,
     first_rows,
     forward_step,
     prompt_logprobs_step,
     sample_step,
 )
-from jengine.runner.step_outputs import runner_output
+from jengine.runner.step_outputs import InFlightStep, collected_output
 from jengine.runner.weight_update import updated_params
 
 
@@ -363,12 +360,12 @@ class ModelRunner:
         """Run one step and wait for its results."""
         return self.collect(self.dispatch(scheduler_output))
 
-    def dispatch(self, scheduler_output: SchedulerOutput) -> "InFlightStep":
+    def dispatch(self, scheduler_output: SchedulerOutput) -> InFlightStep:
         """Queue one step's device work; its results stay on the device until `collect`."""
         with self._compile_counter.counting():
             return self._dispatch(scheduler_output)
 
-    def _dispatch(self, scheduler_output: SchedulerOutput) -> "InFlightStep":
+    def _dispatch(self, scheduler_output: SchedulerOutput) -> InFlightStep:
         batch = self.input_batch
         for state in batch.update(scheduler_output):
             if state.uses_history:
@@ -390,45 +387,14 @@ class ModelRunner:
             batch.mark_sampling(prepared)
         return InFlightStep(prepared, outputs, prompt_logprobs, drafts, batch.num_removals)
 
-    def collect(self, step: "InFlightStep") -> ModelRunnerOutput:
+    def collect(self, step: InFlightStep) -> ModelRunnerOutput:
         """Wait for a dispatched step's sampled tokens (the oldest not yet collected)."""
         if step.prepared is None:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
-        output = self._to_runner_output(step)
+        output = collected_output(step, self.input_batch)
         if step.drafts is not None:
             output.draft_token_ids = step.drafts.lists()
         return output
-
-    def _to_runner_output(self, step: "InFlightStep") -> ModelRunnerOutput:
-        prepared, outputs, prompt_logprobs = step.prepared, step.outputs, step.prompt_logprobs
-        if prepared.spec_drafts is not None:
-            return self._verified_output(prepared, outputs, prompt_logprobs)
-        num = len(prepared.req_ids)
-        sampled = np.asarray(outputs.sampled)[:num]
-        mask = prepared.sample_mask[:num]
-        self.input_batch.record_sampled_rows(prepared, sampled, step.num_removals)
-        # tolist() gives Python ints in one call; a decode step samples every request.
-        tokens = sampled.tolist()
-        if mask.all():
-            sampled_token_ids = [[t] for t in tokens]
-        else:
-            sampled_token_ids = [[t] if m else [] for t, m in zip(tokens, mask.tolist())]
-
-        wants_logprobs = prepared.num_logprobs.count(None) != num
-        rows = np.nonzero(mask)[0] if wants_logprobs else None
-        return runner_output(prepared, outputs, prompt_logprobs, sampled_token_ids, rows)
-
-    def _verified_output(
-        self, prepared: PreparedStep, outputs: SampleOutputs, prompt_logprobs
-    ) -> ModelRunnerOutput:
-        """Speculative decoding: the tokens `spec_decode.accept_drafts` keeps."""
-        sampled_token_ids, kept_rows = accept_drafts(
-            np.asarray(outputs.sampled), prepared.sample_mask, prepared.spec_drafts
-        )
-        self.input_batch.record_sampled(prepared.req_ids, sampled_token_ids)
-        wants_logprobs = any(n is not None for n in prepared.num_logprobs)
-        rows = kept_rows if wants_logprobs else None
-        return runner_output(prepared, outputs, prompt_logprobs, sampled_token_ids, rows)
 
     # -- weights --------------------------------------------------------------------------
 
@@ -441,15 +407,3 @@ class ModelRunner:
         old weight's sharding, so the step never recompiles.
         """
         self.params = updated_params(self.params, params, self.tensor_parallel, self.config)
-
-
-@dataclass(frozen=True, slots=True)
-class InFlightStep:
-    """A dispatched step: what `collect` needs to read its results (prepared is None when
-    it scheduled no tokens)."""
-
-    prepared: PreparedStep | None
-    outputs: SampleOutputs | None  # on device
-    prompt_logprobs: tuple | None  # on device
-    drafts: Drafts | None
-    num_removals: int  # InputBatch.num_removals when it was dispatched

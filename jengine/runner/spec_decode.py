@@ -3,7 +3,7 @@ and which drafts it keeps.
 
 Where it sits: `InputBatch.prepare` lays out its sampling rows by `verification_rows` when
 the scheduler sent drafts (`SchedulerOutput.scheduled_spec_decode_tokens`); after the step,
-`ModelRunner._verified_output` calls `accept_drafts` on what was sampled. Nothing here
+`step_outputs.collected_output` calls `accept_drafts` on what was sampled. Nothing here
 imports the rest of the runner: the persistent batch depends on this module, not back.
 
 What it promises:

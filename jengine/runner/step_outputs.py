@@ -1,15 +1,60 @@
 """What a step's sampled tokens become for the scheduler: the `ModelRunnerOutput`.
 
-Where it sits: `ModelRunner._to_runner_output` (one token per sampled request) and
-`ModelRunner._verified_output` (speculative decoding: the kept drafts) hand their tokens
-and logprob rows here; the scheduler's `update_from_output` reads the result.
+Where it sits: `ModelRunner.dispatch` returns an `InFlightStep` (its results still on the
+device); `ModelRunner.collect` hands it to `collected_output`, which waits for the sampled
+tokens, records them in the persistent batch (one token per sampled request, or for
+speculative decoding the drafts `spec_decode.accept_drafts` keeps) and builds the
+`ModelRunnerOutput` the scheduler's `update_from_output` reads.
 """
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from jengine.core.outputs import LogprobsArrays, ModelRunnerOutput
+from jengine.runner.draft_model import Drafts
+from jengine.runner.input_batch import InputBatch
 from jengine.runner.prepared_step import PreparedStep
+from jengine.runner.spec_decode import accept_drafts
 from jengine.runner.step import SampleOutputs
+
+
+@dataclass(frozen=True, slots=True)
+class InFlightStep:
+    """A dispatched step: what `collect` needs to read its results (prepared is None when
+    it scheduled no tokens)."""
+
+    prepared: PreparedStep | None
+    outputs: SampleOutputs | None  # on device
+    prompt_logprobs: tuple | None  # on device
+    drafts: Drafts | None
+    num_removals: int  # InputBatch.num_removals when it was dispatched
+
+
+def collected_output(step: InFlightStep, batch: InputBatch) -> ModelRunnerOutput:
+    """Wait for the step's sampled tokens, record them in `batch`, and describe them."""
+    prepared, outputs, prompt_logprobs = step.prepared, step.outputs, step.prompt_logprobs
+    if prepared.spec_drafts is not None:
+        sampled_token_ids, kept_rows = accept_drafts(
+            np.asarray(outputs.sampled), prepared.sample_mask, prepared.spec_drafts
+        )
+        batch.record_sampled(prepared.req_ids, sampled_token_ids)
+        wants_logprobs = any(n is not None for n in prepared.num_logprobs)
+        rows = kept_rows if wants_logprobs else None
+        return runner_output(prepared, outputs, prompt_logprobs, sampled_token_ids, rows)
+    num = len(prepared.req_ids)
+    sampled = np.asarray(outputs.sampled)[:num]
+    mask = prepared.sample_mask[:num]
+    batch.record_sampled_rows(prepared, sampled, step.num_removals)
+    # tolist() gives Python ints in one call; a decode step samples every request.
+    tokens = sampled.tolist()
+    if mask.all():
+        sampled_token_ids = [[t] for t in tokens]
+    else:
+        sampled_token_ids = [[t] if m else [] for t, m in zip(tokens, mask.tolist())]
+    wants_logprobs = prepared.num_logprobs.count(None) != num
+    rows = np.nonzero(mask)[0] if wants_logprobs else None
+    return runner_output(prepared, outputs, prompt_logprobs, sampled_token_ids, rows)
 
 
 def runner_output(

@@ -7,8 +7,6 @@ the tokens it gives without speculation, and 10,000 samples follow the target
 distribution; a deliberately wrong acceptance rule fails both; nothing compiles after
 warmup, no block leaks and only verified tokens reach the prefix cache."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
@@ -17,7 +15,7 @@ import transformers
 from jengine import LLM, SamplingParams
 from jengine.core.kv_cache_utils import extend_block_hashes
 from jengine.models.default import BUNDLED_MODEL_PATH
-from jengine.runner.model_runner import ModelRunner
+from jengine.runner import step_outputs
 from tests.engine.engine_helpers import hf_greedy_logprobs
 from tests.entrypoints.tiny_model import make_tiny_model
 
@@ -157,7 +155,7 @@ def test_seeded_sampling_is_the_same_with_speculation(spec_llm, baseline):
 
 def test_a_wrong_acceptance_rule_is_caught(baseline, monkeypatch):
     """Keeping every draft regardless of the target's token must change the output."""
-    monkeypatch.setattr(ModelRunner, "_verified_output", _accepting_everything())
+    monkeypatch.setattr(step_outputs, "accept_drafts", _accepting_everything())
     llm = LLM(BUNDLED_MODEL_PATH, speculative_config=ngram(3), warmup=False, **ENGINE)
     assert sampled(llm) != sampled(baseline[0])
 
@@ -253,24 +251,23 @@ def test_sampled_tokens_follow_the_target_distribution(baseline, cycle_prompt, s
 
 
 def test_a_wrong_acceptance_rule_fails_the_distribution_test(baseline, cycle_prompt, monkeypatch):
-    monkeypatch.setattr(ModelRunner, "_verified_output", _accepting_everything())
+    monkeypatch.setattr(step_outputs, "accept_drafts", _accepting_everything())
     llm = LLM(BUNDLED_MODEL_PATH, speculative_config=ngram(3), **SAMPLING_ENGINE)
     samples = sample_three(llm, cycle_prompt, top_k=3, num=4000)  # far off: fewer will do
     assert min(distribution_p_values(samples, baseline[0], cycle_prompt, top_k=3)) < 1e-3
 
 
 def _accepting_everything():
-    """`ModelRunner._verified_output` with the target's tokens replaced by the drafts: a
-    rule that keeps every draft."""
-    original = ModelRunner._verified_output
+    """`accept_drafts` (as the runner's output conversion calls it) with the target's
+    tokens replaced by the drafts: a rule that keeps every draft."""
+    original = step_outputs.accept_drafts
 
-    def accept_all(self, prepared, outputs, prompt_logprobs):
-        sampled_rows = np.asarray(outputs.sampled).copy()
+    def accept_all(sampled, sample_mask, spec_drafts):
+        sampled = sampled.copy()
         row = 0
-        for drafts in prepared.spec_drafts:
-            sampled_rows[row : row + len(drafts)] = drafts
+        for drafts in spec_drafts:
+            sampled[row : row + len(drafts)] = drafts
             row += len(drafts) + 1
-        wrong = dataclasses.replace(outputs, sampled=sampled_rows)
-        return original(self, prepared, wrong, prompt_logprobs)
+        return original(sampled, sample_mask, spec_drafts)
 
     return accept_all
