@@ -116,12 +116,15 @@ class LogprobsLists(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Scheduler state for metrics. The first three are gauges (now); the rest are counts
+    """Scheduler state for metrics. The first four are gauges (now); the rest are counts
     accumulated since the previous ``SchedulerStats`` was made."""
 
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0
+    # Requests the scheduler was handed since start (accepted or not): the DP balancer
+    # counts those routed to the replica but not in this report as load too.
+    num_requests_received: int = 0
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which found
     num_preemptions: int = 0

@@ -115,10 +115,12 @@ class Scheduler(StepResults):
         # Ids whose runner state must go, reported with the next SchedulerOutput.
         self.removed_req_ids: set[str] = set()
         self._num_preemptions = 0  # since the last make_stats()
+        self.num_requests_received = 0  # since start
 
     # -- requests in and out ----------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        self.num_requests_received += 1
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if not 0 < request.num_prompt_tokens <= self.max_model_len:

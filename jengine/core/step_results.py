@@ -220,6 +220,7 @@ class StepResults:
             spec_num_accepted_tokens=num_accepted,
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
+            num_requests_received=self.num_requests_received,
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_queries=queries,
             prefix_cache_hits=hits,

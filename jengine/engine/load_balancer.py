@@ -10,7 +10,8 @@ replicas answer to a utility call. Jax-free, like the rest of the front end.
 What it promises:
 - least load: a request goes to the live replica with the fewest running + waiting
   requests, as the replicas report them in every step's `SchedulerStats`, plus the
-  sequences sent to it since that report (vLLM's DPLB client does the same);
+  sequences sent to it that the report does not count yet (routed minus the report's
+  `num_requests_received`; vLLM's DPLB client does the same);
 - affinity: the sequences of one request (n > 1) go to one replica and stay there for
   their whole life, so aborts reach the replica that holds them;
 - the stats handed on are the sum over replicas (gauges from each replica's latest
@@ -73,7 +74,8 @@ class DataParallelBalancer:
             if stats is None:
                 return
             self._latest_stats[index] = stats
-            self.loads[index] = stats.num_running_reqs + stats.num_waiting_reqs
+            in_transit = max(0, self.num_routed[index] - stats.num_requests_received)
+            self.loads[index] = stats.num_running_reqs + stats.num_waiting_reqs + in_transit
             outputs.scheduler_stats = self._aggregate(stats)
 
     def _aggregate(self, delta: SchedulerStats) -> SchedulerStats:
@@ -83,6 +85,7 @@ class DataParallelBalancer:
             num_waiting_reqs=sum(s.num_waiting_reqs for s in live),
             # Replicas have equal caches, so the mean is the usage of all blocks together.
             kv_cache_usage=sum(s.kv_cache_usage for s in live) / max(len(live), 1),
+            num_requests_received=sum(s.num_requests_received for s in live),
             prefix_cache_queries=delta.prefix_cache_queries,
             prefix_cache_hits=delta.prefix_cache_hits,
             num_preemptions=delta.num_preemptions,

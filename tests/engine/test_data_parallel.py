@@ -21,10 +21,12 @@ def test_balancer_routes_to_least_load_and_keeps_requests_in_place():
     assert balancer.route(["a"]) == 1 and balancer.route(["b"]) == 1
     assert balancer.loads == [5, 4]
 
-    # A report replaces the replica's count: replica 0 says 1 running and 0 waiting.
+    # A report replaces the replica's count: replica 0 got all 5 and has 1 running.
     report = EngineCoreOutputs(
         outputs=[EngineCoreOutput("r0", [7], finish_reason=FinishReason.STOP)],
-        scheduler_stats=SchedulerStats(num_running_reqs=1, kv_cache_usage=0.5, num_preemptions=2),
+        scheduler_stats=SchedulerStats(
+            num_running_reqs=1, kv_cache_usage=0.5, num_requests_received=5, num_preemptions=2
+        ),
         engine_index=0,
     )
     balancer.observe(report)
@@ -34,6 +36,15 @@ def test_balancer_routes_to_least_load_and_keeps_requests_in_place():
     assert report.scheduler_stats.kv_cache_usage == 0.25
     assert report.scheduler_stats.num_preemptions == 2
     assert balancer.route(["c"]) == 0
+    assert balancer.route(["d"]) == 0 and balancer.loads == [3, 4]
+    # A report written before "c" and "d" arrived still counts them: they are on the way.
+    balancer.observe(
+        EngineCoreOutputs(
+            scheduler_stats=SchedulerStats(num_running_reqs=1, num_requests_received=5),
+            engine_index=0,
+        )
+    )
+    assert balancer.loads == [1 + 2, 4]
 
     # Aborts go where the sequences are; a finished one is forgotten.
     assert balancer.take(["r0", "r1", "1_n", "a", "gone"]) == {1: ["r1", "a"], 0: ["1_n"]}
