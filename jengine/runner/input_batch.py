@@ -279,17 +279,19 @@ class InputBatch:
             positions = np.arange(total, dtype=np.int32) - offsets
         pages, in_page = np.divmod(positions, self.block_size)
         slot_mapping = self.block_table[token_slots, pages] * self.block_size + in_page
-        num_tokens = self.num_tokens[slots] + self.num_pending[slots]
+        pending = self.num_pending[slots]
+        num_tokens = self.num_tokens[slots] + pending
         # A chunk that reaches the last token yields the next one.
         sample_mask = kv_lens >= num_tokens
-        from_slot = self._no_device_inputs.get(T)
-        if from_slot is None:
-            from_slot = self._no_device_inputs[T] = np.full(T, -1, np.int32)
-        if self.num_pending[slots].any():
+        if pending.any():
             # A position past the tokens known here holds a pending token: the device has
             # it as its slot's last sampled token.
             beyond = positions >= self.num_tokens[token_slots]
             from_slot = padded(np.where(beyond, token_slots, -1).astype(np.int32), T, -1)
+        else:
+            from_slot = self._no_device_inputs.get(T)
+            if from_slot is None:
+                from_slot = self._no_device_inputs[T] = np.full(T, -1, np.int32)
         prompt_logprob_rows, prompt_targets = {}, None
         if order.any_prompt_logprobs:
             prompt_targets = np.zeros(T, np.int32)

@@ -14,6 +14,17 @@ from tests.models.checkpoints import VOCAB
 # The block size comes from the attention setup.
 ENGINE_KWARGS = dict(max_model_len=96, max_num_seqs=8, max_num_batched_tokens=32, dtype="float32")
 
+# For the tiny real-tokenizer model: a 24-token budget chunks the long prompts, 24 blocks of
+# 16 tokens force preemption among 8 running requests.
+TIGHT_ENGINE_ARGS = dict(
+    dtype="float32",
+    max_model_len=384,
+    max_num_seqs=8,
+    max_num_batched_tokens=24,
+    block_size=16,
+    num_gpu_blocks_override=25,
+)
+
 
 def _default_attention() -> str:
     """What serves by default here: the backend's kernel (the fused C++ kernel on CPU)."""

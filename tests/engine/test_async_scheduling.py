@@ -1,4 +1,4 @@
-"""Async scheduling changes nothing a request sees: the same tokens, logprobs (1e-6) and
+"""Async scheduling changes nothing a request sees: the same tokens, logprobs (1e-5) and
 finish reasons as with `--no-async-scheduling`, for every sampling feature, structured
 outputs, chunked prefill, prefix hits and preemption in one batch; a request that stops
 emits nothing past its stop; an abort while its step is in flight frees its blocks; and
@@ -14,23 +14,16 @@ import pytest
 
 from jengine import LLM, SamplingParams
 from jengine.sampling_params import StructuredOutputsParams
+from tests.engine.engine_helpers import TIGHT_ENGINE_ARGS
 from tests.entrypoints.tiny_model import make_tiny_model
 
-ENGINE = dict(
-    dtype="float32",
-    max_model_len=384,
-    max_num_seqs=8,
-    max_num_batched_tokens=24,
-    block_size=16,
-    num_gpu_blocks_override=25,
-)
 MODES = {"async": True, "sync": False}
 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     path = make_tiny_model(str(tmp_path_factory.mktemp("tiny_model_async")))
-    return {name: LLM(path, async_scheduling=on, **ENGINE) for name, on in MODES.items()}
+    return {name: LLM(path, async_scheduling=on, **TIGHT_ENGINE_ARGS) for name, on in MODES.items()}
 
 
 def completions(output) -> tuple[list, list]:
@@ -181,7 +174,7 @@ def test_speculative_decoding_runs_synchronously(tmp_path_factory):
     runs every step synchronously."""
     path = make_tiny_model(str(tmp_path_factory.mktemp("tiny_model_spec")))
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
-    llm = LLM(path, speculative_config=spec, **ENGINE)
+    llm = LLM(path, speculative_config=spec, **TIGHT_ENGINE_ARGS)
     assert not llm.engine_core.async_scheduling
     output = llm.generate("one two one two one two", SamplingParams(temperature=0, max_tokens=8))
     assert len(output[0].outputs[0].token_ids) == 8

@@ -15,6 +15,7 @@ import pytest
 
 from jengine import LLM, SamplingParams, StructuredOutputsParams
 from jengine.models.default import BUNDLED_MODEL_PATH
+from tests.engine.engine_helpers import TIGHT_ENGINE_ARGS
 from tests.entrypoints.tiny_model import make_tiny_model
 
 PERSON = {
@@ -79,25 +80,13 @@ def check(kind: str, text: str) -> None:
         assert GRAMMAR_LANGUAGE.fullmatch(text), text
 
 
-# Small shapes: a 24-token budget chunks the long prompts, 24 blocks of 16 tokens force
-# preemption among 8 running requests.
-ENGINE = dict(
-    dtype="float32",
-    max_model_len=384,
-    max_num_seqs=8,
-    max_num_batched_tokens=24,
-    block_size=16,
-    num_gpu_blocks_override=25,
-)
-
-
 @pytest.fixture(scope="module", params=["random", "bundled"])
 def llm(request, tmp_path_factory):
     if request.param == "random":
         path = make_tiny_model(str(tmp_path_factory.mktemp("tiny_model_so")))
     else:
         path = BUNDLED_MODEL_PATH
-    return LLM(path, **ENGINE)
+    return LLM(path, **TIGHT_ENGINE_ARGS)
 
 
 PROMPTS = [
