@@ -49,11 +49,12 @@ def tp_step_collectives(llm) -> dict:
     """The compiled TP decode step at DECODE_BATCH requests: each collective, and the bytes
     one step moves (all-reduces and gathers of results this size, per device)."""
 
+    from jengine.runner.prepared_step import PreparedStep
     from jengine.runner.sharding import step_collectives
 
     runner = llm.engine_core.runner
     shape = runner.buckets.shape_for(DECODE_BATCH, DECODE_BATCH, 1)
-    prepared = runner._dummy_step(shape)
+    prepared = PreparedStep.padding(shape)
     collectives = [
         c
         for lowered in runner.lower_step(prepared)

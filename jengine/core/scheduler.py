@@ -1,11 +1,12 @@
 """Scheduler: decides, each step, which tokens of which requests run, and records results.
 
-Where it sits: ``EngineCore.step()`` is ``schedule() -> runner.execute() ->
-update_from_output()``. ``schedule()`` returns a ``SchedulerOutput``; the runner answers
+Where it sits: ``EngineCore.step()`` is ``schedule() -> runner.dispatch() / collect() ->
+update_from_output()`` (with async scheduling the next ``schedule()`` comes before the
+last ``update_from_output()``). ``schedule()`` returns a ``SchedulerOutput``; the runner answers
 with a ``ModelRunnerOutput``; ``update_from_output()`` appends the sampled tokens, checks
 stop conditions, frees finished requests and returns the ``EngineCoreOutputs`` for the
-front end (that half lives in ``step_results.py``, a mixin of ``Scheduler``). It owns the
-``KVCacheManager`` and every live ``Request``.
+front end (that half lives in ``step_results.py``, a mixin of ``Scheduler``; preemption in
+``preemption.py``, another). It owns the ``KVCacheManager`` and every live ``Request``.
 
 What it promises (vLLM V1 rules):
 - No prefill or decode phase. Each step hands out one budget of
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 from jengine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from jengine.core.kv_cache_manager import KVCacheManager
 from jengine.core.ngram_proposer import NgramProposer
+from jengine.core.preemption import Preemption
 from jengine.core.request_queue import WaitingQueue
 from jengine.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from jengine.core.step_results import StepResults
@@ -63,7 +65,7 @@ class _StepPlan:
     lookahead: int = 0
 
 
-class Scheduler(StepResults):
+class Scheduler(StepResults, Preemption):
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -185,28 +187,6 @@ class Scheduler(StepResults):
             n = threshold
         return max(0, min(n, budget, self.max_model_len - num_computed))
 
-    def _pop_victim(self) -> tuple[Request, int]:
-        """Remove the request to preempt from ``running``; return it and its old index."""
-        if self.config.policy == "priority":
-            idx = max(
-                range(len(self.running)),
-                key=lambda i: (self.running[i].priority, self.running[i].arrival_time),
-            )
-        else:
-            idx = len(self.running) - 1
-        return self.running.pop(idx), idx
-
-    def _preempt(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.num_output_placeholders = 0  # a token still on the way is dropped
-        request.num_prompt_logprobs_computed = 0
-        request.spec_token_ids = []
-        request.num_preemptions += 1
-        self._num_preemptions += 1
-        self.waiting.add_preempted(request)
-
     def _admit_compiled_grammars(self) -> None:
         """Requests whose grammar is ready join the waiting queue; failed ones end."""
         idle = not self.running and not len(self.waiting)
@@ -316,27 +296,6 @@ class Scheduler(StepResults):
                 or len(request.output_token_ids) + request.num_output_placeholders < max_tokens
             )
         )
-
-    def _preempt_for(self, request: Request, n: int, i: int, step: _StepPlan):
-        """Preempt running requests until ``request`` (at index i) gets room for n tokens.
-        Returns its new blocks (None if it preempted itself) and its index afterwards."""
-        blocks = None
-        while blocks is None:
-            victim, idx = self._pop_victim()
-            if idx < i:
-                i -= 1
-            if step.cached.pop(victim.request_id, None) is not None:
-                # Priority policy may pick a request already scheduled this step: undo.
-                step.budget += step.num_scheduled.pop(victim.request_id)
-                step.spec.pop(victim.request_id, None)
-            self._preempt(victim)
-            step.preempted.append(victim)
-            if victim is request:
-                break
-            blocks = self.kv_cache_manager.allocate_slots(
-                request, n, num_lookahead_tokens=step.lookahead
-            )
-        return blocks, i
 
     def _schedule_waiting(self, step: _StepPlan) -> None:
         """Waiting requests from the head of the queue while budget, blocks and

@@ -19,10 +19,10 @@ max_num_seqs 64, max_num_batched_tokens 512, max_model_len 512 and block_size 16
 
 The LM head and the sampler run over a step's sampling rows only, padded to their own
 request bucket S <= R (`sample_rows`): a lone 128-token prompt computes one row of logits,
-not R = 64. The forward programs stay per shape, head and sampler are one program per S,
-and keeping S of R rows is a tiny program per (R, S) pair (`all_row_selections`). With
-`sample_rows_fixed` (a draft model reads the step's sampled rows, and its programs are per
-R), S = R always.
+not R = min(128, max_num_seqs). The forward programs stay per shape, head and sampler are
+one program per S, and keeping S of R rows is a tiny program per (R, S) pair
+(`all_row_selections`). With `sample_rows_fixed` (a draft model reads the step's sampled
+rows, and its programs are per R), S = R always.
 """
 
 from bisect import bisect_left
@@ -139,9 +139,13 @@ class BucketSpec:
             shape = self._shapes[key] = StepShape(*key)
         return shape
 
+    def _rows_are_requests(self, shape: StepShape) -> bool:
+        """Whether S = R in steps of `shape` (decode steps sample every request)."""
+        return shape.is_decode or self.sample_rows_fixed
+
     def sample_rows(self, shape: StepShape, num_rows: int) -> int:
         """S: the padded number of sampling rows of a step of `shape` with `num_rows`."""
-        if shape.is_decode or self.sample_rows_fixed:
+        if self._rows_are_requests(shape):
             return shape.num_reqs
         return smallest_fitting(self._request_buckets, num_rows)
 
@@ -150,7 +154,7 @@ class BucketSpec:
         compiles besides the shapes."""
         pairs = set()
         for shape in self.all_shapes():
-            if not (shape.is_decode or self.sample_rows_fixed):
+            if not self._rows_are_requests(shape):
                 R = shape.num_reqs
                 pairs.update((R, rows) for rows in self._request_buckets if rows < R)
         return sorted(pairs)

@@ -43,13 +43,13 @@ from jax.sharding import SingleDeviceSharding
 from jengine.core.outputs import ModelRunnerOutput
 from jengine.core.sched_output import SchedulerOutput
 from jengine.pallas_kernels.ragged_paged_attention import resolve_impl
-from jengine.runner.buckets import BucketSpec, StepShape
+from jengine.runner.buckets import BucketSpec
 from jengine.runner.compilation import CompileCounter, StaticJit, compile_ahead_of_time
 from jengine.runner.draft_model import DraftModel, check_draft_model
 from jengine.runner.grammar_mask import place_grammar_rows
 from jengine.runner.input_batch import CachedRequestState, InputBatch
 from jengine.runner.kv_cache_sizing import KVCacheSizing, default_kv_budget
-from jengine.runner.prepared_step import PreparedStep, neutral_sampling_arrays
+from jengine.runner.prepared_step import PreparedStep
 from jengine.runner.sampler import SamplingMetadata, SamplingState, write_slot_history
 from jengine.runner.sharding import TensorParallel
 from jengine.runner.step import (
@@ -218,7 +218,7 @@ class ModelRunner:
                 ForwardInputs.from_prepared(dummy),
                 self.sampling_state.last_token,
             )
-            for dummy in map(self._dummy_step, shapes)
+            for dummy in map(PreparedStep.padding, shapes)
         ]
         # The dummy steps sample S = R rows; the selections of fewer rows run alone.
         selections = [
@@ -233,11 +233,11 @@ class ModelRunner:
             (self._prompt_logprobs_fn, self.params, hidden[t], targets[t]) for t in token_counts
         ]
         if self.draft is not None:
-            programs += self.draft.programs(map(self._dummy_step, shapes), self.replicated)
+            programs += self.draft.programs(map(PreparedStep.padding, shapes), self.replicated)
         compile_ahead_of_time(programs)
-        outputs = [self._run(self._dummy_step(shape)) for shape in shapes]
+        outputs = [self._run(PreparedStep.padding(shape)) for shape in shapes]
         if self.draft is not None:
-            dummies = map(self._dummy_step, shapes)
+            dummies = map(PreparedStep.padding, shapes)
             outputs += [
                 self.draft.propose(*p[3:]) for p in self.draft.programs(dummies, self.replicated)
             ]
@@ -252,24 +252,6 @@ class ModelRunner:
         jax.block_until_ready((outputs, self.kv_cache, self.sampling_state))
         self._compile_counter.warmed_up = True
         return len(shapes)
-
-    def _dummy_step(self, shape: StepShape) -> PreparedStep:
-        T, R, P = shape.num_tokens, shape.num_reqs, shape.num_pages
-        zeros_t = np.zeros(T, np.int32)
-        return PreparedStep(
-            shape=shape,
-            req_ids=[],
-            input_ids=zeros_t,
-            from_slot=np.full(T, -1, np.int32),
-            positions=zeros_t,
-            slot_mapping=zeros_t,
-            query_start_loc=np.zeros(R + 1, np.int32),
-            kv_lens=np.zeros(R, np.int32),
-            block_tables=np.zeros((R, P), np.int32),
-            logits_indices=np.zeros(R, np.int32),
-            sampling=neutral_sampling_arrays(R),
-            num_logprobs=[],
-        )
 
     # -- one step -------------------------------------------------------------------------
 

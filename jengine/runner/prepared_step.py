@@ -54,6 +54,27 @@ class PreparedStep:
         """S, the padded number of sampling rows."""
         return len(self.logits_indices)
 
+    @classmethod
+    def padding(cls, shape: StepShape) -> "PreparedStep":
+        """A step of `shape` with no request in it (warmup runs these): every token writes
+        the null page, every row samples nothing."""
+        T, R, P = shape.num_tokens, shape.num_reqs, shape.num_pages
+        zeros_t = np.zeros(T, np.int32)
+        return cls(
+            shape=shape,
+            req_ids=[],
+            input_ids=zeros_t,
+            from_slot=np.full(T, -1, np.int32),
+            positions=zeros_t,
+            slot_mapping=zeros_t,
+            query_start_loc=np.zeros(R + 1, np.int32),
+            kv_lens=np.zeros(R, np.int32),
+            block_tables=np.zeros((R, P), np.int32),
+            logits_indices=np.zeros(R, np.int32),
+            sampling=neutral_sampling_arrays(R),
+            num_logprobs=[],
+        )
+
 
 def neutral_sampling_arrays(num_reqs: int) -> dict[str, np.ndarray]:
     """SamplingMetadata fields for `num_reqs` rows that ask for nothing: greedy, no

@@ -164,5 +164,4 @@ def sample_step(
 
 def prompt_logprobs_step(graphdef, mesh, params, hidden, targets):
     """Logprobs of each position's next prompt token: logits for all T rows, [T, k+1]."""
-    model = nnx.merge(graphdef, params)
-    return top_logprobs(model.compute_logits(hidden, mesh=mesh), targets, MAX_LOGPROBS)
+    return top_logprobs(_logits(nnx.merge(graphdef, params), hidden, mesh), targets, MAX_LOGPROBS)

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jengine import LLM, SamplingParams
 from jengine.models import load_model
 from jengine.pallas_kernels.ragged_paged_attention import cpu
+from jengine.runner.prepared_step import PreparedStep
 from jengine.runner.sharding import step_collectives
 
 SHARED = list(range(10, 42))  # two full 16-token blocks: the second prompt hits them
@@ -81,7 +82,7 @@ def layout(llm: LLM) -> dict:
         shard = leaf.addressable_shards[0].data.shape
         (split if shard != leaf.shape else whole).append(name)
     cache = runner.kv_cache
-    prepared = runner._dummy_step(runner.buckets.shape_for(1, 1, 2))
+    prepared = PreparedStep.padding(runner.buckets.shape_for(1, 1, 2))
     lowered, sample = runner.lower_step(prepared)
     text = lowered.as_text()
     manual = text.find("sdy.manual_computation")
