@@ -1,0 +1,90 @@
+"""`x @ dequantize(w[layer]).T` on CPU for a few rows of x: the C++ kernel in `cpu.cc`,
+called through the XLA FFI.
+
+Where it sits: `quantized_matmul` picks it on the CPU backend for float32 x with at most
+`MAX_ROWS` rows (decode steps, short verifications), in place of the XLA reference, which
+stays its oracle and the path for everything else. It promises the reference's result to
+float32 rounding, reads only `w[layer]`'s packed bytes (no float copy of them), and takes
+derivatives with respect to x through the reference.
+
+Why a C++ kernel: XLA:CPU writes a float32 copy of a dequantized weight before its dot
+reads it, so a decode step would read 4-8x the bytes the quantized weights hold
+(bench/README.md has the options measured side by side).
+"""
+
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jengine.pallas_kernels.native_build import NativeKernel
+from jengine.pallas_kernels.quantized_matmul.layout import QuantizedWeight
+from jengine.pallas_kernels.quantized_matmul.reference import quantized_matmul_reference
+
+TARGET_NAME = "jengine_quantized_matmul"
+KERNEL = NativeKernel(
+    Path(__file__).with_name("cpu.cc"),
+    symbol="JengineQuantizedMatmul",
+    target=TARGET_NAME,
+    what="CPU quantized-matmul kernel",
+)
+GROUP = 32
+MAX_ROWS = 16
+_KINDS = {"int8": 0, "uint4": 1}
+
+
+def supports(x, w: QuantizedWeight) -> bool:
+    """Whether the kernel takes these operands (arrays or `jax.ShapeDtypeStruct`s)."""
+    dim = w.shape[-1]
+    group = dim // w.scales.shape[-1] if w.scales.shape[-1] else 0
+    return (
+        len(x.shape) == 2
+        and len(w.values.shape) == 3
+        and x.shape[1] == dim
+        and x.dtype == jnp.float32
+        and x.shape[0] <= MAX_ROWS
+        and group > 0
+        and group % GROUP == 0
+        and dim % group == 0
+    )
+
+
+def quantized_matmul_cpu(x: jax.Array, w: QuantizedWeight, layer) -> jax.Array:
+    """See `reference.quantized_matmul_reference`."""
+    if not supports(x, w):
+        raise ValueError(
+            f"the CPU quantized-matmul kernel takes float32 x [T <= {MAX_ROWS}, D] and a "
+            f"weight [L, F, D] in groups of a multiple of {GROUP} inputs; got x "
+            f"{x.dtype}{tuple(x.shape)}, a {w.format.name} weight {w.shape}"
+        )
+    reason = KERNEL.load()
+    if reason is not None:
+        raise RuntimeError(f"CPU quantized-matmul kernel unavailable: {reason}")
+    return _matmul(x, w, jnp.asarray(layer, jnp.int32).reshape(1))
+
+
+@jax.custom_jvp
+def _matmul(x, w, layer):
+    fmt = w.format
+    # A format without mins passes a one-element stand-in (the kernel does not read it).
+    mins = w.mins if w.mins is not None else jnp.zeros((1,), w.scales.dtype)
+    call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype))
+    return call(
+        x,
+        w.values,
+        w.scales,
+        mins,
+        layer,
+        kind=_KINDS[fmt.kind],
+        zero_point=fmt.zero_point,
+        has_mins=w.mins is not None,
+    )
+
+
+@_matmul.defjvp
+def _matmul_jvp(primals, tangents):
+    # The kernel has no derivative of its own; the reference computes the same function.
+    x, w, layer = primals
+    fn = functools.partial(quantized_matmul_reference, w=w, layer=layer[0])
+    return jax.jvp(fn, (x,), tangents[:1])
