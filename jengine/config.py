@@ -20,6 +20,10 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
+# vLLM's `--quantization` values jengine takes (None: what the checkpoint holds; the
+# methods are models/quantize.METHODS).
+QUANTIZATION_CHOICES = (None, "none", "gguf", "int8")
+
 
 def _require(ok: bool, field: str, msg: str, value: object) -> None:
     if not ok:
@@ -140,6 +144,9 @@ class ModelConfig:
     tokenizer: folder with the tokenizer files (defaults to `model`); None with no model
         means token-id prompts only.
     dtype: "auto" (bf16 on accelerators, f32 on CPU), "float32", "bfloat16", "float16".
+    quantization: vLLM's `--quantization`: None keeps what the checkpoint holds (a GGUF's
+        Q8_0 / Q4_0 / Q4_1 weights stay quantized), "none" dequantizes a GGUF, "int8"
+        quantizes a float checkpoint's linear weights (weight-only, per output channel).
     max_model_len: None -> the model's max_position_embeddings.
     seed: seeds the engine's sampling of requests that bring no seed.
     attention_impl: force "reference" / "cpu" / "gpu" / "tpu" attention (None: by backend).
@@ -148,6 +155,7 @@ class ModelConfig:
     model: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None
     max_model_len: int | None = None
     seed: int = 0
     attention_impl: str | None = None
@@ -158,6 +166,12 @@ class ModelConfig:
             "dtype",
             "must be auto, float32, bfloat16 or float16",
             self.dtype,
+        )
+        _require(
+            self.quantization in QUANTIZATION_CHOICES,
+            "quantization",
+            f"must be one of {', '.join(q for q in QUANTIZATION_CHOICES if q)} (or unset)",
+            self.quantization,
         )
         if self.max_model_len is not None:
             _require(self.max_model_len >= 1, "max_model_len", "must be >= 1", self.max_model_len)

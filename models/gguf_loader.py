@@ -8,15 +8,19 @@ Promises:
 - llama.cpp's tensor names map onto the model's parameters; the q/k row permutation that
   llama.cpp's converter applies for its rotary embedding is undone, so the weights are
   exactly the HF checkpoint's (tests: a GGUF written from an HF folder loads equal to it);
-- every weight is dequantized (models/gguf_quants.py) one tensor at a time into its
-  stacked parameter in the chosen dtype, and each parameter goes to the device as soon as
-  its layers are filled: the host never holds a second full copy of the model;
+- weights stay quantized where the quantized matmul reads their format (Q8_0, Q4_0, Q4_1:
+  `models/quantize.GGUF_KEPT`), their blocks repacked once, one tensor at a time; a
+  weight whose layers mix types, or of another type, is dequantized (models/gguf_quants.py)
+  into the chosen dtype, as is everything with `keep_quantized=False`; each parameter goes
+  to the device as soon as its layers are filled: the host never holds a second full copy
+  of the model;
 - load time, the tensor types and the process's peak memory are logged;
 - a clear ValueError for tensors the model has no place for (or lacks), and for tensor
   types jengine cannot dequantize.
 """
 
 import collections
+import dataclasses
 import logging
 import resource
 import time
@@ -28,6 +32,7 @@ from flax import nnx
 from jengine.models.checkpoint import gguf_hf_config
 from jengine.models.gguf_quants import dequantize
 from jengine.models.gguf_reader import read_gguf
+from jengine.models.quantize import GGUF_KEPT, repack_gguf
 from jengine.models.registry import resolve_architecture
 
 logger = logging.getLogger(__name__)
@@ -70,8 +75,9 @@ def _gguf_names(num_layers: int, tied: bool) -> dict[str, list[str]]:
     return names
 
 
-def load_gguf_model(path: str, dtype) -> nnx.Module:
-    """The model of the GGUF at `path` with its weights dequantized to `dtype`."""
+def load_gguf_model(path: str, dtype, keep_quantized: bool = True) -> nnx.Module:
+    """The model of the GGUF at `path`: weights of the kept types quantized as the file
+    has them (`keep_quantized`), the rest dequantized to `dtype`."""
     from jengine.models.loader import model_from_params  # loader dispatches here
 
     started = time.perf_counter()
@@ -95,40 +101,62 @@ def load_gguf_model(path: str, dtype) -> nnx.Module:
         "attn_k.weight": config.num_key_value_heads,
     }
 
-    def read(name: str) -> np.ndarray:
-        info = tensors[name]
-        weight = dequantize(gguf.tensor_data(name), info.type_name, info.shape)
+    def unpermuted(name: str, weight: np.ndarray) -> np.ndarray:
         num_heads = heads.get(name.split(".", 2)[-1]) if name.startswith("blk.") else None
         return unpermute_rotary(weight, num_heads) if num_heads else weight
 
-    def stack(names: list[str]) -> np.ndarray:
-        """One weight per layer, dequantized one at a time into one [L, ...] array."""
+    def read(name: str) -> np.ndarray:
+        info = tensors[name]
+        return unpermuted(name, dequantize(gguf.tensor_data(name), info.type_name, info.shape))
+
+    def read_packed(name: str) -> dict[str, np.ndarray]:
+        info = tensors[name]
+        _, arrays = repack_gguf(gguf.tensor_data(name), info.type_name, info.shape)
+        return {key: unpermuted(name, array) for key, array in arrays.items()}
+
+    def stack(names: list[str], read_one, np_dtype=None):
+        """One weight per layer, read one at a time into [L, ...] array(s)."""
         stacked = None
         for i, name in enumerate(names):
-            weight = read(name)
+            weight = read_one(name)
             if stacked is None:
-                stacked = np.empty((len(names), *weight.shape), np_dtype)
-            stacked[i] = weight
+                stacked = jax.tree.map(
+                    lambda a: np.empty((len(names), *a.shape), np_dtype or a.dtype), weight
+                )
+            for target, value in zip(jax.tree.leaves(stacked), jax.tree.leaves(weight)):
+                target[i] = value
         return stacked
 
     np_dtype = np.dtype(dtype)
     device = jax.devices()[0]
     params: dict = {"layers": {}}
+    quantized = []  # (our name, format)
     # Each parameter goes to the device before the next is read: the host holds one at a time.
     for ours, names in wanted.items():
+        types = {tensors[n].type_name for n in names}
+        kept = keep_quantized and len(types) == 1 and next(iter(types)) in GGUF_KEPT
+        read_one = read_packed if kept else read
+        if kept:
+            quantized.append((ours.removeprefix("layers."), GGUF_KEPT[next(iter(types))][0]))
+        elif keep_quantized and types - {"F32", "F16", "BF16"}:
+            logger.info("%s: %s dequantized to %s", ours, "/".join(sorted(types)), np_dtype.name)
         if ours.startswith("layers."):
-            stacked = stack(names)
-            params["layers"][ours.removeprefix("layers.")] = jax.device_put(stacked, device)
+            value = stack(names, read_one, None if kept else np_dtype)
+            params["layers"][ours.removeprefix("layers.")] = jax.device_put(value, device)
         else:
-            params[ours] = jax.device_put(read(names[0]).astype(np_dtype), device)
+            value = read_one(names[0])
+            value = value if kept else value.astype(np_dtype)
+            params[ours] = jax.device_put(value, device)
+    config = dataclasses.replace(config, quantization=tuple(quantized))
     model = model_from_params(model_cls, config, params, dtype)
     types = collections.Counter(tensors[n].type_name for n in used)
     peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     logger.info(
-        "loaded %s: %d tensors (%s) dequantized to %s in %.1fs; peak memory %.2f GiB",
+        "loaded %s: %d tensors (%s), %s, the rest %s, in %.1fs; peak memory %.2f GiB",
         path,
         len(used),
         ", ".join(f"{count} {name}" for name, count in types.most_common()),
+        f"{len(quantized)} weights kept quantized" if quantized else "none kept quantized",
         np_dtype.name,
         time.perf_counter() - started,
         peak_gib,

@@ -27,7 +27,15 @@ from jax.sharding import PartitionSpec as P
 
 from jengine.models.attention_metadata import AttentionMetadata
 from jengine.models.layers import RopeConfig, apply_rope, rms_norm, rope_cos_sin, silu_mlp
-from jengine.pallas_kernels import ragged_paged_attention, stacked_matmul, update_kv_cache
+from jengine.models.quantized_linear import (
+    QuantizedLinear,
+    embedding_rows,
+    leading_axis,
+    matmul,
+    param_value,
+)
+from jengine.pallas_kernels import ragged_paged_attention, update_kv_cache
+from jengine.pallas_kernels.quantized_matmul import QuantFormat
 
 LINEAR_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -55,6 +63,12 @@ class LlamaConfig:
     # Zero rows past `vocab_size` in the embedding and LM head (tensor parallelism pads the
     # vocabulary to a multiple of its size); their logits are cut off, never sampled.
     vocab_padding: int = 0
+    # Weights held quantized: (parameter name, format) pairs, e.g. ("q_proj", Q4_1);
+    # the loader sets them (models/quantize.py).
+    quantization: tuple[tuple[str, QuantFormat], ...] = ()
+
+    def quant_format(self, name: str) -> QuantFormat | None:
+        return dict(self.quantization).get(name)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -103,7 +117,10 @@ class LlamaDecoderLayers(nnx.Module):
         q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         init = nnx.initializers.normal(0.02)
 
-        def weight(*shape):
+        def weight(*shape, name: str):
+            fmt = c.quant_format(name)
+            if fmt is not None:
+                return QuantizedLinear(fmt, (L, *shape[:-1]), shape[-1])
             return nnx.Param(init(rngs.params(), (L, *shape), dtype))
 
         def filled(value, *shape):
@@ -111,11 +128,11 @@ class LlamaDecoderLayers(nnx.Module):
 
         self.input_layernorm = filled(1.0, D)
         self.q_proj, self.k_proj, self.v_proj = (
-            weight(q_size, D),
-            weight(kv_size, D),
-            weight(kv_size, D),
+            weight(q_size, D, name="q_proj"),
+            weight(kv_size, D, name="k_proj"),
+            weight(kv_size, D, name="v_proj"),
         )
-        self.o_proj = weight(D, q_size)
+        self.o_proj = weight(D, q_size, name="o_proj")
         if c.qkv_bias:
             self.q_bias, self.k_bias, self.v_bias = (
                 filled(0.0, q_size),
@@ -127,7 +144,11 @@ class LlamaDecoderLayers(nnx.Module):
         if c.qk_norm:
             self.q_norm, self.k_norm = filled(1.0, c.head_dim), filled(1.0, c.head_dim)
         self.post_attention_layernorm = filled(1.0, D)
-        self.gate_proj, self.up_proj, self.down_proj = weight(F, D), weight(F, D), weight(D, F)
+        self.gate_proj, self.up_proj, self.down_proj = (
+            weight(F, D, name="gate_proj"),
+            weight(F, D, name="up_proj"),
+            weight(D, F, name="down_proj"),
+        )
         if c.mlp_bias:
             self.gate_bias, self.up_bias, self.down_bias = (
                 filled(0.0, F),
@@ -136,13 +157,16 @@ class LlamaDecoderLayers(nnx.Module):
             )
 
     def stacked(self) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
-        """The weights as dicts of [L, ...] arrays: the linear weights, which the scan body
-        reads in place by layer index, and the rest (norms, biases), the scan's `xs`."""
-        params = {
-            name: value.value for name, value in vars(self).items() if isinstance(value, nnx.Param)
+        """The weights as dicts of [L, ...] arrays: the linear weights (arrays or
+        `QuantizedWeight`s), which the scan body reads in place by layer index, and the rest
+        (norms, biases), the scan's `xs`."""
+        linear = {name: param_value(getattr(self, name)) for name in LINEAR_WEIGHTS}
+        rest = {
+            name: value.value
+            for name, value in vars(self).items()
+            if isinstance(value, nnx.Param) and name not in LINEAR_WEIGHTS
         }
-        linear = {name: params.pop(name) for name in LINEAR_WEIGHTS}
-        return linear, params
+        return linear, rest
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -151,19 +175,20 @@ class LlamaForCausalLM(nnx.Module):
         self.config = config
         self.dtype = dtype
         c = config
-        self.embed_tokens = nnx.Param(
-            nnx.initializers.normal(0.02)(
-                rngs.params(), (c.padded_vocab_size, c.hidden_size), dtype
-            )
-        )
+
+        def table(name: str):
+            """[V, D]: the embedding or the LM head."""
+            fmt = c.quant_format(name)
+            if fmt is not None:
+                return QuantizedLinear(fmt, (c.padded_vocab_size,), c.hidden_size)
+            init = nnx.initializers.normal(0.02)
+            return nnx.Param(init(rngs.params(), (c.padded_vocab_size, c.hidden_size), dtype))
+
+        self.embed_tokens = table("embed_tokens")
         self.layers = LlamaDecoderLayers(config, dtype=dtype, rngs=rngs)
         self.norm = nnx.Param(jnp.ones((c.hidden_size,), dtype))
         if not c.tie_word_embeddings:
-            self.lm_head = nnx.Param(
-                nnx.initializers.normal(0.02)(
-                    rngs.params(), (c.padded_vocab_size, c.hidden_size), dtype
-                )
-            )
+            self.lm_head = table("lm_head")
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """[L, 2, K, num_blocks, block_size, H], the layout the attention kernels read."""
@@ -185,7 +210,7 @@ class LlamaForCausalLM(nnx.Module):
         c = self.config
         T = input_ids.shape[0]
         N, K, H = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        hidden = self.embed_tokens.value[input_ids]
+        hidden = embedding_rows(param_value(self.embed_tokens), input_ids, self.dtype)
         cos, sin = rope_cos_sin(c.rope, positions)
         tables = (
             metadata.slot_mapping,
@@ -233,7 +258,7 @@ class LlamaForCausalLM(nnx.Module):
             p, layer_index = xs
 
             def linear(name: str):
-                return lambda x: stacked_matmul(x, weights[name], layer_index, impl=matmul_impl)
+                return lambda x: matmul(x, weights[name], layer_index, impl=matmul_impl)
 
             x = rms_norm(h, p["input_layernorm"], c.rms_norm_eps)
             q, k, v = linear("q_proj")(x), linear("k_proj")(x), linear("v_proj")(x)
@@ -262,8 +287,9 @@ class LlamaForCausalLM(nnx.Module):
     def compute_logits(self, hidden: jax.Array, *, mesh: Mesh | None = None) -> jax.Array:
         """[R, D] final hidden states -> [R, V] f32 logits (computed in the model dtype, as HF;
         a padded vocabulary's rows cut off). `mesh`: the head is split over it."""
-        head = self.embed_tokens.value if self.config.tie_word_embeddings else self.lm_head.value
-        # The head as a one-layer stack: read in place by the CPU kernel for a few rows.
+        head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        # The head as a one-layer stack: read in place by the CPU kernels for a few rows.
         impl = "reference" if mesh is not None else None
-        logits = stacked_matmul(hidden, head[None], 0, impl=impl).astype(jnp.float32)
+        logits = matmul(hidden, leading_axis(param_value(head)), 0, impl=impl)
+        logits = logits.astype(jnp.float32)
         return logits[:, : self.config.vocab_size] if self.config.vocab_padding else logits

@@ -15,6 +15,7 @@ Promises:
   mis-shaped tensors.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -25,7 +26,10 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
+from jengine.config import QUANTIZATION_CHOICES
 from jengine.models.checkpoint import gguf_file, read_hf_config
+from jengine.models.llama import LINEAR_WEIGHTS
+from jengine.models.quantize import METHODS, quantize
 from jengine.models.registry import resolve_architecture
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -146,20 +150,41 @@ def model_from_params(model_cls, config, params: dict, dtype) -> nnx.Module:
                 f"param {key} has shape {tuple(flat_given[key].shape)}, "
                 f"expected {tuple(spec.shape)}"
             )
-    filled = _unflatten({k: jnp.asarray(v, dtype=dtype) for k, v in flat_given.items()})
+    # Each array in the dtype the model holds it in: `dtype` for float weights, the
+    # quantized formats' own for packed values and scales.
+    filled = _unflatten(
+        {k: jnp.asarray(v, dtype=flat_expected[k].dtype) for k, v in flat_given.items()}
+    )
     nnx.replace_by_pure_dict(state, filled)
     nnx.update(model, state)
     return model
 
 
-def load_model(path: str, dtype="auto") -> nnx.Module:
+def load_model(path: str, dtype="auto", quantization: str | None = None) -> nnx.Module:
     """Load an HF checkpoint folder or a GGUF file (or a folder holding one); returns the
-    Flax model with weights in `dtype`."""
+    Flax model with weights in `dtype`.
+
+    `quantization` (vLLM's `--quantization`): None keeps what the checkpoint holds (a GGUF's
+    quantized blocks stay quantized where the matmul reads them, models/quantize.py);
+    "none" dequantizes a GGUF to `dtype`; "int8" quantizes a float checkpoint's linear
+    weights (weight-only, per output channel) one tensor at a time."""
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(
+            f"unknown quantization {quantization!r}; expected one of "
+            f"{[q for q in QUANTIZATION_CHOICES if q]}"
+        )
     gguf_path = gguf_file(path)
     if gguf_path is not None:
         from jengine.models.gguf_loader import load_gguf_model
 
-        return load_gguf_model(gguf_path, resolve_dtype(dtype))
+        if quantization not in (None, "none", "gguf"):
+            raise ValueError(
+                f"quantization={quantization!r} for a GGUF file: its weights are quantized "
+                "already (keep them: leave quantization unset; dequantize: 'none')"
+            )
+        return load_gguf_model(
+            gguf_path, resolve_dtype(dtype), keep_quantized=quantization != "none"
+        )
     hf_config = read_hf_config(path)
     model_cls, config_cls = resolve_architecture(hf_config)
     try:
@@ -169,7 +194,24 @@ def load_model(path: str, dtype="auto") -> nnx.Module:
     params = hf_to_params(read_hf_tensors(path), config.num_hidden_layers)
     if config.tie_word_embeddings:
         params.pop("lm_head", None)  # some tied checkpoints still store a copy
+    params, config = quantized_params(params, config, quantization)
     return model_from_params(model_cls, config, params, resolve_dtype(dtype))
+
+
+def quantized_params(params: dict, config, quantization: str | None):
+    """(params, config) with the linear weights quantized by `quantization` ("int8"; other
+    values change nothing). Weights already quantized (dicts of packed arrays, a training
+    loop's own) are kept as they are; float ones are quantized one parameter at a time, on
+    the host."""
+    if quantization not in METHODS:
+        return params, config
+    fmt = METHODS[quantization]
+    layers = dict(params["layers"])
+    for name in LINEAR_WEIGHTS:
+        if not isinstance(layers[name], dict):
+            layers[name] = quantize(np.asarray(layers[name]), fmt)
+    config = dataclasses.replace(config, quantization=tuple((n, fmt) for n in LINEAR_WEIGHTS))
+    return {**params, "layers": layers}, config
 
 
 def _flatten(tree: dict, prefix: str = ""):

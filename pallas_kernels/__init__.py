@@ -1,5 +1,5 @@
 """Kernels for jengine; each kernel ships beside its pure-jnp reference: ragged paged
-attention, and `x @ w[layer].T` over layer-stacked weights."""
+attention, and `x @ w[layer].T` over layer-stacked weights, float or quantized."""
 
 import jax
 
@@ -9,6 +9,8 @@ from jengine.pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention_reference,
     update_kv_cache,
 )
+from jengine.pallas_kernels.quantized_matmul import cpu as _quantized_matmul_cpu
+from jengine.pallas_kernels.quantized_matmul import quantized_matmul
 from jengine.pallas_kernels.stacked_matmul import cpu as _stacked_matmul_cpu
 from jengine.pallas_kernels.stacked_matmul import stacked_matmul
 
@@ -20,11 +22,13 @@ def prepare(attention_impl: str | None = None, backend: str | None = None) -> No
     _attention.prepare(attention_impl, backend)
     if (backend or jax.default_backend()) == "cpu":
         _stacked_matmul_cpu.KERNEL.load_in_background()
+        _quantized_matmul_cpu.KERNEL.load_in_background()
 
 
 __all__ = [
     "prepare",
     "ragged_paged_attention",
+    "quantized_matmul",
     "ragged_paged_attention_reference",
     "stacked_matmul",
     "update_kv_cache",

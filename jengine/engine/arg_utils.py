@@ -17,6 +17,7 @@ from jengine.config import (
     CompilationConfig,
     EngineConfig,
     ModelConfig,
+    QUANTIZATION_CHOICES,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -30,6 +31,7 @@ class EngineArgs:
     model: str | None = ModelConfig.model
     tokenizer: str | None = ModelConfig.tokenizer
     dtype: str = ModelConfig.dtype
+    quantization: str | None = ModelConfig.quantization
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None
     max_num_seqs: int = SchedulerConfig.max_num_seqs
@@ -82,6 +84,7 @@ class EngineArgs:
                 model=model,
                 tokenizer=self.tokenizer,
                 dtype=self.dtype,
+                quantization=self.quantization,
                 max_model_len=max_model_len,
                 seed=self.seed,
                 attention_impl=self.attention_impl,
@@ -134,6 +137,13 @@ class EngineArgs:
             "--dtype",
             choices=["auto", "float32", "bfloat16", "float16", "float", "half"],
             help="weights and KV cache dtype; auto = bf16 on accelerators, f32 on CPU",
+        )
+        add(
+            "--quantization",
+            choices=[q for q in QUANTIZATION_CHOICES if q],
+            help="weights held quantized: int8 (a float checkpoint's linear weights, "
+            "per output channel); none (dequantize a GGUF); default: what the checkpoint "
+            "holds (a GGUF's Q8_0/Q4_0/Q4_1 weights stay quantized)",
         )
         add("--max-model-len", type=int, help="default: the model's max_position_embeddings")
         add("--max-num-seqs", type=int, help="requests running at once")

@@ -71,7 +71,7 @@ class EngineCore:
         # The CPU kernels' first builds overlap loading the weights.
         prepare_kernels(config.model.attention_impl)
         if model is None:
-            model = load_model(config.model.model, config.model.dtype)
+            model = load_model(config.model.model, config.model.dtype, config.model.quantization)
         speculative = config.speculative
         draft_model = None
         if speculative is not None and speculative.method == "draft_model":

@@ -26,6 +26,7 @@ from jengine.engine.output_processor import RequestOutputKind
 from jengine.engine.tokenizer import load_tokenizer
 from jengine.models import (
     model_from_params,
+    quantized_params,
     read_hf_config,
     resolve_architecture,
     resolve_dtype,
@@ -85,7 +86,7 @@ class LLM:
                     f"tensor_parallel_size={size} but the mesh has {len(devices)} devices"
                 )
         if module is None and params is not None:
-            module = _module_from_params(path, params, dtype)
+            module = _module_from_params(path, params, dtype, engine_kwargs.get("quantization"))
         elif module is not None and params is not None:
             nnx.update(module, params)
         if module is not None and engine_kwargs.get("max_model_len") is None:
@@ -200,9 +201,10 @@ class LLM:
         self.llm_engine.shutdown()
 
 
-def _module_from_params(path: str, params, dtype) -> nnx.Module:
+def _module_from_params(path: str, params, dtype, quantization: str | None) -> nnx.Module:
     hf_config = read_hf_config(resolve_model(path))
     model_cls, config_cls = resolve_architecture(hf_config)
     if isinstance(params, nnx.State):
         params = nnx.to_pure_dict(params)
-    return model_from_params(model_cls, config_cls.from_hf(hf_config), params, resolve_dtype(dtype))
+    params, config = quantized_params(params, config_cls.from_hf(hf_config), quantization)
+    return model_from_params(model_cls, config, params, resolve_dtype(dtype))

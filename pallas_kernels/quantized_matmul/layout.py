@@ -69,9 +69,13 @@ class QuantFormat:
 
     def bytes_per_weight(self, dim: int) -> float:
         """Resident bytes per weight in rows of `dim` inputs."""
-        return sum(
-            np.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in self.shapes((1,), dim).values()
-        ) / dim
+        return (
+            sum(
+                np.prod(shape) * np.dtype(dtype).itemsize
+                for shape, dtype in self.shapes((1,), dim).values()
+            )
+            / dim
+        )
 
 
 @jax.tree_util.register_dataclass
@@ -93,7 +97,10 @@ class QuantizedWeight:
     def map(self, fn) -> "QuantizedWeight":
         """`fn` applied to each array (a row gather, a layer slice, a leading axis)."""
         return QuantizedWeight(
-            fn(self.values), fn(self.scales), None if self.mins is None else fn(self.mins), self.format
+            fn(self.values),
+            fn(self.scales),
+            None if self.mins is None else fn(self.mins),
+            self.format,
         )
 
 

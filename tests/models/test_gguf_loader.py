@@ -17,6 +17,9 @@ from jengine.models import load_model
 from jengine.models.checkpoint import gguf_file, read_hf_config
 from jengine.models.gguf_loader import unpermute_rotary
 from jengine.models.gguf_reader import read_gguf
+from jengine.models.llama import LINEAR_WEIGHTS
+from jengine.models.quantized_linear import param_value
+from jengine.pallas_kernels.quantized_matmul import dequantize
 from tests.models.checkpoints import make_checkpoint
 from tests.models.gguf_files import permute_rotary, write_llama_gguf
 
@@ -53,21 +56,33 @@ def test_f32_gguf_loads_the_hf_weights_exactly(hf_folder, tmp_path):
         np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
 
 
-@pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_1"])
-def test_quantized_gguf_loads_the_reference_dequantization(hf_folder, tmp_path, tensor_type):
+@pytest.mark.parametrize("quantization", [None, "none"])
+@pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_0", "Q4_1"])
+def test_quantized_gguf_loads_the_reference_dequantization(
+    hf_folder, tmp_path, tensor_type, quantization
+):
+    """Kept quantized (the default) or dequantized at load, the weights are ggml's
+    reference dequantization of the file, bit for bit."""
     path = write_llama_gguf(hf_folder, str(tmp_path / "model.gguf"), tensor_type)
-    model = load_model(path, "float32")
+    model = load_model(path, "float32", quantization)
+    kept = dict(model.config.quantization)
+    if quantization == "none":
+        assert not kept
+    else:
+        assert set(LINEAR_WEIGHTS) <= set(kept), kept
     reader = gguf.GGUFReader(path)
     ref = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors}
     heads = model.config.num_attention_heads
+
+    def weight(param) -> np.ndarray:
+        value = param_value(param)
+        return np.asarray(value if isinstance(param, nnx.Param) else dequantize(value))
+
     np.testing.assert_array_equal(
-        np.asarray(model.layers.q_proj.value[1]),
-        unpermute_rotary(ref["blk.1.attn_q.weight"], heads),
+        weight(model.layers.q_proj)[1], unpermute_rotary(ref["blk.1.attn_q.weight"], heads)
     )
-    np.testing.assert_array_equal(
-        np.asarray(model.layers.down_proj.value[0]), ref["blk.0.ffn_down.weight"]
-    )
-    np.testing.assert_array_equal(np.asarray(model.embed_tokens.value), ref["token_embd.weight"])
+    np.testing.assert_array_equal(weight(model.layers.down_proj)[0], ref["blk.0.ffn_down.weight"])
+    np.testing.assert_array_equal(weight(model.embed_tokens), ref["token_embd.weight"])
 
 
 def test_engine_on_gguf_generates_as_on_the_folder(hf_folder, tmp_path):
