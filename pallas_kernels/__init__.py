@@ -4,13 +4,13 @@ attention, and `x @ w[layer].T` over layer-stacked weights, float or quantized."
 import jax
 
 from jengine.pallas_kernels import ragged_paged_attention as _attention
+from jengine.pallas_kernels.quantized_matmul import cpu as _quantized_matmul_cpu
+from jengine.pallas_kernels.quantized_matmul import quantized_matmul
 from jengine.pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
     update_kv_cache,
 )
-from jengine.pallas_kernels.quantized_matmul import cpu as _quantized_matmul_cpu
-from jengine.pallas_kernels.quantized_matmul import quantized_matmul
 from jengine.pallas_kernels.stacked_matmul import cpu as _stacked_matmul_cpu
 from jengine.pallas_kernels.stacked_matmul import stacked_matmul
 

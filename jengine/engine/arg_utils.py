@@ -13,11 +13,11 @@ import argparse
 from dataclasses import dataclass, field, fields
 
 from jengine.config import (
+    QUANTIZATION_CHOICES,
     CacheConfig,
     CompilationConfig,
     EngineConfig,
     ModelConfig,
-    QUANTIZATION_CHOICES,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
