@@ -22,9 +22,11 @@ import numpy as np
 from jengine.pallas_kernels.quantized_matmul import QuantFormat
 
 INT8 = QuantFormat("int8", "int8", group_size=None)
-Q8_0 = QuantFormat("Q8_0", "int8", group_size=32, scale_dtype="float16")
-Q4_0 = QuantFormat("Q4_0", "uint4", group_size=32, scale_dtype="float16", zero_point=8)
-Q4_1 = QuantFormat("Q4_1", "uint4", group_size=32, scale_dtype="float16", has_mins=True)
+# GGUF's block formats multiply x rounded to int8 per block, as llama.cpp does.
+_GGUF = dict(group_size=32, scale_dtype="float16", quantized_activations=True)
+Q8_0 = QuantFormat("Q8_0", "int8", **_GGUF)
+Q4_0 = QuantFormat("Q4_0", "uint4", zero_point=8, **_GGUF)
+Q4_1 = QuantFormat("Q4_1", "uint4", has_mins=True, **_GGUF)
 # GGUF type -> (format, bytes per block of 32, byte offsets of scale, min, quants)
 GGUF_KEPT = {
     "Q8_0": (Q8_0, 34, 0, None, 2),

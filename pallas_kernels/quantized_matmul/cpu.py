@@ -79,6 +79,7 @@ def _matmul(x, w, layer):
         kind=_KINDS[fmt.kind],
         zero_point=fmt.zero_point,
         has_mins=w.mins is not None,
+        quantize_activations=fmt.quantized_activations,
     )
 
 

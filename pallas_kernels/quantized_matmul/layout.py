@@ -19,7 +19,9 @@ along D into groups of `group_size` inputs (`group_size == D`: one group per out
   the file has them) or float32.
 
 Formats: int8 per channel (`--quantization int8`), GGUF Q8_0 (int8, groups of 32, f16
-scales), Q4_0 (uint4, zero point 8), Q4_1 (uint4 with f16 mins).
+scales), Q4_0 (uint4, zero point 8), Q4_1 (uint4 with f16 mins). With
+`quantized_activations` the product is that of the dequantized weight with x rounded to
+int8 per group of 32 (`quantize_activations`), as llama.cpp computes its block formats.
 """
 
 import dataclasses
@@ -29,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 KINDS = ("int8", "uint4")
+ACTIVATION_GROUP = 32  # inputs per scale of quantized activations (and of uint4 weights)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,12 +44,17 @@ class QuantFormat:
     scale_dtype: str = "float32"  # "float32" | "float16"
     zero_point: int = 0
     has_mins: bool = False
+    # True: x is quantized to int8 per group of 32 inputs before the product (llama.cpp's
+    # numerics for its block formats; integer dot products on CPU); False: float x.
+    quantized_activations: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"quantized kind {self.kind!r}: expected one of {KINDS}")
-        if self.kind == "uint4" and self.group_size != 32:
-            raise ValueError("uint4 weights come in groups of 32 inputs")
+        if self.kind == "uint4" and self.group_size != ACTIVATION_GROUP:
+            raise ValueError(f"uint4 weights come in groups of {ACTIVATION_GROUP} inputs")
+        if self.quantized_activations and self.group_size != ACTIVATION_GROUP:
+            raise ValueError(f"quantized activations need groups of {ACTIVATION_GROUP} inputs")
 
     def groups(self, dim: int) -> int:
         """Scales per row of `dim` inputs."""
@@ -102,6 +110,16 @@ class QuantizedWeight:
             None if self.mins is None else fn(self.mins),
             self.format,
         )
+
+
+def quantize_activations(x: jax.Array) -> jax.Array:
+    """x [..., D] with each group of 32 inputs rounded to int8 steps of its own scale,
+    max|x| / 127 (as float: what the CPU kernel's integer product computes, exactly)."""
+    groups = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, ACTIVATION_GROUP)
+    amax = jnp.max(jnp.abs(groups), axis=-1, keepdims=True)
+    inverse = jnp.where(amax > 0, 127.0 / amax, 0.0)
+    quantized = jnp.round(groups * inverse) * (amax / 127.0)
+    return quantized.reshape(x.shape).astype(x.dtype)
 
 
 def dequantize(weight: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
