@@ -10,9 +10,9 @@ defines what they mean).
 Promises:
 - `int8`: symmetric, one float32 scale per output row (vLLM's weight-only int8):
   scale = max|w| / 127, q = round(w / scale); an all-zero row gets scale 1;
-- GGUF Q8_0, Q4_0 and Q4_1 keep the file's bytes: quants as they are (nibbles in GGUF's
-  order), float16 scales and mins as the file stores them, so dequantizing the result is
-  exactly ggml's reference dequantization (tests/models/test_quantize.py);
+- GGUF Q8_0, Q4_0 and Q4_1 keep the file's quants as they are (nibbles in GGUF's order);
+  their float16 scales and mins widen to float32 (Q4_0's min is -8 d), so dequantizing
+  the result is exactly ggml's reference dequantization (tests/models/test_gguf_loader.py);
 - other GGUF types are not kept quantized here (`GGUF_KEPT` says which are); the loader
   dequantizes those as before and logs it.
 """
@@ -22,15 +22,14 @@ import numpy as np
 from jengine.pallas_kernels.quantized_matmul import QuantFormat
 
 INT8 = QuantFormat("int8", "int8", group_size=None)
-# GGUF's block formats multiply x rounded to int8 per block, as llama.cpp does.
-_GGUF = dict(group_size=32, scale_dtype="float16", quantized_activations=True)
-Q8_0 = QuantFormat("Q8_0", "int8", **_GGUF)
-Q4_0 = QuantFormat("Q4_0", "uint4", zero_point=8, **_GGUF)
-Q4_1 = QuantFormat("Q4_1", "uint4", has_mins=True, **_GGUF)
-# GGUF type -> (format, bytes per block of 32, byte offsets of scale, min, quants)
+Q8_0 = QuantFormat("Q8_0", "int8", group_size=32)
+Q4_0 = QuantFormat("Q4_0", "uint4", group_size=32, has_mins=True)
+Q4_1 = QuantFormat("Q4_1", "uint4", group_size=32, has_mins=True)
+# GGUF type -> (format, bytes per block of 32, byte offsets of the scale d, the min m and
+# the quants; the min of Q4_0 is -8 d: its quants are q - 8)
 GGUF_KEPT = {
     "Q8_0": (Q8_0, 34, 0, None, 2),
-    "Q4_0": (Q4_0, 18, 0, None, 2),
+    "Q4_0": (Q4_0, 18, 0, "-8d", 2),
     "Q4_1": (Q4_1, 20, 0, 2, 4),
 }
 # What `--quantization` may name for a float checkpoint.
@@ -57,15 +56,16 @@ def repack_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, ...]):
     blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(*rows, dim // 32, block_bytes)
 
     def half(offset: int) -> np.ndarray:
-        return blocks[..., offset : offset + 2].copy().view(np.float16)[..., 0]
+        """The float16 at `offset` of each block, widened to float32 (exactly)."""
+        return blocks[..., offset : offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
-    quants = blocks[..., quants_at:]
+    values = np.ascontiguousarray(blocks[..., quants_at:]).reshape(*rows, -1)
     arrays = {
-        "values": np.ascontiguousarray(quants).reshape(*rows, -1),
+        "values": values.view(np.int8) if fmt.kind == "int8" else values,
         "scales": half(scale_at),
     }
-    if fmt.kind == "int8":
-        arrays["values"] = arrays["values"].view(np.int8)
-    if min_at is not None:
+    if min_at == "-8d":
+        arrays["mins"] = -8.0 * arrays["scales"]  # exact: a power of two
+    elif min_at is not None:
         arrays["mins"] = half(min_at)
     return fmt, arrays

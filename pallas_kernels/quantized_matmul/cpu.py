@@ -66,20 +66,11 @@ def quantized_matmul_cpu(x: jax.Array, w: QuantizedWeight, layer) -> jax.Array:
 
 @jax.custom_jvp
 def _matmul(x, w, layer):
-    fmt = w.format
     # A format without mins passes a one-element stand-in (the kernel does not read it).
-    mins = w.mins if w.mins is not None else jnp.zeros((1,), w.scales.dtype)
+    mins = w.mins if w.mins is not None else jnp.zeros((1,), jnp.float32)
     call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype))
     return call(
-        x,
-        w.values,
-        w.scales,
-        mins,
-        layer,
-        kind=_KINDS[fmt.kind],
-        zero_point=fmt.zero_point,
-        has_mins=w.mins is not None,
-        quantize_activations=fmt.quantized_activations,
+        x, w.values, w.scales, mins, layer, kind=_KINDS[w.format.kind], has_mins=w.mins is not None
     )
 
 
