@@ -57,11 +57,11 @@ class QuantFormat:
 
     def shapes(self, rows: tuple[int, ...], dim: int) -> dict[str, tuple[tuple[int, ...], str]]:
         """Each array's shape and dtype for a weight [*rows, dim]."""
-        if self.kind == "uint4":
-            values = ((*rows, dim // 2), "uint8")
-        else:
-            values = ((*rows, dim), "int8")
-        shapes = {"values": values, "scales": ((*rows, self.groups(dim)), "float32")}
+        stored, dtype = (dim // 2, "uint8") if self.kind == "uint4" else (dim, "int8")
+        shapes = {
+            "values": ((*rows, stored), dtype),
+            "scales": ((*rows, self.groups(dim)), "float32"),
+        }
         if self.has_mins:
             shapes["mins"] = shapes["scales"]
         return shapes
