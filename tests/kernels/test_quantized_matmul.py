@@ -1,0 +1,185 @@
+"""The CPU quantized-matmul kernel (`pallas_kernels/quantized_matmul/cpu.cc`) against its
+XLA reference and a float64 oracle, for every layout it reads (int8 per channel and per
+group, GGUF's Q8_0, Q4_0 and Q4_1): one row to the most it takes, odd output counts and
+group counts, the layer's neighbours' scales NaN so a read outside `w[layer]` shows,
+derivatives through the reference, operands it must refuse, and the entry point's
+choice (kernel for a few float32 rows, reference otherwise)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jengine.models.quantize import INT8, Q4_0, Q4_1, Q8_0
+from jengine.pallas_kernels.quantized_matmul import (
+    QuantFormat,
+    QuantizedWeight,
+    cpu,
+    dequantize,
+    quantized_matmul,
+    quantized_matmul_reference,
+)
+
+kernel = jax.jit(cpu.quantized_matmul_cpu)
+RUN_TIME_REFUSAL = (jax.errors.JaxRuntimeError, ValueError)  # as in test_cpu_kernel_errors
+INT8_GROUPS_OF_64 = QuantFormat("int8-g64", "int8", group_size=64)
+FORMATS = [INT8, INT8_GROUPS_OF_64, Q8_0, Q4_0, Q4_1]
+
+
+def weight(fmt, outputs: int, dim: int, layers: int = 3, layer: int = 1, seed: int = 0):
+    """A random [layers, outputs, dim] weight in `fmt` whose layers other than `layer` have
+    NaN scales and mins."""
+    rng = np.random.default_rng(seed)
+    arrays = {}
+    for name, (shape, dtype) in fmt.shapes((layers, outputs), dim).items():
+        if name == "values":
+            info = np.iinfo(dtype)
+            arrays[name] = rng.integers(info.min, info.max + 1, size=shape, dtype=dtype)
+        else:
+            array = np.full(shape, np.nan, np.float32)
+            array[layer] = rng.standard_normal(shape[1:]).astype(np.float32) * 0.05
+            arrays[name] = array
+    return QuantizedWeight(arrays["values"], arrays["scales"], arrays.get("mins"), fmt)
+
+
+def oracle(x: np.ndarray, w: QuantizedWeight, layer: int) -> np.ndarray:
+    """float64 x @ dequantize(w[layer]).T."""
+    dense = np.asarray(dequantize(w.map(lambda a: a[layer])), np.float64)
+    return x.astype(np.float64) @ dense.T
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize(
+    "rows, dim, outputs",
+    [
+        (1, 576, 1536),
+        (1, 64, 1),
+        (2, 64, 17),
+        (3, 128, 7),
+        (4, 192, 33),
+        (5, 64, 40),
+        (16, 256, 100),
+    ],
+)
+def test_kernel_matches_reference_and_float64(fmt, rows, dim, outputs):
+    w = weight(fmt, outputs, dim)
+    x = np.random.default_rng(1).standard_normal((rows, dim)).astype(np.float32)
+    ours = np.asarray(kernel(x, w, 1))
+    assert np.isfinite(ours).all()  # nothing read from the NaN layers
+    scale = np.abs(oracle(x, w, 1)).max()
+    np.testing.assert_allclose(ours, oracle(x, w, 1), rtol=0, atol=2e-6 * scale)
+    reference = quantized_matmul_reference(x, w, 1)
+    np.testing.assert_allclose(ours, reference, rtol=0, atol=2e-6 * scale)
+
+
+@pytest.mark.parametrize("fmt", [INT8, Q4_1], ids=lambda f: f.name)
+def test_every_layer_and_a_traced_index(fmt):
+    w = weight(fmt, 12, 64, layers=4, layer=0)
+    w = w.map(lambda a: np.nan_to_num(a, nan=0.01))
+    x = np.random.default_rng(2).standard_normal((2, 64)).astype(np.float32)
+    for layer in range(4):
+        np.testing.assert_allclose(
+            kernel(x, w, jnp.int32(layer)), oracle(x, w, layer), rtol=1e-5, atol=1e-5
+        )
+
+
+def test_derivatives_with_respect_to_x_are_the_reference_ones():
+    w = weight(Q4_1, 9, 64).map(lambda a: np.nan_to_num(a, nan=0.0))
+    x = np.random.default_rng(3).standard_normal((3, 64)).astype(np.float32)
+
+    def loss(matmul, x):
+        return jnp.sum(jnp.sin(matmul(x, w, 1)))
+
+    ours = jax.grad(lambda x: loss(cpu.quantized_matmul_cpu, x))(x)
+    theirs = jax.grad(lambda x: loss(quantized_matmul_reference, x))(x)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "rows, dim, fmt, dtype",
+    [
+        (17, 64, Q4_1, np.float32),
+        (2, 48, INT8, np.float32),
+        (2, 64, Q8_0, jnp.bfloat16),
+        (2, 96, QuantFormat("int8-g48", "int8", group_size=48), np.float32),
+    ],
+    ids=["too-many-rows", "row-not-whole-groups-of-32", "bfloat16", "groups-of-48"],
+)
+def test_operands_it_does_not_take_go_to_the_reference(rows, dim, fmt, dtype):
+    w = weight(fmt, 8, dim).map(lambda a: np.nan_to_num(a, nan=0.0))
+    x = jnp.ones((rows, dim), dtype)
+    assert not cpu.supports(x, w)
+    with pytest.raises(ValueError, match="quantized-matmul kernel takes float32"):
+        cpu.quantized_matmul_cpu(x, w, 0)
+    text = jax.jit(lambda x, w: quantized_matmul(x, w, 1)).lower(x, w).as_text()
+    assert cpu.TARGET_NAME not in text  # the entry point chose the reference
+    np.testing.assert_allclose(
+        np.asarray(quantized_matmul(x, w, 1), np.float32),
+        np.asarray(quantized_matmul_reference(x, w, 1), np.float32),
+    )
+
+
+def test_the_entry_point_takes_the_kernel_for_a_few_float32_rows():
+    assert cpu.KERNEL.load() is None
+    w = weight(Q4_0, 8, 64)
+    x = jnp.ones((4, 64), jnp.float32)
+    text = jax.jit(lambda x, w: quantized_matmul(x, w, 1)).lower(x, w).as_text()
+    assert cpu.TARGET_NAME in text
+    forced = jax.jit(lambda x, w: quantized_matmul(x, w, 1, impl="reference")).lower(x, w)
+    assert cpu.TARGET_NAME not in forced.as_text()
+
+
+def test_a_layer_outside_the_stack_is_refused():
+    w = weight(Q8_0, 4, 32, layers=2)
+    x = np.ones((1, 32), np.float32)
+    for layer in (2, -1):
+        with pytest.raises(RUN_TIME_REFUSAL, match=f"layer {layer} is outside the 2 layers"):
+            np.asarray(kernel(x, w, layer))
+
+
+def test_the_target_refuses_what_it_cannot_read():
+    """Called directly (past `supports`), cpu.cc checks the operands itself."""
+    assert cpu.KERNEL.load() is None
+    w = weight(Q4_1, 4, 64)
+    call = jax.ffi.ffi_call(cpu.TARGET_NAME, jax.ShapeDtypeStruct((2, 4), jnp.float32))
+    layer = jnp.ones((1,), jnp.int32)
+    x = jnp.ones((2, 64), jnp.float32)
+
+    def run(x, values, scales, mins, kind=1):
+        attributes = dict(kind=kind, has_mins=True)
+        return np.asarray(
+            jax.jit(lambda *a: call(*a, **attributes))(x, values, scales, mins, layer)
+        )
+
+    with pytest.raises(RUN_TIME_REFUSAL, match="x's D must match"):
+        run(x[:, :32], w.values, w.scales, w.mins)
+    with pytest.raises(RUN_TIME_REFUSAL, match="values must be int8"):
+        run(x, w.values, w.scales, w.mins, kind=0)
+    with pytest.raises(RUN_TIME_REFUSAL, match="mins must be shaped like scales"):
+        run(x, w.values, w.scales, w.mins[:, :2])
+
+
+def test_a_float_weight_quantized_to_int8_stays_close():
+    """`--quantization int8`: symmetric per output row, round to nearest."""
+    from jengine.models.quantize import quantize
+
+    rng = np.random.default_rng(4)
+    dense = rng.standard_normal((2, 40, 96)).astype(np.float32)
+    dense[0, 3] = 0.0  # an all-zero row keeps a usable scale
+    arrays = quantize(dense, INT8)
+    w = QuantizedWeight(arrays["values"], arrays["scales"], None, INT8)
+    assert arrays["values"].dtype == np.int8 and arrays["scales"].shape == (2, 40, 1)
+    assert np.abs(arrays["values"]).max() == 127
+    step = np.abs(dense).max(axis=-1, keepdims=True) / 127
+    assert (np.abs(np.asarray(dequantize(w)) - dense) <= step / 2 + 1e-7).all()
+    assert (np.asarray(dequantize(w))[0, 3] == 0).all()
+
+
+def test_formats_check_their_groups():
+    with pytest.raises(ValueError, match="uint4 weights come in groups of 32"):
+        QuantFormat("bad", "uint4", group_size=64)
+    with pytest.raises(ValueError, match="not whole groups of 32"):
+        Q4_1.shapes((4,), 48)
+    assert dataclasses.replace(Q4_1).bytes_per_weight(64) == 0.5 + 8 / 32
