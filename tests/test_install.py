@@ -99,7 +99,7 @@ def test_the_wheel_carries_the_bundled_models_and_the_kernel_sources(wheel):
     for folder in ("shakespeare-llama", "shakespeare-llama-draft"):
         for file in ("config.json", "model.safetensors", "tokenizer.json"):
             assert f"jengine/models/{folder}/{file}" in names, (folder, file)
-    for kernel in ("ragged_paged_attention", "stacked_matmul"):
+    for kernel in ("ragged_paged_attention", "stacked_matmul", "quantized_matmul"):
         assert f"jengine/pallas_kernels/{kernel}/cpu.cc" in names
 
 

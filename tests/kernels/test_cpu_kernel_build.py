@@ -37,6 +37,12 @@ from jengine.pallas_kernels.stacked_matmul import cpu as matmul_cpu
 assert matmul_cpu.KERNEL.load() is None, matmul_cpu.KERNEL.load()
 x, w = np.ones((3, 16), np.float32), np.arange(2 * 5 * 16, dtype=np.float32).reshape(2, 5, 16)
 np.testing.assert_allclose(matmul_cpu.stacked_matmul_cpu(x, w, 1), x @ w[1].T)
+from jengine.models.quantize import INT8
+from jengine.pallas_kernels.quantized_matmul import QuantizedWeight, cpu as quantized_cpu
+assert quantized_cpu.KERNEL.load() is None, quantized_cpu.KERNEL.load()
+x = np.ones((2, 32), np.float32)
+q = QuantizedWeight(np.ones((2, 5, 32), np.int8), np.full((2, 5, 1), 0.5, np.float32), None, INT8)
+np.testing.assert_allclose(quantized_cpu.quantized_matmul_cpu(x, q, 1), np.full((2, 5), 16.0))
 print("kernel ok")
 """
 
@@ -71,7 +77,7 @@ def test_every_compiler_on_path_builds_a_correct_kernel(tmp_path, cxx):
     result = _run(CHECK_BUILD, tmp_path, CXX=cxx)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "kernel ok" in result.stdout
-    assert len(list(tmp_path.glob("*.so"))) == 2, "both kernels built into the given cache"
+    assert len(list(tmp_path.glob("*.so"))) == 3, "every kernel built into the given cache"
 
 
 def test_cxx_with_arguments(tmp_path):

