@@ -164,10 +164,11 @@ def load_model(path: str, dtype="auto", quantization: str | None = None) -> nnx.
     """Load an HF checkpoint folder or a GGUF file (or a folder holding one); returns the
     Flax model with weights in `dtype`.
 
-    `quantization` (vLLM's `--quantization`): None keeps what the checkpoint holds (a GGUF's
-    quantized blocks stay quantized where the matmul reads them, models/quantize.py);
-    "none" dequantizes a GGUF to `dtype`; "int8" quantizes a float checkpoint's linear
-    weights (weight-only, per output channel) one tensor at a time."""
+    `quantization` (vLLM's `--quantization`): None (or "gguf") keeps what the checkpoint
+    holds (a GGUF's quantized blocks stay quantized where the matmul reads them,
+    models/quantize.py); "none" dequantizes a GGUF to `dtype`; "int8" quantizes the linear
+    weights (weight-only, per output channel) one parameter at a time, a GGUF's after
+    dequantizing them."""
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(
             f"unknown quantization {quantization!r}; expected one of "
@@ -177,14 +178,14 @@ def load_model(path: str, dtype="auto", quantization: str | None = None) -> nnx.
     if gguf_path is not None:
         from jengine.models.gguf_loader import load_gguf_model
 
-        if quantization not in (None, "none", "gguf"):
-            raise ValueError(
-                f"quantization={quantization!r} for a GGUF file: its weights are quantized "
-                "already (keep them: leave quantization unset; dequantize: 'none')"
-            )
-        return load_gguf_model(
-            gguf_path, resolve_dtype(dtype), keep_quantized=quantization != "none"
-        )
+        keep = quantization in (None, "gguf")
+        model = load_gguf_model(gguf_path, resolve_dtype(dtype), keep_quantized=keep)
+        if quantization not in METHODS:
+            return model
+        # int8 from a GGUF: its weights dequantized, then quantized the requested way.
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        params, config = quantized_params(params, model.config, quantization)
+        return model_from_params(type(model), config, params, model.dtype)
     hf_config = read_hf_config(path)
     model_cls, config_cls = resolve_architecture(hf_config)
     try:
