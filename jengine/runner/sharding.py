@@ -111,34 +111,43 @@ class TensorParallel:
     def fit_params(self, params: dict, config) -> dict:
         """A params dict in the checkpoint's layout -> the engine's (each step a no-op
         where the weights have it already)."""
+        # A quantized weight is a dict of arrays (values, scales, mins), each with the
+        # weight's rows on the same axis: each is padded or repeated alike.
         params = dict(params)
         for name in ("embed_tokens", "lm_head"):
-            if name in params and params[name].shape[0] == config.vocab_size:
-                params[name] = _pad_rows(params[name], self.vocab_padding)
+            if name in params and _rows(params[name], 0) == config.vocab_size:
+                params[name] = jax.tree.map(
+                    lambda w: _pad_rows(w, self.vocab_padding), params[name]
+                )
         layers = dict(params["layers"])
         head_dim = config.head_dim
         # k/v weights are [L, K * H, D], their biases [L, K * H].
-        if self.kv_repeats == 1 or layers["k_proj"].shape[1] == self.size * head_dim:
+        if self.kv_repeats == 1 or _rows(layers["k_proj"], 1) == self.size * head_dim:
             return params  # nothing to repeat, or repeated already
         for name in ("k_proj", "v_proj", "k_bias", "v_bias"):
             if name in layers:
-                layers[name] = _repeat_heads(layers[name], head_dim, self.kv_repeats, axis=1)
+                layers[name] = jax.tree.map(
+                    lambda w: _repeat_heads(w, head_dim, self.kv_repeats, axis=1), layers[name]
+                )
         return {**params, "layers": layers}
 
     # -- placement --------------------------------------------------------------------------
 
     def param_shardings(self, params):
-        """A NamedSharding per leaf of the params State, by parameter name."""
+        """A NamedSharding per leaf of the params State, by parameter name. A quantized
+        weight's arrays (values, scales, mins: `models/quantized_linear.py`) split along
+        its own axis each where their size allows, else stay whole (per-channel scales
+        of a row-parallel weight: each output's one scale multiplies every shard's part)."""
 
         def spec(path, leaf) -> NamedSharding:
             names = [getattr(p, "key", getattr(p, "name", None)) for p in path]
             if "layers" in names:
-                axis = _LAYER_SPLIT.get(names[-2] if names[-1] == "value" else names[-1])
+                axis = _LAYER_SPLIT.get(names[names.index("layers") + 1])
                 split = None if axis is None else axis + 1  # after the layer axis
             else:
                 split = _TOP_SPLIT.get(names[0])
             axes = [None] * leaf.ndim
-            if split is not None:
+            if split is not None and leaf.shape[split] % self.size == 0:
                 axes[split] = AXIS
             return NamedSharding(self.mesh, P(*axes))
 
@@ -150,6 +159,11 @@ class TensorParallel:
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
+
+
+def _rows(weight, axis: int) -> int:
+    """A weight's size along `axis`: an array's, or a quantized weight's values'."""
+    return (weight["values"] if isinstance(weight, dict) else weight).shape[axis]
 
 
 def _pad_rows(weight, rows: int):

@@ -18,6 +18,7 @@ import pytest
 from jengine.runner.sharding import TensorParallel
 from tests.engine.engine_helpers import hf_greedy_logprobs
 from tests.models.checkpoints import make_checkpoint
+from tests.models.gguf_files import write_llama_gguf
 from tests.runner.tp_check import MAX_TOKENS, PROMPTS
 
 # family -> its vocabulary: 417 divides by neither 2 nor 4.
@@ -32,11 +33,10 @@ def checkpoint(request, tmp_path_factory):
     return path, hf_model
 
 
-@pytest.fixture(scope="module")
-def results(checkpoint):
+def _tp_check(*args: str) -> dict:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.runner.tp_check", checkpoint[0]],
+        [sys.executable, "-m", "tests.runner.tp_check", *args],
         capture_output=True,
         text=True,
         env=env,
@@ -44,6 +44,11 @@ def results(checkpoint):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def results(checkpoint):
+    return _tp_check(checkpoint[0])
 
 
 def test_sizes_agree_with_each_other_and_transformers(checkpoint, results):
@@ -123,3 +128,27 @@ def test_sizes_that_cannot_work_are_refused(checkpoint):
         TensorParallel.create(4, config)  # this process has one CPU device
     with pytest.raises(ValueError, match="does not divide"):
         TensorParallel.create(3, config)
+
+
+@pytest.mark.parametrize("quantization", ["Q4_1", "int8"])
+def test_quantized_weights_give_the_same_outputs_at_every_size(tmp_path, quantization):
+    """GGUF Q4_1 kept quantized (row-parallel weights of 2 groups: split at TP=2, where
+    groups stay whole, and at TP=4 through XLA's resharding) and int8 per channel (its
+    scales of row-parallel weights whole on every device)."""
+    path = str(tmp_path / "hf")
+    make_checkpoint("llama3", path, config_overrides=dict(num_key_value_heads=2))
+    if quantization == "int8":
+        results = _tp_check(path, "int8")
+    else:
+        gguf = write_llama_gguf(path, str(tmp_path / "model.gguf"), quantization)
+        results = _tp_check(gguf, "gguf")
+    one = results["1"]
+    for tp in ("2", "4"):
+        assert results[tp]["tokens"] == one["tokens"], tp
+        for ours, theirs in zip(results[tp]["logprobs"], one["logprobs"], strict=True):
+            np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+        assert results[tp]["compiles_after_warmup"] == 0
+    split = results["split"]
+    for name in ("q_proj", "gate_proj", "o_proj", "down_proj"):
+        assert any(f"'{name}']['values']" in leaf for leaf in split), (name, split)
+    assert any("'q_proj']['scales']" in leaf for leaf in split)

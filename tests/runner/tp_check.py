@@ -3,6 +3,7 @@ the same requests at tensor-parallel sizes 1, 2 and 4, and what the TP=4 engine 
 compiles. Prints one JSON object.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m tests.runner.tp_check PATH
+    ... PATH.gguf gguf | PATH int8: the same with quantized weights (sizes 1, 2, 4 only)
 """
 
 import json
@@ -51,8 +52,8 @@ def token_ids(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def run(path: str, tp: int) -> tuple[dict, LLM]:
-    llm = LLM(path, tensor_parallel_size=tp, **ENGINE)
+def run(path: str, tp: int, **kwargs) -> tuple[dict, LLM]:
+    llm = LLM(path, tensor_parallel_size=tp, **ENGINE, **kwargs)
     # The shared prefix the second prompt computes is a cache hit for the fourth.
     outputs = generate(llm, logprobs=2)
     core = llm.engine_core
@@ -170,8 +171,27 @@ def on_a_training_mesh(path: str) -> dict:
     )
 
 
+def quantized(path: str, quantization: str | None) -> dict:
+    """Sizes 1, 2 and 4 with quantized weights (a GGUF's, or int8), and which of their
+    arrays TP=4 splits."""
+    results = {}
+    for tp in (1, 2, 4):
+        results[tp], llm = run(path, tp, quantization=quantization)
+    params = llm.engine_core.runner.params
+    results["split"] = [
+        jax.tree_util.keystr(path)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+        if leaf.addressable_shards[0].data.shape != leaf.shape
+    ]
+    return results
+
+
 def main() -> None:
     path = sys.argv[1]
+    if len(sys.argv) > 2:  # quantized weights: a GGUF kept quantized, or "int8"
+        quantization = None if sys.argv[2] == "gguf" else sys.argv[2]
+        print(json.dumps(quantized(path, quantization)))
+        return
     results = {}
     for tp in (1, 2, 4):
         results[tp], llm = run(path, tp)
