@@ -101,6 +101,7 @@ class EngineCore:
             sum(x.size for x in jax.tree.leaves(self.runner.params)) / 1e6,
             self.runner.attention_impl,
         )
+        logger.info(self.runner.weights_report())
         self.capacity_report = self.runner.capacity_report()
         logger.info(self.capacity_report)
         vocab_size = self.runner.config.vocab_size

@@ -5,6 +5,8 @@ shape, picks a budget (`kv_cache_memory_bytes`, else `default_kv_budget`) unless
 config fixed `num_gpu_blocks`, allocates `blocks_from_budget(budget)` blocks and reports
 `capacity_report(num_blocks)`; `EngineCore` logs that line and hands it to the front end.
 The scheduler's block pool then has exactly that many blocks. No jax arrays are made here.
+`weights_report` is the line beside it on the weights: their resident bytes and, quantized,
+what the saving buys in KV-cache tokens.
 
 Promises:
 - a block is one page of every layer's K and V: `bytes_per_block` is the size of
@@ -100,3 +102,34 @@ def default_kv_budget(
     # Headroom for the largest step's activations, dominated by its f32 logits.
     activations = 4 * max_num_batched_tokens * vocab_size * 4
     return max(0, int(limit * gpu_memory_utilization) - weights - activations)
+
+
+def weights_report(params: dict, config, dtype, sizing: KVCacheSizing) -> str:
+    """The weights' resident bytes (a pure params dict); with quantized weights also their
+    formats and the KV-cache tokens that the bytes saved against `dtype` weights hold."""
+
+    def dense_bytes(tree) -> int:
+        if isinstance(tree, dict) and "values" in tree:  # a quantized weight
+            values = tree["values"]
+            per_byte = 2 if values.dtype == jnp.uint8 else 1  # uint4: two to a byte
+            return values.size * per_byte * jnp.dtype(dtype).itemsize
+        if isinstance(tree, dict):
+            return sum(dense_bytes(child) for child in tree.values())
+        return tree.nbytes
+
+    resident = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    text = f"weights: {resident / 2**30:.3f} GiB resident"
+    if not config.quantization:
+        return text
+    formats: dict[str, list[str]] = {}
+    for name, fmt in config.quantization:
+        formats.setdefault(fmt.name, []).append(name)
+    held = "; ".join(f"{fmt}: {', '.join(names)}" for fmt, names in formats.items())
+    dense = dense_bytes(params)
+    saved = dense - resident
+    tokens = saved // sizing.bytes_per_block * sizing.block_size
+    name = jnp.dtype(dtype).name
+    return (
+        f"{text}, quantized ({held}; the rest {name}), against {dense / 2**30:.3f} GiB in "
+        f"{name}: the {saved / 2**30:.3f} GiB saved hold {tokens} KV-cache tokens"
+    )

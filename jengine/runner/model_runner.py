@@ -48,7 +48,7 @@ from jengine.runner.compilation import CompileCounter, StaticJit, compile_ahead_
 from jengine.runner.draft_model import DraftModel, check_draft_model
 from jengine.runner.grammar_mask import place_grammar_rows
 from jengine.runner.input_batch import CachedRequestState, InputBatch
-from jengine.runner.kv_cache_sizing import KVCacheSizing, default_kv_budget
+from jengine.runner.kv_cache_sizing import KVCacheSizing, default_kv_budget, weights_report
 from jengine.runner.prepared_step import PreparedStep
 from jengine.runner.sampler import SamplingMetadata, SamplingState, write_slot_history
 from jengine.runner.sharding import TensorParallel
@@ -187,6 +187,10 @@ class ModelRunner:
 
     def capacity_report(self) -> str:
         return self.kv_sizing.capacity_report(self.num_blocks)
+
+    def weights_report(self) -> str:
+        params = nnx.to_pure_dict(self.params)
+        return weights_report(params, self.config, self.dtype, self.kv_sizing)
 
     @property
     def compiles_after_warmup(self) -> int:
