@@ -118,7 +118,7 @@ def weights_report(params: dict, config, dtype, sizing: KVCacheSizing) -> str:
         return tree.nbytes
 
     resident = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
-    text = f"weights: {resident / 2**30:.3f} GiB resident"
+    text = f"weights: {_size(resident)} resident"
     if not config.quantization:
         return text
     formats: dict[str, list[str]] = {}
@@ -130,6 +130,10 @@ def weights_report(params: dict, config, dtype, sizing: KVCacheSizing) -> str:
     tokens = saved // sizing.bytes_per_block * sizing.block_size
     name = jnp.dtype(dtype).name
     return (
-        f"{text}, quantized ({held}; the rest {name}), against {dense / 2**30:.3f} GiB in "
-        f"{name}: the {saved / 2**30:.3f} GiB saved hold {tokens} KV-cache tokens"
+        f"{text}, quantized ({held}; the rest {name}), against {_size(dense)} in {name}: "
+        f"the {_size(saved)} saved hold {tokens} KV-cache tokens"
     )
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.3f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"

@@ -63,7 +63,8 @@ def test_gguf_kept_quantized_generates_as_dequantized(hf_folder, tmp_path, tenso
     kept = LLM(path, **TIGHT)
     assert set(LINEAR_WEIGHTS) <= set(dict(kept.engine_core.runner.config.quantization))
     report = kept.engine_core.runner.weights_report()
-    assert f"{tensor_type}: q_proj, k_proj" in report and "KV-cache tokens" in report, report
+    assert f"{tensor_type}: " in report and "q_proj, k_proj" in report, report
+    assert "MiB saved hold" in report and "KV-cache tokens" in report, report
     ours, our_logprobs, outputs = _generate(kept, prompts)
     assert kept.engine_core.num_preemptions > 0, "no preemption was forced"
     assert any(o.num_cached_tokens > 0 for o in outputs), "no prefix-cache hit"
