@@ -3,8 +3,9 @@ request, jengine against transformers and llama.cpp, with this machine's bandwid
 roofline.
 
 Workload C (bench/workloads.py): one request, a 128-token prompt, 256 greedy output tokens
-(EOS masked on every side), on the benchmark model or a GGUF (`--model smollm2`: llama.cpp
-then runs the file as it is and an F32 copy). In one run:
+(EOS masked on every side), on the benchmark model or a GGUF (`--model smollm2`: jengine
+and llama.cpp then run the file as it is, its matrices quantized, and as F32; each row is
+compared with the other engine's row on the same weights). In one run:
 - jengine: the request through `LLMEngine` with per-token timestamps (TTFT = the first
   token's arrival, decode rate = the rest over the time they took), best of `--repeats`;
 - transformers `generate`: TTFT = a 1-token generate, decode rate from a 256-token one;
@@ -23,6 +24,7 @@ from .common import (
     add_common_args,
     add_llama_cpp_args,
     gguf_model,
+    gguf_weight_type,
     llama_cpp_models,
     model_config,
     package_versions,
@@ -34,12 +36,17 @@ from .workloads import make_bench_model, workload_c
 
 
 def jengine_latency(
-    path: str, prompt: list[int], max_tokens: int, repeats: int, top_p: float | None = None
+    path: str,
+    prompt: list[int],
+    max_tokens: int,
+    repeats: int,
+    top_p: float | None = None,
+    quantization: str | None = None,
 ) -> dict:
     from jengine import LLM, SamplingParams
     from jengine.engine.output_processor import RequestOutputKind
 
-    llm = LLM(path, dtype="float32", max_model_len=512)
+    llm = LLM(path, dtype="float32", max_model_len=512, quantization=quantization)
     engine = llm.llm_engine
     sampling = dict(temperature=1.0, top_p=top_p, seed=0) if top_p else dict(temperature=0)
     params = SamplingParams(**sampling, max_tokens=max_tokens, min_tokens=max_tokens)
@@ -71,6 +78,16 @@ def jengine_latency(
         runs=runs,
         compiles_after_warmup=llm.engine_core.compiles_after_warmup(),
     )
+
+
+def jengine_rows(path: str) -> dict[str, str | None]:
+    """jengine's row names -> the `quantization` each runs: the benchmark model as it is;
+    a GGUF as it is (its matrices kept quantized) and dequantized to float32."""
+    from jengine.models.checkpoint import gguf_file
+
+    if gguf_file(path) is None:
+        return {"jengine": None}
+    return {f"jengine ({gguf_weight_type(path)})": None, "jengine (F32)": "none"}
 
 
 def llama_cpp_latency(args, path: str, prompt_len: int, max_tokens: int) -> dict:
@@ -127,7 +144,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"memory bandwidth {bandwidth:.1f} GB/s; weights {step_bytes / 1e6:.0f} MB "
           f"per decode step; roofline {roofline:.0f} tok/s")  # fmt: skip
 
-    results = {"jengine": jengine_latency(path, prompt, max_tokens, args.repeats, args.top_p)}
+    # A GGUF runs as it is (kept quantized: "jengine (Q4_1)") and dequantized ("jengine
+    # (F32)"), beside llama.cpp's rows of the same names.
+    rows = jengine_rows(path)
+    results = {
+        name: jengine_latency(path, prompt, max_tokens, args.repeats, args.top_p, quantization)
+        for name, quantization in rows.items()
+    }
     if not args.skip_transformers:
         from .peers.transformers_peer import TransformersPeer
 
@@ -145,14 +168,23 @@ def main(argv: list[str] | None = None) -> None:
     for name, r in results.items():
         print(f"{name:>12}: TTFT {1000 * r['ttft_s']:6.1f} ms, decode "
               f"{r['decode_tok_per_s']:6.1f} tok/s")  # fmt: skip
-    ours = results["jengine"]
-    ratios = {"jengine decode / bandwidth roofline": ours["decode_tok_per_s"] / roofline}
-    for peer in results:
-        if peer != "jengine":
-            ratios[f"jengine decode / {peer}"] = (
-                ours["decode_tok_per_s"] / results[peer]["decode_tok_per_s"]
+    ratios = {}
+    for row in rows:
+        if row in ("jengine", "jengine (F32)"):  # the float32 weights the roofline counts
+            ratios[f"{row} decode / bandwidth roofline"] = (
+                results[row]["decode_tok_per_s"] / roofline
             )
-            ratios[f"jengine TTFT / {peer}"] = ours["ttft_s"] / results[peer]["ttft_s"]
+    for peer in results:
+        # Each peer against jengine on the same weights: llama.cpp (Q4_1) against jengine
+        # (Q4_1); transformers, which dequantizes a GGUF, against jengine's float32 row.
+        row = "jengine" + peer.removeprefix("llama.cpp").removeprefix("transformers")
+        if peer == "transformers" and "jengine (F32)" in rows:
+            row = "jengine (F32)"
+        if peer in rows or row not in rows:
+            continue
+        ours, theirs = results[row], results[peer]
+        ratios[f"{row} decode / {peer}"] = ours["decode_tok_per_s"] / theirs["decode_tok_per_s"]
+        ratios[f"{row} TTFT / {peer}"] = ours["ttft_s"] / theirs["ttft_s"]
     for name, ratio in ratios.items():
         print(f"{name} = {ratio:.2f}x")
     write_result(
