@@ -29,6 +29,10 @@
 #include <thread>
 #include <vector>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -78,6 +82,14 @@ struct Work {
 template <Kind K>
 inline void Widen(const uint8_t* row, int64_t i, f32x16& low, f32x16& high) {
   if constexpr (K == kInt8) {
+#ifdef __AVX512F__
+    // One sign-extending load and one conversion per 16 values.
+    low = f32x16(_mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i)))));
+    high = f32x16(_mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i + 16)))));
+    return;
+#endif
     u8x16 a, b;
     std::memcpy(&a, row + i, 16);
     std::memcpy(&b, row + i + 16, 16);
@@ -100,25 +112,54 @@ void Output(const Work& p, int64_t j, int64_t t0) {
   const float* scales = p.scales + j * G;
   const float* x = p.x + t0 * D;
   f32x16 acc[TR] = {};
-  for (int64_t g = 0; g < G; ++g) {
-    f32x16 dot[TR] = {};
-    for (int64_t i = g * group; i < (g + 1) * group; i += kGroup) {
-      f32x16 low, high;
-      Widen<K>(row, i, low, high);
-      for (int t = 0; t < TR; ++t)
-        dot[t] += low * Load(x + t * D + i) + high * Load(x + t * D + i + 16);
+  if (group == kGroup) {
+    // One widening per group (every GGUF format): two groups a pass, their products
+    // independent of each other.
+    f32x16 acc2[TR] = {};
+    int64_t g = 0;
+    for (; g + 2 <= G; g += 2) {
+      const int64_t i = g * kGroup;
+      f32x16 a0, a1, b0, b1;
+      Widen<K>(row, i, a0, a1);
+      Widen<K>(row, i + kGroup, b0, b1);
+      for (int t = 0; t < TR; ++t) {
+        const float* xt = x + t * D + i;
+        acc[t] += (a0 * Load(xt) + a1 * Load(xt + 16)) * scales[g];
+        acc2[t] += (b0 * Load(xt + 32) + b1 * Load(xt + 48)) * scales[g + 1];
+      }
     }
-    for (int t = 0; t < TR; ++t) acc[t] += dot[t] * scales[g];
+    for (; g < G; ++g) {
+      f32x16 a0, a1;
+      Widen<K>(row, g * kGroup, a0, a1);
+      for (int t = 0; t < TR; ++t) {
+        const float* xt = x + t * D + g * kGroup;
+        acc[t] += (a0 * Load(xt) + a1 * Load(xt + 16)) * scales[g];
+      }
+    }
+    for (int t = 0; t < TR; ++t) acc[t] += acc2[t];
+  } else {
+    for (int64_t g = 0; g < G; ++g) {
+      f32x16 dot[TR] = {};
+      for (int64_t i = g * group; i < (g + 1) * group; i += kGroup) {
+        f32x16 low, high;
+        Widen<K>(row, i, low, high);
+        for (int t = 0; t < TR; ++t)
+          dot[t] += low * Load(x + t * D + i) + high * Load(x + t * D + i + 16);
+      }
+      for (int t = 0; t < TR; ++t) acc[t] += dot[t] * scales[g];
+    }
   }
   for (int t = 0; t < TR; ++t) {
     float shift = 0.0f;
     if (p.mins) {
+      // sum over groups of min * (the group's sum of x), 16 groups a vector.
       const float* mins = p.mins + j * G;
       const float* sums = p.x_sums.data() + (t0 + t) * G;
-      float lanes[8] = {};
-      for (int64_t g = 0; g < G; ++g) lanes[g & 7] += mins[g] * sums[g];
-      shift = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) +
-              ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+      f32x16 lanes = {};
+      int64_t g = 0;
+      for (; g + 16 <= G; g += 16) lanes += Load(mins + g) * Load(sums + g);
+      for (; g < G; ++g) shift += mins[g] * sums[g];
+      shift += Sum(lanes);
     }
     p.out[(t0 + t) * p.num_outputs + j] = Sum(acc[t]) + shift;
   }
