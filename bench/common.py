@@ -111,6 +111,34 @@ def llama_cpp_models(llama_cpp, path: str) -> dict[str, str]:
     return {f"llama.cpp ({gguf_weight_type(path)})": path, "llama.cpp (F32)": gguf_to_f32(path)}
 
 
+def jengine_rows(path: str) -> dict[str, str | None]:
+    """jengine's row names -> the `quantization` each runs: the benchmark model as it is
+    ("jengine"); a GGUF as it is, its matrices kept quantized ("jengine (Q4_1)"), and
+    dequantized to float32 ("jengine (F32)"), beside llama.cpp's rows of the same names."""
+    from jengine.models.checkpoint import gguf_file
+
+    if gguf_file(path) is None:
+        return {"jengine": None}
+    return {f"jengine ({gguf_weight_type(path)})": None, "jengine (F32)": "none"}
+
+
+def weights_of(row: str) -> str:
+    """The weights a result row ran: "(Q4_1)" for "jengine (Q4_1)" or "llama.cpp (Q4_1)",
+    "" for the benchmark model's rows; transformers dequantizes a GGUF, so its rows count
+    as "(F32)" wherever rows name their weights (`same_weights` takes care of that)."""
+    return row[row.index("(") :] if "(" in row else ""
+
+
+def same_weights(ours: list[str], peers: list[str]) -> list[tuple[str, str]]:
+    """(jengine row, peer row) pairs that ran the same weights: what a ratio may compare."""
+    gguf = any(weights_of(row) for row in ours)
+    pairs = []
+    for peer in peers:
+        weights = "(F32)" if gguf and peer.startswith("transformers") else weights_of(peer)
+        pairs += [(row, peer) for row in ours if weights_of(row) == weights]
+    return pairs
+
+
 def gguf_weight_type(path: str) -> str:
     """The type most of a GGUF's matrices are stored in ("Q4_1", "F16", ...)."""
     import collections

@@ -24,11 +24,13 @@ from .common import (
     add_common_args,
     add_llama_cpp_args,
     gguf_model,
-    gguf_weight_type,
+    jengine_rows,
     llama_cpp_models,
     model_config,
     package_versions,
     print_header,
+    same_weights,
+    weights_of,
     write_result,
 )
 from .roofline import read_bandwidth_gbs, weight_bytes
@@ -78,16 +80,6 @@ def jengine_latency(
         runs=runs,
         compiles_after_warmup=llm.engine_core.compiles_after_warmup(),
     )
-
-
-def jengine_rows(path: str) -> dict[str, str | None]:
-    """jengine's row names -> the `quantization` each runs: the benchmark model as it is;
-    a GGUF as it is (its matrices kept quantized) and dequantized to float32."""
-    from jengine.models.checkpoint import gguf_file
-
-    if gguf_file(path) is None:
-        return {"jengine": None}
-    return {f"jengine ({gguf_weight_type(path)})": None, "jengine (F32)": "none"}
 
 
 def llama_cpp_latency(args, path: str, prompt_len: int, max_tokens: int) -> dict:
@@ -170,18 +162,12 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['decode_tok_per_s']:6.1f} tok/s")  # fmt: skip
     ratios = {}
     for row in rows:
-        if row in ("jengine", "jengine (F32)"):  # the float32 weights the roofline counts
+        if weights_of(row) in ("", "(F32)"):  # the float32 weights the roofline counts
             ratios[f"{row} decode / bandwidth roofline"] = (
                 results[row]["decode_tok_per_s"] / roofline
             )
-    for peer in results:
-        # Each peer against jengine on the same weights: llama.cpp (Q4_1) against jengine
-        # (Q4_1); transformers, which dequantizes a GGUF, against jengine's float32 row.
-        row = "jengine" + peer.removeprefix("llama.cpp").removeprefix("transformers")
-        if peer == "transformers" and "jengine (F32)" in rows:
-            row = "jengine (F32)"
-        if peer in rows or row not in rows:
-            continue
+    peers = [name for name in results if name not in rows]
+    for row, peer in same_weights(list(rows), peers):
         ours, theirs = results[row], results[peer]
         ratios[f"{row} decode / {peer}"] = ours["decode_tok_per_s"] / theirs["decode_tok_per_s"]
         ratios[f"{row} TTFT / {peer}"] = ours["ttft_s"] / theirs["ttft_s"]

@@ -17,7 +17,7 @@ import json
 import re
 from pathlib import Path
 
-from .common import RESULTS_DIR
+from .common import RESULTS_DIR, same_weights
 
 # README table -> (the JSON files' suffix, its markers): the benchmark model, and SmolLM2's
 # GGUF (`jengine bench throughput|latency --model smollm2 --out ...-smollm2.json`).
@@ -48,10 +48,17 @@ def columns(suffix: str = "") -> list[tuple[str, dict, str, bool]]:
     throughput = load(f"throughput{suffix}")
     if throughput:
         rates = {r["engine"]: r["output_tok_per_s"] for r in throughput["results"]}
-        offline = {e: rate for e, rate in rates.items() if e != "jengine serve"}
+        offline = {e: rate for e, rate in rates.items() if not e.startswith("jengine serve")}
         found.append(("A: `LLM.generate` / peer, output tok/s", offline, "{:.0f}", True))
-        if "jengine serve" in rates:
-            served = dict(offline, jengine=rates["jengine serve"])
+        # The server's figure in its jengine row ("jengine serve (Q4_1)" -> "jengine (Q4_1)").
+        serve_rows = {
+            e.replace("jengine serve", "jengine"): r
+            for e, r in rates.items()
+            if e.startswith("jengine serve")
+        }
+        if serve_rows:
+            peers = {e: r for e, r in offline.items() if not e.startswith("jengine")}
+            served = peers | serve_rows
             found.append(("A: `jengine serve` / peer, output tok/s", served, "{:.0f}", True))
     latency = load(f"latency{suffix}")
     if latency:
@@ -81,10 +88,16 @@ def table(suffix: str = "") -> str:
         "| engine | " + " | ".join(c[0] for c in cols) + " |",
         "|---" * (len(cols) + 1) + "|",
     ]
-    engines = ["jengine", "transformers"]
-    engines += sorted({e for c in cols for e in c[1] if e.startswith("llama")})
+    rows = {e for c in cols for e in c[1]}
+    ours = sorted(e for e in rows if e.startswith("jengine"))
+    engines = ours + ["transformers"] + sorted(e for e in rows if e.startswith("llama"))
+    # Each peer's cell carries jengine's ratio on the same weights (bench/common.py).
+    base = {peer: row for row, peer in same_weights(ours, engines[len(ours) :])}
     for engine in engines:
-        cells = [_cell(c[1].get(engine), c[1].get("jengine"), c[2], c[3]) for c in cols]
+        cells = [
+            _cell(c[1].get(engine), c[1].get(base[engine]) if engine in base else None, c[2], c[3])
+            for c in cols
+        ]
         lines.append(f"| {engine} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -2,8 +2,10 @@
 
 Workload A (bench/workloads.py): 128 requests, prompts of 64-256 tokens, exactly 128
 greedy output tokens each, on the 56M-parameter random Llama (float32), or on a GGUF
-(`--model smollm2`: jengine and transformers dequantize it to float32; llama.cpp runs the
-file as it is and an F32 copy, two rows). In one run:
+(`--model smollm2`: jengine runs the file as it is, its matrices kept quantized, and
+dequantized to float32, llama.cpp the file as it is and an F32 copy, transformers
+dequantizes it; each jengine row is compared with the peers on the same weights). In one
+run:
 - jengine `LLM.generate` (engine defaults; prefix cache reset before every pass);
 - `jengine serve` (prefix caching off), every request sent at once over HTTP;
 - Hugging Face transformers `generate`, prompts sorted by length, one pass per batch size
@@ -30,10 +32,12 @@ from .common import (
     add_llama_cpp_args,
     compare_outputs,
     gguf_model,
+    jengine_rows,
     llama_cpp_models,
     model_config,
     package_versions,
     print_header,
+    same_weights,
     write_result,
 )
 from .http_client import JengineServer, complete_all
@@ -85,9 +89,8 @@ class JengineOffline:
 
 
 class JengineServe:
-    name = "jengine serve"
-
-    def __init__(self, path: str, args):
+    def __init__(self, path: str, args, name: str = "jengine serve"):
+        self.name = name
         flags = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
                  "--kv-cache-memory-bytes", str(args.kv_cache_gib << 30),
                  "--no-enable-prefix-caching"]  # fmt: skip
@@ -160,9 +163,12 @@ class LlamaCpp:
 
 
 def build_engines(path: str, args) -> list:
-    engines = [JengineOffline(path, args)]
+    # A GGUF: `LLM.generate` on the file as it is and dequantized, the server as it is.
+    rows = jengine_rows(path)
+    engines = [JengineOffline(path, args, row, quantization=q) for row, q in rows.items()]
     if not args.skip_serve:
-        engines.append(JengineServe(path, args))
+        first = next(iter(rows))
+        engines.append(JengineServe(path, args, first.replace("jengine", "jengine serve")))
     if not args.skip_transformers:
         engines.append(Transformers(path, args))
     if not args.skip_llama_cpp:
@@ -240,13 +246,12 @@ def engine_results(engines, passes) -> list[dict]:
 def summarize(engines, passes, roofline_tok_per_s) -> tuple[list, dict]:
     results = engine_results(engines, passes)
     by_name = {r["engine"]: r["output_tok_per_s"] for r in results}
-    ratios = {}
-    peers = [name for name in by_name if not name.startswith("jengine")]
-    for ours in ("jengine", "jengine serve"):
-        for peer in peers:
-            if ours in by_name:
-                ratios[f"{ours} / {peer}"] = by_name[ours] / by_name[peer]
-    ratios["jengine / compute roofline"] = by_name["jengine"] / roofline_tok_per_s
+    ours = [name for name in by_name if name.startswith("jengine")]
+    peers = [name for name in by_name if name not in ours]
+    ratios = {f"{a} / {b}": by_name[a] / by_name[b] for a, b in same_weights(ours, peers)}
+    for row in ours:
+        if row in ("jengine", "jengine (F32)"):  # the float32 FLOPs of the roofline
+            ratios[f"{row} / compute roofline"] = by_name[row] / roofline_tok_per_s
     return results, ratios
 
 

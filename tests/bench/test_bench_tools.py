@@ -52,10 +52,24 @@ def test_report_table_from_results(tmp_path, monkeypatch):
         json.dumps(
             {
                 "results": {
-                    "jengine": {"ttft_s": 0.3, "decode_tok_per_s": 20.0},
+                    "jengine (Q4_1)": {"ttft_s": 0.3, "decode_tok_per_s": 80.0},
+                    "jengine (F32)": {"ttft_s": 0.2, "decode_tok_per_s": 20.0},
                     "llama.cpp (Q4_1)": {"ttft_s": 0.4, "decode_tok_per_s": 100.0},
                     "llama.cpp (F32)": {"ttft_s": 0.25, "decode_tok_per_s": 50.0},
                 }
+            }
+        )
+    )
+    (tmp_path / "throughput-smollm2.json").write_text(
+        json.dumps(
+            {
+                "results": [
+                    {"engine": "jengine (Q4_1)", "output_tok_per_s": 150.0},
+                    {"engine": "jengine (F32)", "output_tok_per_s": 180.0},
+                    {"engine": "jengine serve (Q4_1)", "output_tok_per_s": 140.0},
+                    {"engine": "transformers", "output_tok_per_s": 90.0},
+                    {"engine": "llama.cpp (Q4_1)", "output_tok_per_s": 70.0},
+                ]
             }
         )
     )
@@ -69,9 +83,16 @@ def test_report_table_from_results(tmp_path, monkeypatch):
         assert text.count(start) == 1
     assert "| llama.cpp | 450 (jengine 2.00x) | 450 (jengine 1.78x) |" in text
     assert "| transformers | 300 (jengine 3.00x) |" in text
-    # The GGUF table: a row per llama.cpp variant, TTFT ratios the lower-is-better way.
-    assert "| llama.cpp (F32) | 250 (jengine 0.83x) | 50 (jengine 0.40x) |" in text
-    assert "| llama.cpp (Q4_1) | 400 (jengine 1.33x) | 100 (jengine 0.20x) |" in text
+    # The GGUF table: a row per weights each engine ran, every peer's ratio against
+    # jengine on the same weights (transformers dequantizes: F32), TTFT lower-is-better.
+    assert "| jengine (F32) | 180 | — | 200 | 20 |" in text
+    assert "| jengine (Q4_1) | 150 | 140 | 300 | 80 |" in text
+    assert "| transformers | 90 (jengine 2.00x) | 90 | — | — |" in text
+    assert "| llama.cpp (F32) | — | — | 250 (jengine 1.25x) | 50 (jengine 0.40x) |" in text
+    assert (
+        "| llama.cpp (Q4_1) | 70 (jengine 2.14x) | 70 (jengine 2.00x) | 400 (jengine 1.33x) "
+        "| 100 (jengine 0.80x) |"
+    ) in text
 
 
 def test_cli_lists_every_benchmark():
