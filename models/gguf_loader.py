@@ -137,7 +137,7 @@ def load_gguf_model(path: str, dtype, keep_quantized: bool = True) -> nnx.Module
         kept = keep_quantized and len(types) == 1 and next(iter(types)) in GGUF_KEPT
         read_one = read_packed if kept else read
         if kept:
-            quantized.append((ours.removeprefix("layers."), GGUF_KEPT[next(iter(types))][0]))
+            quantized.append((ours.removeprefix("layers."), GGUF_KEPT[next(iter(types))]))
         elif keep_quantized and types - {"F32", "F16", "BF16"}:
             logger.info("%s: %s dequantized to %s", ours, "/".join(sorted(types)), np_dtype.name)
         if ours.startswith("layers."):

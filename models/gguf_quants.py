@@ -164,6 +164,88 @@ _FLOAT_FORMATS = ("F32", "F16", "BF16")
 SUPPORTED_TYPES = (*_FLOAT_FORMATS, *_BLOCK_FORMATS)
 
 
+# The block formats whose values are scale * q + min per group of inputs, with q small
+# integers: what `decompose` splits (and models/quantize.py keeps quantized).
+def _d_q8_0(b):
+    return b[:, 2:34].view(np.int8), _f16(b, 0), None, QK
+
+
+def _d_q4_0(b):  # d * (q - 8) = d * q - 8 d (exact: q has 4 bits, d 11)
+    d = _f16(b, 0)
+    return _low_high_nibbles(b[:, 2:18]), d, -8.0 * d, QK
+
+
+def _d_q4_1(b):
+    return _low_high_nibbles(b[:, 4:20]), _f16(b, 0), _f16(b, 2), QK
+
+
+def _d_q5_0(b):
+    q = _low_high_nibbles(b[:, 6:22]) | _fifth_bits(b[:, 2:6])
+    return q.astype(np.int8) - 16, _f16(b, 0), None, QK
+
+
+def _d_q5_1(b):
+    q = _low_high_nibbles(b[:, 8:24]) | _fifth_bits(b[:, 4:8])
+    return q, _f16(b, 0), _f16(b, 2), QK
+
+
+def _d_q4_k(b):  # 8 groups of 32: d * sc and dmin * m exact (11 x 6 bits)
+    scales, mins = _k4_scales_mins(b[:, 4:16])
+    q = _nibble_groups(b[:, 16:144])
+    return q, _f16(b, 0) * scales, -(_f16(b, 2) * mins), QK
+
+
+def _d_q5_k(b):
+    scales, mins = _k4_scales_mins(b[:, 4:16])
+    high = ((b[:, 16:48][:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4
+    q = _nibble_groups(b[:, 48:176]).reshape(-1, 8, 32) | high
+    return q.reshape(-1, QK_K), _f16(b, 0) * scales, -(_f16(b, 2) * mins), QK
+
+
+def _d_q6_k(b):  # 16 groups of 16: d * sc exact (11 x 8 bits)
+    ql = b[:, 0:128].reshape(-1, 2, 2, 32)
+    qh = b[:, 128:192].reshape(-1, 2, 1, 32)
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2).reshape(-1, 2, 4, 32)
+    high = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+    q = (low | (high << 4)).astype(np.int8) - 32
+    scales = _f16(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32)
+    return q.reshape(-1, QK_K), scales, None, 16
+
+
+_DECOMPOSERS = {
+    "Q8_0": _d_q8_0,
+    "Q4_0": _d_q4_0,
+    "Q4_1": _d_q4_1,
+    "Q5_0": _d_q5_0,
+    "Q5_1": _d_q5_1,
+    "Q4_K": _d_q4_k,
+    "Q5_K": _d_q5_k,
+    "Q6_K": _d_q6_k,
+}
+DECOMPOSABLE = tuple(_DECOMPOSERS)
+
+
+def decompose(raw: np.ndarray, type_name: str, shape: tuple[int, ...]):
+    """A block-quantized tensor [..., D] as (q, scales, mins, group): small integers q
+    [..., D] (in input order), float32 scales and mins (None where the format has none)
+    [..., D / group], such that `scales * q + mins` per group is exactly `dequantize`'s
+    result (the same float operations as ggml's)."""
+    if type_name not in _DECOMPOSERS:
+        raise ValueError(f"GGUF type {type_name} does not decompose; these do: {DECOMPOSABLE}")
+    values_per_block, bytes_per_block, _ = _BLOCK_FORMATS[type_name]
+    *rows, dim = shape
+    if dim % values_per_block:
+        raise ValueError(f"{type_name} rows of {dim} values are not whole blocks")
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, bytes_per_block)
+    q, scales, mins, group = _DECOMPOSERS[type_name](blocks)
+    groups = dim // group
+
+    def shaped(a):
+        return None if a is None else np.ascontiguousarray(a, np.float32).reshape(*rows, groups)
+
+    return q.reshape(*rows, dim), shaped(scales), shaped(mins), group
+
+
 def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.ndarray:
     """float32 values of `shape` from the tensor's data as the `gguf` reader gives it."""
     if type_name == "F32":

@@ -10,27 +10,32 @@ defines what they mean).
 Promises:
 - `int8`: symmetric, one float32 scale per output row (vLLM's weight-only int8):
   scale = max|w| / 127, q = round(w / scale); an all-zero row gets scale 1;
-- GGUF Q8_0, Q4_0 and Q4_1 keep the file's quants as they are (nibbles in GGUF's order);
-  their float16 scales and mins widen to float32 (Q4_0's min is -8 d), so dequantizing
-  the result is exactly ggml's reference dequantization (tests/models/test_gguf_loader.py);
+- GGUF Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K keep their quants (4-bit where
+  they fit: the legacy formats' bytes unchanged; int8 otherwise) with float32 scales and
+  mins (`gguf_quants.decompose`: the file's float16 scales, and the K-quants' products of
+  super-block and sub-block scales, are exact in float32), so dequantizing the result is
+  exactly ggml's reference dequantization (tests/models/test_gguf_loader.py);
 - other GGUF types are not kept quantized here (`GGUF_KEPT` says which are); the loader
   dequantizes those as before and logs it.
 """
 
 import numpy as np
 
+from jengine.models.gguf_quants import decompose
 from jengine.pallas_kernels.quantized_matmul import QuantFormat
 
 INT8 = QuantFormat("int8", "int8", group_size=None)
-Q8_0 = QuantFormat("Q8_0", "int8", group_size=32)
-Q4_0 = QuantFormat("Q4_0", "uint4", group_size=32, has_mins=True)
-Q4_1 = QuantFormat("Q4_1", "uint4", group_size=32, has_mins=True)
-# GGUF type -> (format, bytes per block of 32, byte offsets of the scale d, the min m and
-# the quants; the min of Q4_0 is -8 d: its quants are q - 8)
+# GGUF's block types kept quantized: each block's q, scales and mins (gguf_quants.decompose)
+# packed as 4-bit values where q fits (0..15), else as int8.
 GGUF_KEPT = {
-    "Q8_0": (Q8_0, 34, 0, None, 2),
-    "Q4_0": (Q4_0, 18, 0, "-8d", 2),
-    "Q4_1": (Q4_1, 20, 0, 2, 4),
+    "Q8_0": QuantFormat("Q8_0", "int8", group_size=32),
+    "Q4_0": QuantFormat("Q4_0", "uint4", group_size=32, has_mins=True),
+    "Q4_1": QuantFormat("Q4_1", "uint4", group_size=32, has_mins=True),
+    "Q5_0": QuantFormat("Q5_0", "int8", group_size=32),
+    "Q5_1": QuantFormat("Q5_1", "int8", group_size=32, has_mins=True),
+    "Q4_K": QuantFormat("Q4_K", "uint4", group_size=32, has_mins=True),
+    "Q5_K": QuantFormat("Q5_K", "int8", group_size=32, has_mins=True),
+    "Q6_K": QuantFormat("Q6_K", "int8", group_size=16),
 }
 # What `--quantization` may name for a float checkpoint.
 METHODS = {"int8": INT8}
@@ -49,23 +54,16 @@ def quantize(weight: np.ndarray, fmt: QuantFormat) -> dict[str, np.ndarray]:
 
 def repack_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, ...]):
     """A GGUF tensor's data ([..., F, D] values as blocks) -> (format, arrays)."""
-    fmt, block_bytes, scale_at, min_at, quants_at = GGUF_KEPT[type_name]
-    *rows, dim = shape
-    if dim % 32:
-        raise ValueError(f"{type_name} rows of {dim} values are not whole blocks")
-    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(*rows, dim // 32, block_bytes)
-
-    def half(offset: int) -> np.ndarray:
-        """The float16 at `offset` of each block, widened to float32 (exactly)."""
-        return blocks[..., offset : offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
-
-    values = np.ascontiguousarray(blocks[..., quants_at:]).reshape(*rows, -1)
-    arrays = {
-        "values": values.view(np.int8) if fmt.kind == "int8" else values,
-        "scales": half(scale_at),
-    }
-    if min_at == "-8d":
-        arrays["mins"] = -8.0 * arrays["scales"]  # exact: a power of two
-    elif min_at is not None:
-        arrays["mins"] = half(min_at)
+    fmt = GGUF_KEPT[type_name]
+    q, scales, mins, group = decompose(raw, type_name, shape)
+    assert group == fmt.group_size, (type_name, group)
+    if fmt.kind == "uint4":
+        # Each group of 32 as 16 bytes: input j in the low nibble, input j + 16 in the high.
+        pairs = q.astype(np.uint8).reshape(*q.shape[:-1], -1, 2, 16)
+        values = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(*q.shape[:-1], -1)
+    else:
+        values = q.astype(np.int8)
+    arrays = {"values": values, "scales": scales}
+    if mins is not None:
+        arrays["mins"] = mins
     return fmt, arrays

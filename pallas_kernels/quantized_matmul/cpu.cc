@@ -17,8 +17,9 @@
 // [L, F, D / 2] uint8 (uint4, GGUF's nibble order per group of 32); scales and mins
 // [L, F, G] float32; layer [1]; out [T, F].
 //   w[f, i] = scale[f, g] * q[f, i] + min[f, g],  g = i / (D / G)
-// Requirements (cpu.py routes other shapes to the reference): groups of a multiple of 32
-// inputs (uint4: exactly 32), T at most kMaxRows.
+// Requirements (cpu.py routes other shapes to the reference): rows of a multiple of 32
+// inputs, groups of a multiple of 32 inputs or of 16 (uint4: exactly 32), T at most
+// kMaxRows.
 
 #include <algorithm>
 #include <atomic>
@@ -137,6 +138,16 @@ void Output(const Work& p, int64_t j, int64_t t0) {
       }
     }
     for (int t = 0; t < TR; ++t) acc[t] += acc2[t];
+  } else if (group == kGroup / 2) {
+    // Groups of 16 (Q6_K): each widening of 32 inputs spans two groups.
+    for (int64_t g = 0; g < G; g += 2) {
+      f32x16 a0, a1;
+      Widen<K>(row, g * 16, a0, a1);
+      for (int t = 0; t < TR; ++t) {
+        const float* xt = x + t * D + g * 16;
+        acc[t] += (a0 * Load(xt)) * scales[g] + (a1 * Load(xt + 16)) * scales[g + 1];
+      }
+    }
   } else {
     for (int64_t g = 0; g < G; ++g) {
       f32x16 dot[TR] = {};
@@ -229,9 +240,11 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
     problem = "values must be int8 (kind 0) or uint8 (kind 1)";
   else if (x_dims[1] != v_dims[2] * per_byte || s_dims[0] != v_dims[0] || s_dims[1] != v_dims[1])
     problem = "x's D must match values', scales must be [L, F, G]";
-  else if (s_dims[2] == 0 || x_dims[1] % s_dims[2] || (x_dims[1] / s_dims[2]) % kGroup ||
+  else if (s_dims[2] == 0 || x_dims[1] % kGroup || x_dims[1] % s_dims[2] ||
+           ((x_dims[1] / s_dims[2]) % kGroup && x_dims[1] / s_dims[2] != kGroup / 2) ||
            (kind == kUint4 && x_dims[1] / s_dims[2] != kGroup))
-    problem = "groups must be whole multiples of 32 inputs (uint4: exactly 32)";
+    problem = "rows must be whole multiples of 32 inputs, groups multiples of 32 or 16 "
+              "(uint4: exactly 32)";
   else if (x_dims[0] > kMaxRows)
     problem = "at most 16 rows of x";
   else if (layer.element_count() != 1)

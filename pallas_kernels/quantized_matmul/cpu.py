@@ -45,8 +45,9 @@ def supports(x, w: QuantizedWeight) -> bool:
         and x.dtype == jnp.float32
         and x.shape[0] <= MAX_ROWS
         and group > 0
-        and group % GROUP == 0
+        and dim % GROUP == 0
         and dim % group == 0
+        and (group % GROUP == 0 or group == GROUP // 2)
     )
 
 
@@ -55,7 +56,8 @@ def quantized_matmul_cpu(x: jax.Array, w: QuantizedWeight, layer) -> jax.Array:
     if not supports(x, w):
         raise ValueError(
             f"the CPU quantized-matmul kernel takes float32 x [T <= {MAX_ROWS}, D] and a "
-            f"weight [L, F, D] in groups of a multiple of {GROUP} inputs; got x "
+            f"weight [L, F, D], D a multiple of {GROUP}, in groups of a multiple of {GROUP} "
+            f"inputs or of {GROUP // 2}; got x "
             f"{x.dtype}{tuple(x.shape)}, a {w.format.name} weight {w.shape}"
         )
     reason = KERNEL.load()

@@ -19,8 +19,9 @@ channel"); within group g of row f:
   exactly, and so do the parts of a weight that do not depend on q (Q4_0's -8 * d, Q4_1's
   m), so the kernel does no conversions and knows no zero points.
 
-Formats: int8 per channel (`--quantization int8`), GGUF Q8_0 (int8, groups of 32), Q4_0
-(uint4, mins -8 * d) and Q4_1 (uint4 with mins).
+Formats: int8 per channel (`--quantization int8`); GGUF's Q4_0 (mins -8 d), Q4_1 and Q4_K
+as uint4 in groups of 32; Q8_0, Q5_0, Q5_1 and Q5_K as int8 in groups of 32; Q6_K as int8
+in groups of 16 (`models/quantize.GGUF_KEPT`).
 """
 
 import dataclasses
@@ -47,6 +48,8 @@ class QuantFormat:
             raise ValueError(f"quantized kind {self.kind!r}: expected one of {KINDS}")
         if self.kind == "uint4" and self.group_size != UINT4_GROUP:
             raise ValueError(f"uint4 weights come in groups of {UINT4_GROUP} inputs")
+        if self.group_size is not None and self.group_size % 16:
+            raise ValueError(f"{self.name}: groups are multiples of 16 inputs")
 
     def groups(self, dim: int) -> int:
         """Scales per row of `dim` inputs."""

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jengine.models.quantize import INT8, Q4_0, Q4_1, Q8_0
+from jengine.models.quantize import GGUF_KEPT, INT8
 from jengine.pallas_kernels.quantized_matmul import (
     QuantFormat,
     QuantizedWeight,
@@ -25,7 +25,8 @@ from jengine.pallas_kernels.quantized_matmul import (
 kernel = jax.jit(cpu.quantized_matmul_cpu)
 RUN_TIME_REFUSAL = (jax.errors.JaxRuntimeError, ValueError)  # as in test_cpu_kernel_errors
 INT8_GROUPS_OF_64 = QuantFormat("int8-g64", "int8", group_size=64)
-FORMATS = [INT8, INT8_GROUPS_OF_64, Q8_0, Q4_0, Q4_1]
+Q8_0, Q4_0, Q4_1 = GGUF_KEPT["Q8_0"], GGUF_KEPT["Q4_0"], GGUF_KEPT["Q4_1"]
+FORMATS = [INT8, INT8_GROUPS_OF_64, *GGUF_KEPT.values()]
 
 
 def weight(fmt, outputs: int, dim: int, layers: int = 3, layer: int = 1, seed: int = 0):
@@ -102,10 +103,17 @@ def test_derivatives_with_respect_to_x_are_the_reference_ones():
     [
         (17, 64, Q4_1, np.float32),
         (2, 48, INT8, np.float32),
+        (2, 80, GGUF_KEPT["Q6_K"], np.float32),
         (2, 64, Q8_0, jnp.bfloat16),
         (2, 96, QuantFormat("int8-g48", "int8", group_size=48), np.float32),
     ],
-    ids=["too-many-rows", "row-not-whole-groups-of-32", "bfloat16", "groups-of-48"],
+    ids=[
+        "too-many-rows",
+        "row-not-whole-groups-of-32",
+        "groups-of-16-rows-of-80",
+        "bfloat16",
+        "groups-of-48",
+    ],
 )
 def test_operands_it_does_not_take_go_to_the_reference(rows, dim, fmt, dtype):
     w = weight(fmt, 8, dim).map(lambda a: np.nan_to_num(a, nan=0.0))
@@ -182,4 +190,6 @@ def test_formats_check_their_groups():
         QuantFormat("bad", "uint4", group_size=64)
     with pytest.raises(ValueError, match="not whole groups of 32"):
         Q4_1.shapes((4,), 48)
+    with pytest.raises(ValueError, match="groups are multiples of 16"):
+        QuantFormat("bad", "int8", group_size=24)
     assert dataclasses.replace(Q4_1).bytes_per_weight(64) == 0.5 + 8 / 32

@@ -62,6 +62,25 @@ def gguf_tensors(folder: str) -> dict[str, np.ndarray]:
     return tensors
 
 
+# K-quant type -> the byte offsets of its float16 super-block scales (d, and dmin where it
+# has mins) and the value they get in random blocks: weights of ~0.1 at most.
+K_QUANT_SCALES = {"Q4_K": ((0, 2), 1e-4), "Q5_K": ((0, 2), 5e-5), "Q6_K": ((208,), 2e-5)}
+
+
+def random_k_blocks(tensor_type: str, shape: tuple[int, ...], rng) -> np.ndarray:
+    """Random blocks of a K-quant type for a [rows, D] weight (D a multiple of 256): random
+    quants and sub-block scales, small super-block scales. Random weights, not the
+    folder's: the tests compare the file kept quantized with the same file dequantized."""
+    qtype = gguf.GGMLQuantizationType[tensor_type]
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, dim = shape
+    blocks = rng.integers(0, 256, (rows, dim // block_size, type_size), dtype=np.uint8)
+    offsets, value = K_QUANT_SCALES[tensor_type]
+    for offset in offsets:
+        blocks[..., offset : offset + 2] = np.frombuffer(np.float16(value).tobytes(), np.uint8)
+    return blocks.reshape(rows, -1)
+
+
 def write_llama_gguf(
     folder: str,
     path: str,
@@ -84,9 +103,12 @@ def write_llama_gguf(
     writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
     writer.add_vocab_size(config["vocab_size"])
     qtype = gguf.GGMLQuantizationType[tensor_type]
+    rng = np.random.default_rng(0)
     for name, array in {**gguf_tensors(folder), **(extra_tensors or {})}.items():
         if array.ndim == 1 or tensor_type == "F32":
             writer.add_tensor(name, array)
+        elif tensor_type in K_QUANT_SCALES:  # the gguf package cannot quantize to these
+            writer.add_tensor(name, random_k_blocks(tensor_type, array.shape, rng), raw_dtype=qtype)
         else:
             writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
     writer.write_header_to_file()

@@ -1,5 +1,5 @@
-"""Every GGUF tensor type jengine dequantizes, against the `gguf` package's reference
-dequantizer (llama.cpp's own numpy port), bit for bit."""
+"""Every GGUF tensor type jengine dequantizes, and every type it keeps quantized, against
+the `gguf` package's reference dequantizer (llama.cpp's own numpy port), bit for bit."""
 
 import numpy as np
 import pytest
@@ -7,7 +7,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as reference_dequantize
 from gguf.quants import quantize as reference_quantize
 
-from jengine.models.gguf_quants import SUPPORTED_TYPES, dequantize
+from jengine.models.gguf_quants import DECOMPOSABLE, SUPPORTED_TYPES, decompose, dequantize
+from jengine.models.quantize import repack_gguf
+from jengine.pallas_kernels.quantized_matmul import QuantizedWeight
+from jengine.pallas_kernels.quantized_matmul import dequantize as kernel_dequantize
 
 BLOCK_TYPES = [name for name in SUPPORTED_TYPES if name not in ("F32", "F16", "BF16")]
 
@@ -68,3 +71,27 @@ def test_float_types(name):
 def test_unsupported_type_is_named():
     with pytest.raises(ValueError, match="IQ2_XXS is not supported.*Q4_K"):
         dequantize(np.zeros((1, 66), np.uint8), "IQ2_XXS", (1, 256))
+
+
+@pytest.mark.parametrize("name", DECOMPOSABLE)
+def test_kept_types_repack_to_the_reference_dequantization(name):
+    """The types kept quantized: `decompose` (q, scales, mins) and the packed layout the
+    matmul reads (models/quantize.py) dequantize to the reference's floats, bit for bit,
+    over random blocks (finite scales) of several rows."""
+    rng = np.random.default_rng(sum(map(ord, name)) + 1)
+    raw = _random_blocks(name, rows=4, blocks_per_row=2, rng=rng)
+    raw[:, 1::2] &= 0x3F
+    block_size, _ = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+    shape = (4, 2 * block_size)
+    theirs = reference_dequantize(raw, GGMLQuantizationType[name]).astype(np.float32)
+    q, scales, mins, group = decompose(raw, name, shape)
+    assert q.shape == shape and scales.shape == (4, shape[1] // group)
+    grouped = q.reshape(4, -1, group).astype(np.float32) * scales[..., None]
+    if mins is not None:
+        grouped = grouped + mins[..., None]
+    np.testing.assert_array_equal(grouped.reshape(shape), theirs)
+    fmt, arrays = repack_gguf(raw, name, shape)
+    packed = QuantizedWeight(arrays["values"], arrays["scales"], arrays.get("mins"), fmt)
+    np.testing.assert_array_equal(np.asarray(kernel_dequantize(packed)), theirs)
+    if fmt.kind == "uint4":
+        assert arrays["values"].nbytes == q.size // 2

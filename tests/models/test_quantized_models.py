@@ -56,9 +56,23 @@ def _generate(llm, prompts, max_tokens=16):
     return tokens, logprobs, outputs
 
 
-@pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_0", "Q4_1"])
-def test_gguf_kept_quantized_generates_as_dequantized(hf_folder, tmp_path, tensor_type):
-    path = write_llama_gguf(hf_folder, str(tmp_path / "model.gguf"), tensor_type)
+@pytest.fixture(scope="module")
+def wide_hf_folder(tmp_path_factory):
+    """Rows of 256 and 512 inputs: whole K-quant super-blocks."""
+    path = str(tmp_path_factory.mktemp("hf-wide"))
+    overrides = dict(hidden_size=256, intermediate_size=512, num_key_value_heads=2)
+    make_checkpoint("llama2", path, config_overrides=overrides)
+    return path
+
+
+@pytest.mark.parametrize(
+    "tensor_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+)
+def test_gguf_kept_quantized_generates_as_dequantized(
+    hf_folder, wide_hf_folder, tmp_path, tensor_type
+):
+    folder = wide_hf_folder if tensor_type.endswith("_K") else hf_folder
+    path = write_llama_gguf(folder, str(tmp_path / "model.gguf"), tensor_type)
     prompts = _prompts()
     kept = LLM(path, **TIGHT)
     assert set(LINEAR_WEIGHTS) <= set(dict(kept.engine_core.runner.config.quantization))
