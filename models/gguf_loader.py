@@ -8,10 +8,12 @@ Promises:
 - llama.cpp's tensor names map onto the model's parameters; the q/k row permutation that
   llama.cpp's converter applies for its rotary embedding is undone, so the weights are
   exactly the HF checkpoint's (tests: a GGUF written from an HF folder loads equal to it);
-- weights stay quantized where the quantized matmul reads their format (Q8_0, Q4_0, Q4_1:
-  `models/quantize.GGUF_KEPT`), their blocks repacked once, one tensor at a time; a
-  weight whose layers mix types, or of another type, is dequantized (models/gguf_quants.py)
-  into the chosen dtype, as is everything with `keep_quantized=False`; each parameter goes
+- weights stay quantized where the quantized matmul reads their types
+  (`models/quantize.GGUF_KEPT`), their blocks repacked once, one tensor at a time; a
+  weight whose layers mix kept types (Q4_K_M's Q4_K and Q6_K) is repacked into one format
+  that holds them all exactly (`common_format`); a weight of another type is dequantized
+  (models/gguf_quants.py) into the chosen dtype, as is everything with
+  `keep_quantized=False`; each parameter goes
   to the device as soon as its layers are filled: the host never holds a second full copy
   of the model;
 - load time, the tensor types and the process's peak memory are logged;
@@ -21,6 +23,7 @@ Promises:
 
 import collections
 import dataclasses
+import functools
 import logging
 import resource
 import time
@@ -32,7 +35,7 @@ from flax import nnx
 from jengine.models.checkpoint import gguf_hf_config
 from jengine.models.gguf_quants import dequantize
 from jengine.models.gguf_reader import read_gguf
-from jengine.models.quantize import GGUF_KEPT, repack_gguf
+from jengine.models.quantize import common_format, repack_gguf
 from jengine.models.registry import resolve_architecture
 
 logger = logging.getLogger(__name__)
@@ -109,9 +112,9 @@ def load_gguf_model(path: str, dtype, keep_quantized: bool = True) -> nnx.Module
         info = tensors[name]
         return unpermuted(name, dequantize(gguf.tensor_data(name), info.type_name, info.shape))
 
-    def read_packed(name: str) -> dict[str, np.ndarray]:
+    def read_packed(name: str, fmt) -> dict[str, np.ndarray]:
         info = tensors[name]
-        _, arrays = repack_gguf(gguf.tensor_data(name), info.type_name, info.shape)
+        arrays = repack_gguf(gguf.tensor_data(name), info.type_name, info.shape, fmt)
         return {key: unpermuted(name, array) for key, array in arrays.items()}
 
     def stack(names: list[str], read_one, np_dtype=None):
@@ -134,10 +137,11 @@ def load_gguf_model(path: str, dtype, keep_quantized: bool = True) -> nnx.Module
     # Each parameter goes to the device before the next is read: the host holds one at a time.
     for ours, names in wanted.items():
         types = {tensors[n].type_name for n in names}
-        kept = keep_quantized and len(types) == 1 and next(iter(types)) in GGUF_KEPT
-        read_one = read_packed if kept else read
+        fmt = common_format(types) if keep_quantized else None
+        kept = fmt is not None
+        read_one = functools.partial(read_packed, fmt=fmt) if kept else read
         if kept:
-            quantized.append((ours.removeprefix("layers."), GGUF_KEPT[next(iter(types))]))
+            quantized.append((ours.removeprefix("layers."), fmt))
         elif keep_quantized and types - {"F32", "F16", "BF16"}:
             logger.info("%s: %s dequantized to %s", ours, "/".join(sorted(types)), np_dtype.name)
         if ours.startswith("layers."):

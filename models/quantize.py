@@ -52,11 +52,35 @@ def quantize(weight: np.ndarray, fmt: QuantFormat) -> dict[str, np.ndarray]:
     return {"values": values, "scales": scales.astype(np.float32)}
 
 
-def repack_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, ...]):
-    """A GGUF tensor's data ([..., F, D] values as blocks) -> (format, arrays)."""
-    fmt = GGUF_KEPT[type_name]
+def common_format(type_names: set[str]) -> QuantFormat | None:
+    """The kept format that holds every one of a weight's GGUF types exactly (its layers
+    may mix them: llama.cpp's Q4_K_M stores some layers' v and down weights as Q6_K), or
+    None if one of them is not kept. One type: its own format; several: int8 (any q fits),
+    in the smallest of their groups, with mins if any has them."""
+    if not type_names or not all(name in GGUF_KEPT for name in type_names):
+        return None
+    if len(type_names) == 1:
+        return GGUF_KEPT[next(iter(type_names))]
+    formats = [GGUF_KEPT[name] for name in sorted(type_names)]
+    return QuantFormat(
+        "/".join(f.name for f in formats),
+        "int8",
+        group_size=min(f.group_size for f in formats),
+        has_mins=any(f.has_mins for f in formats),
+    )
+
+
+def repack_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, ...], fmt: QuantFormat):
+    """A GGUF tensor's data ([..., F, D] values as blocks) -> its arrays in `fmt` (its own
+    format, or a `common_format` with others: scales repeated over smaller groups, zero
+    mins where the type has none; exact either way)."""
     q, scales, mins, group = decompose(raw, type_name, shape)
-    assert group == fmt.group_size, (type_name, group)
+    if group != fmt.group_size:  # e.g. Q4_K's groups of 32 in Q6_K's of 16
+        repeat = group // fmt.group_size
+        scales = np.repeat(scales, repeat, axis=-1)
+        mins = None if mins is None else np.repeat(mins, repeat, axis=-1)
+    if fmt.has_mins and mins is None:
+        mins = np.zeros_like(scales)
     if fmt.kind == "uint4":
         # Each group of 32 as 16 bytes: input j in the low nibble, input j + 16 in the high.
         pairs = q.astype(np.uint8).reshape(*q.shape[:-1], -1, 2, 16)
@@ -64,6 +88,6 @@ def repack_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, ...]):
     else:
         values = q.astype(np.int8)
     arrays = {"values": values, "scales": scales}
-    if mins is not None:
+    if fmt.has_mins:
         arrays["mins"] = mins
-    return fmt, arrays
+    return arrays

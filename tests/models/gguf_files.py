@@ -88,8 +88,10 @@ def write_llama_gguf(
     *,
     arch: str = "llama",
     extra_tensors: dict[str, np.ndarray] | None = None,
+    tensor_types: dict[str, str] | None = None,
 ) -> str:
-    """Convert the HF Llama `folder` to a GGUF at `path` (no tokenizer metadata)."""
+    """Convert the HF Llama `folder` to a GGUF at `path` (no tokenizer metadata), its
+    matrices in `tensor_type` or, by name, `tensor_types`."""
     with open(os.path.join(folder, "config.json")) as f:
         config = json.load(f)
     writer = gguf.GGUFWriter(path, arch)
@@ -102,13 +104,14 @@ def write_llama_gguf(
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
     writer.add_vocab_size(config["vocab_size"])
-    qtype = gguf.GGMLQuantizationType[tensor_type]
     rng = np.random.default_rng(0)
     for name, array in {**gguf_tensors(folder), **(extra_tensors or {})}.items():
-        if array.ndim == 1 or tensor_type == "F32":
+        type_name = (tensor_types or {}).get(name, tensor_type)
+        qtype = gguf.GGMLQuantizationType[type_name]
+        if array.ndim == 1 or type_name == "F32":
             writer.add_tensor(name, array)
-        elif tensor_type in K_QUANT_SCALES:  # the gguf package cannot quantize to these
-            writer.add_tensor(name, random_k_blocks(tensor_type, array.shape, rng), raw_dtype=qtype)
+        elif type_name in K_QUANT_SCALES:  # the gguf package cannot quantize to these
+            writer.add_tensor(name, random_k_blocks(type_name, array.shape, rng), raw_dtype=qtype)
         else:
             writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
     writer.write_header_to_file()

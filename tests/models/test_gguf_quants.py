@@ -8,7 +8,7 @@ from gguf.quants import dequantize as reference_dequantize
 from gguf.quants import quantize as reference_quantize
 
 from jengine.models.gguf_quants import DECOMPOSABLE, SUPPORTED_TYPES, decompose, dequantize
-from jengine.models.quantize import repack_gguf
+from jengine.models.quantize import GGUF_KEPT, common_format, repack_gguf
 from jengine.pallas_kernels.quantized_matmul import QuantizedWeight
 from jengine.pallas_kernels.quantized_matmul import dequantize as kernel_dequantize
 
@@ -90,8 +90,10 @@ def test_kept_types_repack_to_the_reference_dequantization(name):
     if mins is not None:
         grouped = grouped + mins[..., None]
     np.testing.assert_array_equal(grouped.reshape(shape), theirs)
-    fmt, arrays = repack_gguf(raw, name, shape)
-    packed = QuantizedWeight(arrays["values"], arrays["scales"], arrays.get("mins"), fmt)
-    np.testing.assert_array_equal(np.asarray(kernel_dequantize(packed)), theirs)
-    if fmt.kind == "uint4":
-        assert arrays["values"].nbytes == q.size // 2
+    # In its own format, and in the common one it shares with Q6_K (groups of 16, int8).
+    for fmt in (GGUF_KEPT[name], common_format({name, "Q6_K", "Q4_0"})):
+        arrays = repack_gguf(raw, name, shape, fmt)
+        packed = QuantizedWeight(arrays["values"], arrays["scales"], arrays.get("mins"), fmt)
+        np.testing.assert_array_equal(np.asarray(kernel_dequantize(packed)), theirs)
+        if fmt.kind == "uint4":
+            assert arrays["values"].nbytes == q.size // 2

@@ -65,19 +65,28 @@ def wide_hf_folder(tmp_path_factory):
     return path
 
 
+# llama.cpp's Q4_K_M: Q4_K, with some layers' v and down weights in Q6_K.
+Q4_K_M = {"blk.0.attn_v.weight": "Q6_K", "blk.2.ffn_down.weight": "Q6_K"}
+
+
 @pytest.mark.parametrize(
-    "tensor_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+    "tensor_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M"]
 )
 def test_gguf_kept_quantized_generates_as_dequantized(
     hf_folder, wide_hf_folder, tmp_path, tensor_type
 ):
-    folder = wide_hf_folder if tensor_type.endswith("_K") else hf_folder
-    path = write_llama_gguf(folder, str(tmp_path / "model.gguf"), tensor_type)
+    folder = wide_hf_folder if "_K" in tensor_type else hf_folder
+    mixed = Q4_K_M if tensor_type == "Q4_K_M" else None
+    path = write_llama_gguf(
+        folder, str(tmp_path / "model.gguf"), tensor_type[:4], tensor_types=mixed
+    )
     prompts = _prompts()
     kept = LLM(path, **TIGHT)
     assert set(LINEAR_WEIGHTS) <= set(dict(kept.engine_core.runner.config.quantization))
     report = kept.engine_core.runner.weights_report()
-    assert f"{tensor_type}: " in report and "q_proj, k_proj" in report, report
+    assert f"{tensor_type[:4]}: " in report and "q_proj, k_proj" in report, report
+    if mixed:  # one format holds both types of the mixed weights
+        assert "Q4_K/Q6_K: v_proj, down_proj" in report, report
     assert "MiB saved hold" in report and "KV-cache tokens" in report, report
     ours, our_logprobs, outputs = _generate(kept, prompts)
     assert kept.engine_core.num_preemptions > 0, "no preemption was forced"
