@@ -193,3 +193,28 @@ def test_formats_check_their_groups():
     with pytest.raises(ValueError, match="groups are multiples of 16"):
         QuantFormat("bad", "int8", group_size=24)
     assert dataclasses.replace(Q4_1).bytes_per_weight(64) == 0.5 + 8 / 32
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("fmt", [INT8, *GGUF_KEPT.values()], ids=lambda f: f.name)
+def test_the_reference_lowers_for_gpu_and_tpu_under_a_layer_scan(platform, fmt):
+    """On GPU and TPU the quantized weights go through the reference (XLA fuses the
+    dequantization into the dot's operand): it lowers for both at a Llama-3-8B layer's
+    shape, bfloat16 activations, abstract weights (nothing allocated)."""
+    layers, rows, dim, outputs = 32, 256, 4096, 14336
+    arrays = {
+        name: jax.ShapeDtypeStruct(shape, dtype)
+        for name, (shape, dtype) in fmt.shapes((layers, outputs), dim).items()
+    }
+    w = QuantizedWeight(arrays["values"], arrays["scales"], arrays.get("mins"), fmt)
+    x = jax.ShapeDtypeStruct((rows, dim), jnp.bfloat16)
+
+    def model(x, w):
+        def layer(h, index):
+            out = quantized_matmul(h, w, index, impl="reference")
+            return h + out[:, :dim], None
+
+        return jax.lax.scan(layer, x, jnp.arange(layers))[0]
+
+    text = jax.jit(model).trace(x, w).lower(lowering_platforms=(platform,)).as_text()
+    assert "custom_call @jengine" not in text and "dot_general" in text
