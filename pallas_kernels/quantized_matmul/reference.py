@@ -8,10 +8,34 @@ the dot's operand). It reads `w[layer]`'s packed arrays and dequantizes that lay
 """
 
 import jax
+import jax.numpy as jnp
 
 from jengine.pallas_kernels.quantized_matmul.layout import QuantizedWeight, dequantize
 
 
 def quantized_matmul_reference(x: jax.Array, w: QuantizedWeight, layer) -> jax.Array:
     """[T, D] @ dequantize([L, F, D][layer]).T -> [T, F] in x's dtype."""
-    return x @ dequantize(w.map(lambda a: a[layer]), x.dtype).T
+    w = w.map(lambda a: a[layer])
+    if w.format.kind == "uint4":
+        return _uint4_matmul(x, w)
+    return x @ dequantize(w, x.dtype).T
+
+
+def _uint4_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """The same product for 4-bit weights, as two: the low nibbles (inputs 0-15 of each
+    group of 32) with those inputs of x, the high ones with the rest. Each half dequantizes
+    elementwise, which XLA fuses into the dot's operand; interleaving the halves back into
+    input order first (`dequantize`) costs XLA:CPU a copy 3x slower than the product."""
+    rows, groups = w.scales.shape
+    blocks = w.values.reshape(rows, groups, 16)
+    halves = x.reshape(*x.shape[:-1], groups, 2, 16)
+    out = None
+    for half, q in enumerate((blocks & 0x0F, blocks >> 4)):
+        dense = q.astype(jnp.float32) * w.scales[..., None]
+        if w.mins is not None:
+            dense = dense + w.mins[..., None]
+        part = halves[..., half, :].reshape(*x.shape[:-1], -1) @ (
+            dense.reshape(rows, -1).astype(x.dtype).T
+        )
+        out = part if out is None else out + part
+    return out
