@@ -29,7 +29,7 @@ from safetensors import safe_open
 from jengine.config import QUANTIZATION_CHOICES
 from jengine.models.checkpoint import gguf_file, read_hf_config
 from jengine.models.llama import LINEAR_WEIGHTS
-from jengine.models.quantize import METHODS, quantize
+from jengine.models.quantize import METHODS, method_format, quantize
 from jengine.models.registry import resolve_architecture
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -200,18 +200,22 @@ def load_model(path: str, dtype="auto", quantization: str | None = None) -> nnx.
 
 
 def quantized_params(params: dict, config, quantization: str | None):
-    """(params, config) with the linear weights quantized by `quantization` ("int8"; other
-    values change nothing). Weights already quantized (dicts of packed arrays, a training
-    loop's own) are kept as they are; float ones are quantized one parameter at a time, on
-    the host."""
+    """(params, config) with the linear weights quantized by `quantization` ("int8", "fp8";
+    other values change nothing). Weights already quantized (dicts of packed arrays in
+    `method_format`'s layout, a training loop's own) are kept as they are; float ones are
+    quantized one parameter at a time, on the host."""
     if quantization not in METHODS:
         return params, config
-    fmt = METHODS[quantization]
     layers = dict(params["layers"])
+    formats = []
     for name in LINEAR_WEIGHTS:
-        if not isinstance(layers[name], dict):
-            layers[name] = quantize(np.asarray(layers[name]), fmt)
-    config = dataclasses.replace(config, quantization=tuple((n, fmt) for n in LINEAR_WEIGHTS))
+        weight = layers[name]
+        dim = (weight["values"] if isinstance(weight, dict) else weight).shape[-1]
+        fmt = method_format(quantization, dim)
+        if not isinstance(weight, dict):
+            layers[name] = quantize(np.asarray(weight), fmt)
+        formats.append((name, fmt))
+    config = dataclasses.replace(config, quantization=tuple(formats))
     return {**params, "layers": layers}, config
 
 

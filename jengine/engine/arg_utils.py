@@ -141,9 +141,9 @@ class EngineArgs:
         add(
             "--quantization",
             choices=[q for q in QUANTIZATION_CHOICES if q],
-            help="weights held quantized: int8 (a float checkpoint's linear weights, "
-            "per output channel); none (dequantize a GGUF); default: what the checkpoint "
-            "holds (a GGUF's Q8_0/Q4_0/Q4_1 weights stay quantized)",
+            help="weights held quantized: int8 or fp8 (the linear weights, weight-only, per "
+            "output channel); none (dequantize a GGUF); default: what the checkpoint holds "
+            "(a GGUF's block-quantized weights stay quantized)",
         )
         add("--max-model-len", type=int, help="default: the model's max_position_embeddings")
         add("--max-num-seqs", type=int, help="requests running at once")

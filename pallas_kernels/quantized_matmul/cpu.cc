@@ -14,7 +14,7 @@
 // stacked float32 kernel.
 //
 // Layouts (row-major; `layout.py` is the definition): x [T, D]; values [L, F, D] int8 or
-// [L, F, D / 2] uint8 (uint4, GGUF's nibble order per group of 32); scales and mins
+// float8 e4m3fn, or [L, F, D / 2] uint8 (uint4, GGUF's nibble order per group of 32); scales and mins
 // [L, F, G] float32; layer [1]; out [T, F].
 //   w[f, i] = scale[f, g] * q[f, i] + min[f, g],  g = i / (D / G)
 // Requirements (cpu.py routes other shapes to the reference): rows of a multiple of 32
@@ -50,7 +50,7 @@ constexpr int kRowsPerPass = 4;  // rows of x that share one widening of the wei
 // more than the half of the work it would take.
 constexpr int64_t kMinParallelWeights = 1 << 18;
 
-enum Kind : int64_t { kInt8 = 0, kUint4 = 1 };
+enum Kind : int64_t { kInt8 = 0, kUint4 = 1, kFp8 = 2 };
 
 inline f32x16 Load(const float* p) {
   f32x16 v;
@@ -77,6 +77,22 @@ struct Work {
   std::atomic<int64_t> next{0}, done{0};
 };
 
+// float8 e4m3fn (OCP: 4 exponent bits of bias 7, 3 mantissa bits, no infinities, NaN at
+// S.1111.111) to float32, exactly: normals rebias the exponent, subnormals are m * 2^-9.
+inline f32x16 Fp8ToFloat(u8x16 bytes) {
+  const i32x16 u = __builtin_convertvector(bytes, i32x16);
+  const i32x16 sign = (u & 0x80) << 24, exponent = (u >> 3) & 0xF, mantissa = u & 7;
+  const i32x16 normal = sign | ((exponent + 120) << 23) | (mantissa << 20);
+  const f32x16 small = __builtin_convertvector(mantissa, f32x16) * (1.0f / 512.0f);
+  i32x16 subnormal;
+  std::memcpy(&subnormal, &small, sizeof(small));
+  i32x16 bits = exponent == 0 ? subnormal | sign : normal;
+  bits = (u & 0x7F) == 0x7F ? sign | 0x7FC00000 : bits;
+  f32x16 out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
 // The 32 weights of `row` from input `i` on, as float q: two vectors of 16. Unsigned
 // bytes throughout: GCC widens unsigned byte vectors with one instruction, signed ones one
 // value at a time, so int8 is read as uint8 offset by 128 (exact).
@@ -96,6 +112,12 @@ inline void Widen(const uint8_t* row, int64_t i, f32x16& low, f32x16& high) {
     std::memcpy(&b, row + i + 16, 16);
     low = __builtin_convertvector(__builtin_convertvector(a ^ 0x80, i32x16), f32x16) - 128.0f;
     high = __builtin_convertvector(__builtin_convertvector(b ^ 0x80, i32x16), f32x16) - 128.0f;
+  } else if constexpr (K == kFp8) {
+    u8x16 a, b;
+    std::memcpy(&a, row + i, 16);
+    std::memcpy(&b, row + i + 16, 16);
+    low = Fp8ToFloat(a);
+    high = Fp8ToFloat(b);
   } else {
     u8x16 bytes;
     std::memcpy(&bytes, row + i / 2, 16);
@@ -230,14 +252,16 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
                            int64_t kind, bool has_mins) {
   const auto x_dims = x.dimensions(), v_dims = values.dimensions(), s_dims = scales.dimensions();
   const int64_t per_byte = kind == kUint4 ? 2 : 1;
-  const auto value_type = kind == kUint4 ? ffi::DataType::U8 : ffi::DataType::S8;
+  const auto value_type = kind == kUint4  ? ffi::DataType::U8
+                          : kind == kFp8 ? ffi::DataType::F8E4M3FN
+                                         : ffi::DataType::S8;
   const char* problem = nullptr;
-  if (kind != kInt8 && kind != kUint4)
-    problem = "kind must be 0 (int8) or 1 (uint4)";
+  if (kind != kInt8 && kind != kUint4 && kind != kFp8)
+    problem = "kind must be 0 (int8), 1 (uint4) or 2 (fp8)";
   else if (x_dims.size() != 2 || v_dims.size() != 3 || s_dims.size() != 3)
     problem = "x must be [T, D], values [L, F, D or D / 2], scales [L, F, G]";
   else if (values.element_type() != value_type)
-    problem = "values must be int8 (kind 0) or uint8 (kind 1)";
+    problem = "values must be int8 (kind 0), uint8 (kind 1) or float8_e4m3fn (kind 2)";
   else if (x_dims[1] != v_dims[2] * per_byte || s_dims[0] != v_dims[0] || s_dims[1] != v_dims[1])
     problem = "x's D must match values', scales must be [L, F, G]";
   else if (s_dims[2] == 0 || x_dims[1] % kGroup || x_dims[1] % s_dims[2] ||
@@ -285,6 +309,8 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   }
   if (kind == kInt8)
     Run<kInt8>(pool, work);
+  else if (kind == kFp8)
+    Run<kFp8>(pool, work);
   else
     Run<kUint4>(pool, work);
   return ffi::Error::Success();
@@ -296,7 +322,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineQuantizedMatmul, QuantizedMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::AnyBuffer>()          // values: int8 or uint8
+                                  .Arg<ffi::AnyBuffer>()  // values: int8, uint8 or fp8
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales
                                   .Arg<ffi::Buffer<ffi::F32>>()  // mins (like scales, or [1])
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer, shape [1]

@@ -31,7 +31,7 @@ KERNEL = NativeKernel(
 )
 GROUP = 32
 MAX_ROWS = 16
-_KINDS = {"int8": 0, "uint4": 1}
+_KINDS = {"int8": 0, "uint4": 1, "fp8": 2}
 
 
 def supports(x, w: QuantizedWeight) -> bool:

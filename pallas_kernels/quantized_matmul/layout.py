@@ -12,6 +12,7 @@ channel"); within group g of row f:
     w[f, i] = scales[f, g] * q[f, i] + mins[f, g]        (mins: 0 where absent)
 
 - `int8`: q is `values[f, i]`, int8, [..., F, D];
+- `fp8`: q is `values[f, i]`, float8 e4m3 (OCP's e4m3fn: no infinities), [..., F, D];
 - `uint4`: q in 0..15, two to a byte, `values` uint8 [..., F, D / 2]; each group of 32
   inputs is 16 bytes in GGUF's own order: byte j holds input j in its low nibble and input
   j + 16 in its high one (a GGUF block's quants, copied as they are);
@@ -19,9 +20,9 @@ channel"); within group g of row f:
   exactly, and so do the parts of a weight that do not depend on q (Q4_0's -8 * d, Q4_1's
   m), so the kernel does no conversions and knows no zero points.
 
-Formats: int8 per channel (`--quantization int8`); GGUF's Q4_0 (mins -8 d), Q4_1 and Q4_K
-as uint4 in groups of 32; Q8_0, Q5_0, Q5_1 and Q5_K as int8 in groups of 32; Q6_K as int8
-in groups of 16 (`models/quantize.GGUF_KEPT`).
+Formats: `--quantization int8` (groups of 32) and `fp8` (per channel); GGUF's Q4_0 (mins
+-8 d), Q4_1 and Q4_K as uint4 in groups of 32; Q8_0, Q5_0, Q5_1 and Q5_K as int8 in groups
+of 32; Q6_K as int8 in groups of 16 (`models/quantize.GGUF_KEPT`).
 """
 
 import dataclasses
@@ -30,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-KINDS = ("int8", "uint4")
+KINDS = ("int8", "uint4", "fp8")
 UINT4_GROUP = 32  # inputs per scale of uint4 weights (a GGUF block)
 
 
@@ -60,7 +61,11 @@ class QuantFormat:
 
     def shapes(self, rows: tuple[int, ...], dim: int) -> dict[str, tuple[tuple[int, ...], str]]:
         """Each array's shape and dtype for a weight [*rows, dim]."""
-        stored, dtype = (dim // 2, "uint8") if self.kind == "uint4" else (dim, "int8")
+        stored, dtype = {
+            "uint4": (dim // 2, "uint8"),
+            "int8": (dim, "int8"),
+            "fp8": (dim, "float8_e4m3fn"),
+        }[self.kind]
         shapes = {
             "values": ((*rows, stored), dtype),
             "scales": ((*rows, self.groups(dim)), "float32"),
@@ -72,7 +77,7 @@ class QuantFormat:
     def bytes_per_weight(self, dim: int) -> float:
         """Resident bytes per weight in rows of `dim` inputs."""
         shapes = self.shapes((1,), dim).values()
-        return sum(np.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in shapes) / dim
+        return sum(np.prod(shape) * jnp.dtype(dtype).itemsize for shape, dtype in shapes) / dim
 
 
 @jax.tree_util.register_dataclass

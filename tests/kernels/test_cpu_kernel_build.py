@@ -37,7 +37,7 @@ from jengine.pallas_kernels.stacked_matmul import cpu as matmul_cpu
 assert matmul_cpu.KERNEL.load() is None, matmul_cpu.KERNEL.load()
 x, w = np.ones((3, 16), np.float32), np.arange(2 * 5 * 16, dtype=np.float32).reshape(2, 5, 16)
 np.testing.assert_allclose(matmul_cpu.stacked_matmul_cpu(x, w, 1), x @ w[1].T)
-from jengine.models.quantize import INT8
+from jengine.models.quantize import INT8_PER_CHANNEL as INT8
 from jengine.pallas_kernels.quantized_matmul import QuantizedWeight, cpu as quantized_cpu
 assert quantized_cpu.KERNEL.load() is None, quantized_cpu.KERNEL.load()
 x = np.ones((2, 32), np.float32)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jengine.models.quantize import GGUF_KEPT, INT8
+from jengine.models.quantize import FP8, GGUF_KEPT, INT8_PER_CHANNEL
 from jengine.pallas_kernels.quantized_matmul import (
     QuantFormat,
     QuantizedWeight,
@@ -25,8 +25,10 @@ from jengine.pallas_kernels.quantized_matmul import (
 kernel = jax.jit(cpu.quantized_matmul_cpu)
 RUN_TIME_REFUSAL = (jax.errors.JaxRuntimeError, ValueError)  # as in test_cpu_kernel_errors
 INT8_GROUPS_OF_64 = QuantFormat("int8-g64", "int8", group_size=64)
+# Per channel; `--quantization int8` (groups of 32) has Q8_0's layout, among FORMATS too.
+INT8 = INT8_PER_CHANNEL
 Q8_0, Q4_0, Q4_1 = GGUF_KEPT["Q8_0"], GGUF_KEPT["Q4_0"], GGUF_KEPT["Q4_1"]
-FORMATS = [INT8, INT8_GROUPS_OF_64, *GGUF_KEPT.values()]
+FORMATS = [INT8, INT8_GROUPS_OF_64, FP8, *GGUF_KEPT.values()]
 
 
 def weight(fmt, outputs: int, dim: int, layers: int = 3, layer: int = 1, seed: int = 0):
@@ -35,7 +37,12 @@ def weight(fmt, outputs: int, dim: int, layers: int = 3, layer: int = 1, seed: i
     rng = np.random.default_rng(seed)
     arrays = {}
     for name, (shape, dtype) in fmt.shapes((layers, outputs), dim).items():
-        if name == "values":
+        if name == "values" and dtype == "float8_e4m3fn":
+            # Every finite bit pattern (subnormals included); NaN (S.1111.111) has its test.
+            bits = rng.integers(0, 256, size=shape, dtype=np.uint8)
+            bits[(bits & 0x7F) == 0x7F] -= 1
+            arrays[name] = bits.view(jnp.float8_e4m3fn)
+        elif name == "values":
             info = np.iinfo(dtype)
             arrays[name] = rng.integers(info.min, info.max + 1, size=shape, dtype=dtype)
         else:
@@ -169,20 +176,55 @@ def test_the_target_refuses_what_it_cannot_read():
         run(x, w.values, w.scales, w.mins[:, :2])
 
 
-def test_a_float_weight_quantized_to_int8_stays_close():
-    """`--quantization int8`: symmetric per output row, round to nearest."""
-    from jengine.models.quantize import quantize
+@pytest.mark.parametrize("dim, groups", [(96, 3), (80, 1)], ids=["groups-of-32", "per-row"])
+def test_a_float_weight_quantized_to_int8_stays_close(dim, groups):
+    """`--quantization int8`: symmetric per group of 32 inputs (per row where a row is not
+    whole groups), round to nearest."""
+    from jengine.models.quantize import method_format, quantize
 
+    fmt = method_format("int8", dim)
     rng = np.random.default_rng(4)
-    dense = rng.standard_normal((2, 40, 96)).astype(np.float32)
+    dense = rng.standard_normal((2, 40, dim)).astype(np.float32)
     dense[0, 3] = 0.0  # an all-zero row keeps a usable scale
-    arrays = quantize(dense, INT8)
-    w = QuantizedWeight(arrays["values"], arrays["scales"], None, INT8)
-    assert arrays["values"].dtype == np.int8 and arrays["scales"].shape == (2, 40, 1)
+    arrays = quantize(dense, fmt)
+    w = QuantizedWeight(arrays["values"], arrays["scales"], None, fmt)
+    assert arrays["values"].dtype == np.int8 and arrays["scales"].shape == (2, 40, groups)
     assert np.abs(arrays["values"]).max() == 127
-    step = np.abs(dense).max(axis=-1, keepdims=True) / 127
+    blocks = dense.reshape(2, 40, groups, -1)
+    step = np.repeat(np.abs(blocks).max(axis=-1) / 127, dim // groups, axis=-1)
     assert (np.abs(np.asarray(dequantize(w)) - dense) <= step / 2 + 1e-7).all()
     assert (np.asarray(dequantize(w))[0, 3] == 0).all()
+
+
+def test_fp8_bits_widen_exactly_nan_included():
+    """Every float8 e4m3fn bit pattern, NaN and subnormals included, through the kernel:
+    the same values as XLA's conversion (a one-hot x picks each weight out)."""
+    bits = np.arange(256, dtype=np.uint8).reshape(8, 32)
+    w = QuantizedWeight(
+        bits.view(jnp.float8_e4m3fn)[None], np.ones((1, 8, 1), np.float32), None, FP8
+    )
+    x = np.eye(32, dtype=np.float32)[:16]  # rows 0-15 pick inputs 0-15, a second call 16-31
+    ours = np.concatenate([np.asarray(kernel(x, w, 0)), np.asarray(kernel(x[:, ::-1], w, 0))])
+    expected = bits.view(jnp.float8_e4m3fn).astype(np.float32)
+    picked = np.concatenate([expected[:, :16], expected[:, 16:][:, ::-1]], axis=1).T
+    # A NaN weight makes its whole row NaN (0 * NaN); the other rows are exact.
+    nan_rows = np.isnan(expected).any(axis=1)
+    assert nan_rows.sum() == 2 and np.isnan(ours[:, nan_rows]).all()
+    np.testing.assert_array_equal(ours[:, ~nan_rows], picked[:, ~nan_rows])
+
+
+def test_a_float_weight_quantized_to_fp8_stays_close():
+    from jengine.models.quantize import quantize
+
+    dense = np.random.default_rng(5).standard_normal((3, 24, 64)).astype(np.float32)
+    arrays = quantize(dense, FP8)
+    assert arrays["values"].dtype == jnp.float8_e4m3fn
+    assert np.abs(arrays["values"].astype(np.float32)).max() == 448.0
+    w = QuantizedWeight(arrays["values"], arrays["scales"], None, FP8)
+    scale = arrays["scales"]
+    # e4m3: 3 mantissa bits (half a step: 1/16 relative); subnormal steps of 2^-9 * scale.
+    bound = np.maximum(np.abs(dense) / 16, scale * 2.0**-10) + 1e-7
+    assert (np.abs(np.asarray(dequantize(w)) - dense) <= bound).all()
 
 
 def test_formats_check_their_groups():

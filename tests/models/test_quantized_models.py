@@ -4,8 +4,8 @@
 - a GGUF kept quantized (Q8_0, Q4_0, Q4_1) generates what the same file dequantized to
   float32 generates, greedy tokens identical and logprobs within 1e-4, under batching,
   chunked prefill, prefix-cache hits and preemption;
-- `--quantization int8` of a random-weight checkpoint: perplexity within 1% of float32,
-  greedy agreement reported (and bounded below);
+- `--quantization int8` and `fp8` of random-weight checkpoints: perplexity within 1% of
+  float32 (fp8: 2%), greedy agreement reported (and bounded below);
 - `LLM(params=..., quantization="int8")` and `update_weights` with quantized params (no
   recompile after warmup)."""
 
@@ -108,8 +108,15 @@ def _perplexity(llm, tokens: list[int]) -> float:
     return float(np.exp(-np.mean(logprobs)))
 
 
+# int8 (groups of 32) within 1% of float32. fp8 (e4m3 per row) is bounded at 2%: its 3
+# mantissa bits err by ~2.6% (RMS, relative) on any weights, and these small models move
+# by 1.2-1.6% (bench/README.md): the issue's 1% is not met for fp8.
+PERPLEXITY_BOUND = {"int8": 0.01, "fp8": 0.02}
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
 @pytest.mark.parametrize("family", ["llama3", "qwen2"])  # tied head; q/k/v biases
-def test_int8_perplexity_within_one_percent_of_float32(tmp_path, family):
+def test_perplexity_near_float32(tmp_path, family, quantization):
     path = str(tmp_path / family)
     hf = make_checkpoint(family, path)
     # Text the model itself finds likely (its own greedy continuation), so perplexity is
@@ -117,19 +124,22 @@ def test_int8_perplexity_within_one_percent_of_float32(tmp_path, family):
     prompt = random_prompts(1, seed=3, low=8, high=9)[0]
     float_llm = LLM(path, **TIGHT)
     text = prompt + _generate(float_llm, [prompt], max_tokens=60)[0][0]
-    int8_llm = LLM(path, quantization="int8", **TIGHT)
-    layers = int8_llm.engine_core.runner.graphdef  # the format is static: in the graphdef
-    assert "int8" in str(layers)
-    ppl_float, ppl_int8 = _perplexity(float_llm, text), _perplexity(int8_llm, text)
-    assert abs(ppl_int8 / ppl_float - 1) < 0.01, (ppl_int8, ppl_float)
+    quantized_llm = LLM(path, quantization=quantization, **TIGHT)
+    formats = dict(quantized_llm.engine_core.runner.config.quantization)
+    assert {f.name for f in formats.values()} == {quantization}, formats
+    ppl_float, ppl_quantized = _perplexity(float_llm, text), _perplexity(quantized_llm, text)
+    assert abs(ppl_quantized / ppl_float - 1) < PERPLEXITY_BOUND[quantization], (
+        ppl_quantized,
+        ppl_float,
+    )
     assert ppl_float < hf.config.vocab_size / 4  # not the uniform distribution
     prompts = _prompts()
-    ours, _, _ = _generate(int8_llm, prompts)
+    ours, _, _ = _generate(quantized_llm, prompts)
     theirs, _, _ = _generate(float_llm, prompts)
     agreement = np.mean([a == b for x, y in zip(ours, theirs) for a, b in zip(x, y)])
     print(
-        f"{family}: int8 perplexity {ppl_int8:.3f} vs float32 {ppl_float:.3f}; "
-        f"greedy agreement {agreement:.1%}"
+        f"{family}: {quantization} perplexity {ppl_quantized:.3f} vs float32 "
+        f"{ppl_float:.3f}; greedy agreement {agreement:.1%}"
     )
     assert agreement > 0.5
 

@@ -130,15 +130,15 @@ def test_sizes_that_cannot_work_are_refused(checkpoint):
         TensorParallel.create(3, config)
 
 
-@pytest.mark.parametrize("quantization", ["Q4_1", "int8"])
+@pytest.mark.parametrize("quantization", ["Q4_1", "fp8"])
 def test_quantized_weights_give_the_same_outputs_at_every_size(tmp_path, quantization):
     """GGUF Q4_1 kept quantized (row-parallel weights of 2 groups: split at TP=2, where
-    groups stay whole, and at TP=4 through XLA's resharding) and int8 per channel (its
-    scales of row-parallel weights whole on every device)."""
+    groups stay whole, and at TP=4 through XLA's resharding) and fp8 per channel (its
+    scales of row-parallel weights whole on every device; int8's layout is the same)."""
     path = str(tmp_path / "hf")
     make_checkpoint("llama3", path, config_overrides=dict(num_key_value_heads=2))
-    if quantization == "int8":
-        results = _tp_check(path, "int8")
+    if quantization == "fp8":
+        results = _tp_check(path, "fp8")
     else:
         gguf = write_llama_gguf(path, str(tmp_path / "model.gguf"), quantization)
         results = _tp_check(gguf, "gguf")
