@@ -104,9 +104,8 @@ def default_kv_budget(
     return max(0, int(limit * gpu_memory_utilization) - weights - activations)
 
 
-def weights_report(params: dict, config, dtype, sizing: KVCacheSizing) -> str:
-    """The weights' resident bytes (a pure params dict); with quantized weights also their
-    formats and the KV-cache tokens that the bytes saved against `dtype` weights hold."""
+def weight_bytes(params: dict, dtype) -> tuple[int, int]:
+    """(resident bytes, bytes in `dtype` unquantized) of a pure params dict."""
 
     def dense_bytes(tree) -> int:
         if isinstance(tree, dict) and "values" in tree:  # a quantized weight
@@ -117,7 +116,13 @@ def weights_report(params: dict, config, dtype, sizing: KVCacheSizing) -> str:
             return sum(dense_bytes(child) for child in tree.values())
         return tree.nbytes
 
-    resident = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(params)), dense_bytes(params)
+
+
+def weights_report(params: dict, config, dtype, sizing: KVCacheSizing) -> str:
+    """The weights' resident bytes (a pure params dict); with quantized weights also their
+    formats and the KV-cache tokens that the bytes saved against `dtype` weights hold."""
+    resident, dense = weight_bytes(params, dtype)
     text = f"weights: {_size(resident)} resident"
     if not config.quantization:
         return text
@@ -125,7 +130,6 @@ def weights_report(params: dict, config, dtype, sizing: KVCacheSizing) -> str:
     for name, fmt in config.quantization:
         formats.setdefault(fmt.name, []).append(name)
     held = "; ".join(f"{fmt}: {', '.join(names)}" for fmt, names in formats.items())
-    dense = dense_bytes(params)
     saved = dense - resident
     tokens = saved // sizing.bytes_per_block * sizing.block_size
     name = jnp.dtype(dtype).name

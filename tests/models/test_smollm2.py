@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 
 from jengine import LLM, SamplingParams
 from jengine.models.checkpoint import installed_smollm2
+from jengine.runner.kv_cache_sizing import weight_bytes
 from tests.engine.engine_helpers import hf_teacher_forced
 
 SMOLLM2 = installed_smollm2()
@@ -90,6 +92,17 @@ def llm():
 def _chat_prompts(llm) -> list[list[int]]:
     render = llm.llm_engine.input_processor.render_chat
     return [render([{"role": "user", "content": q}])[1] for q in QUESTIONS]
+
+
+def test_the_kept_weights_are_near_the_files_size(llm):
+    """Kept quantized, the weights resident on the device are at most 1.25x the bytes of
+    the file's tensors (float32 scales and norms are what is added)."""
+    from jengine.models.gguf_reader import read_gguf
+
+    gguf = read_gguf(SMOLLM2)
+    file_bytes = sum(gguf.tensor_data(name).nbytes for name in gguf.tensors)
+    resident, _ = weight_bytes(nnx.to_pure_dict(llm.engine_core.runner.params), "float32")
+    assert resident <= 1.25 * file_bytes, (resident, file_bytes)
 
 
 def test_greedy_chat_replies_equal_transformers(llm, hf_model):
@@ -172,8 +185,14 @@ def test_int8_and_fp8_perplexity_near_float32(hf_model, quantization):
         greedy, _ = hf_teacher_forced(hf_model, prompt, tokens)
         same = next((i for i, (a, b) in enumerate(zip(tokens, greedy)) if a != b), len(tokens))
         agree, total = agree + same, total + len(tokens)
+    # Memory: int8 (the embedding and tied head too) at most 0.3x the float32 bytes.
+    params = nnx.to_pure_dict(quantized.engine_core.runner.params)
+    resident, dense = weight_bytes(params, "float32")
+    if quantization == "int8":
+        assert resident <= 0.3 * dense, (resident, dense)
     print(
-        f"SmolLM2 {quantization}: perplexity {ppl_ours:.3f} vs float32 {ppl_float:.3f}; "
-        f"greedy agreement {agree / total:.1%} of tokens before the first difference"
+        f"SmolLM2 {quantization}: {resident / dense:.2f}x the float32 bytes; perplexity "
+        f"{ppl_ours:.3f} vs float32 {ppl_float:.3f}; greedy agreement {agree / total:.1%} "
+        "of tokens before the first difference"
     )
     assert agree / total > 0.5
