@@ -99,34 +99,41 @@ def model_config(path: str) -> dict:
     return read_hf_config(path)
 
 
-def llama_cpp_models(llama_cpp, path: str) -> dict[str, str]:
+def llama_cpp_models(llama_cpp, path: str, int8: bool = False) -> dict[str, str]:
     """llama.cpp's row name -> the GGUF it runs: the benchmark model converted to F32 by
-    llama.cpp's converter; a GGUF as it is (named by its weights' type) and an F32 copy."""
+    llama.cpp's converter (and with `int8` to its Q8_0, beside jengine's int8); a GGUF as
+    it is (named by its weights' type) and an F32 copy."""
     from jengine.models.checkpoint import gguf_file
 
     from .peers.llama_cpp import convert_to_gguf, gguf_to_f32
 
     if gguf_file(path) is None:
-        return {"llama.cpp": convert_to_gguf(llama_cpp, path)}
+        rows = {"llama.cpp": convert_to_gguf(llama_cpp, path)}
+        if int8:
+            rows["llama.cpp (Q8_0)"] = convert_to_gguf(llama_cpp, path, outtype="q8_0")
+        return rows
     return {f"llama.cpp ({gguf_weight_type(path)})": path, "llama.cpp (F32)": gguf_to_f32(path)}
 
 
-def jengine_rows(path: str) -> dict[str, str | None]:
+def jengine_rows(path: str, int8: bool = False) -> dict[str, str | None]:
     """jengine's row names -> the `quantization` each runs: the benchmark model as it is
-    ("jengine"); a GGUF as it is, its matrices kept quantized ("jengine (Q4_1)"), and
-    dequantized to float32 ("jengine (F32)"), beside llama.cpp's rows of the same names."""
+    ("jengine", and with `int8` "jengine (int8)"); a GGUF as it is, its matrices kept
+    quantized ("jengine (Q4_1)"), and dequantized to float32 ("jengine (F32)"), beside
+    llama.cpp's rows of the same weights."""
     from jengine.models.checkpoint import gguf_file
 
     if gguf_file(path) is None:
-        return {"jengine": None}
+        return {"jengine": None, "jengine (int8)": "int8"} if int8 else {"jengine": None}
     return {f"jengine ({gguf_weight_type(path)})": None, "jengine (F32)": "none"}
 
 
 def weights_of(row: str) -> str:
     """The weights a result row ran: "(Q4_1)" for "jengine (Q4_1)" or "llama.cpp (Q4_1)",
     "" for the benchmark model's rows; transformers dequantizes a GGUF, so its rows count
-    as "(F32)" wherever rows name their weights (`same_weights` takes care of that)."""
-    return row[row.index("(") :] if "(" in row else ""
+    as "(F32)" wherever rows name their weights (`same_weights` takes care of that).
+    jengine's int8 (a scale per 32 inputs) is llama.cpp's Q8_0 of the same weights."""
+    weights = row[row.index("(") :] if "(" in row else ""
+    return "(Q8_0)" if weights == "(int8)" else weights
 
 
 def same_weights(ours: list[str], peers: list[str]) -> list[tuple[str, str]]:

@@ -91,7 +91,7 @@ def llama_cpp_latency(args, path: str, prompt_len: int, max_tokens: int) -> dict
         print("llama.cpp: not found (bench/peers/build_llama_cpp.sh builds it); skipped")
         return {}
     results = {}
-    for name, gguf in llama_cpp_models(llama_cpp, path).items():
+    for name, gguf in llama_cpp_models(llama_cpp, path, args.int8).items():
         result = run_llama_bench(
             llama_cpp,
             gguf,
@@ -119,6 +119,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument(
+        "--int8",
+        action="store_true",
+        help="also jengine with --quantization int8 against llama.cpp's Q8_0 of the same "
+        "weights (the benchmark model)",
+    )
+    parser.add_argument(
         "--top-p",
         type=float,
         help="sample at temperature 1 with this top_p (jengine and transformers; default "
@@ -138,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # A GGUF runs as it is (kept quantized: "jengine (Q4_1)") and dequantized ("jengine
     # (F32)"), beside llama.cpp's rows of the same names.
-    rows = jengine_rows(path)
+    rows = jengine_rows(path, args.int8)
     results = {
         name: jengine_latency(path, prompt, max_tokens, args.repeats, args.top_p, quantization)
         for name, quantization in rows.items()

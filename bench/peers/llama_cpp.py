@@ -119,10 +119,13 @@ def _source_stamp(llama_cpp: LlamaCpp, hf_folder: str) -> str:
     return hashlib.sha256(json.dumps(stamp, sort_keys=True).encode()).hexdigest()
 
 
-def convert_to_gguf(llama_cpp: LlamaCpp, hf_folder: str, out_path: str | None = None) -> str:
-    """The HF model in `hf_folder` as a float32 GGUF, made by llama.cpp's converter.
+def convert_to_gguf(
+    llama_cpp: LlamaCpp, hf_folder: str, out_path: str | None = None, outtype: str = "f32"
+) -> str:
+    """The HF model in `hf_folder` as a GGUF of `outtype` ("f32", or "q8_0": llama.cpp's
+    own 8-bit quantization), made by llama.cpp's converter.
 
-    Written to `out_path` (default `<hf_folder>.f32.gguf`, next to the folder) and reused
+    Written to `out_path` (default `<hf_folder>.<outtype>.gguf`, next to the folder) and reused
     while the folder's files and the converter are unchanged (a `.stamp` file beside it).
     The converter runs under `llama_cpp.python` and needs torch, numpy, transformers,
     sentencepiece, pyyaml, tqdm and requests there (it uses the gguf-py kept beside it).
@@ -130,7 +133,7 @@ def convert_to_gguf(llama_cpp: LlamaCpp, hf_folder: str, out_path: str | None = 
     if llama_cpp.converter is None:
         raise FileNotFoundError(f"no {CONVERTER} next to the llama.cpp build")
     hf_folder = os.path.abspath(os.path.expanduser(hf_folder))
-    out_path = os.path.abspath(out_path or hf_folder.rstrip("/") + ".f32.gguf")
+    out_path = os.path.abspath(out_path or hf_folder.rstrip("/") + f".{outtype}.gguf")
     stamp_path = out_path + ".stamp"
     stamp = _source_stamp(llama_cpp, hf_folder)
     if os.path.isfile(out_path) and os.path.isfile(stamp_path):
@@ -149,7 +152,7 @@ def convert_to_gguf(llama_cpp: LlamaCpp, hf_folder: str, out_path: str | None = 
                 "--outfile",
                 tmp,
                 "--outtype",
-                "f32",
+                outtype,
             ],
             capture_output=True,
             text=True,
