@@ -13,9 +13,8 @@ Promises:
   weight whose layers mix kept types (Q4_K_M's Q4_K and Q6_K) is repacked into one format
   that holds them all exactly (`common_format`); a weight of another type is dequantized
   (models/gguf_quants.py) into the chosen dtype, as is everything with
-  `keep_quantized=False`; each parameter goes
-  to the device as soon as its layers are filled: the host never holds a second full copy
-  of the model;
+  `keep_quantized=False`; each parameter goes to the device as soon as its layers are
+  filled: the host never holds a second full copy of the model;
 - load time, the tensor types and the process's peak memory are logged;
 - a clear ValueError for tensors the model has no place for (or lacks), and for tensor
   types jengine cannot dequantize.
