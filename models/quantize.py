@@ -1,8 +1,8 @@
-"""Quantized weights at load: a float weight quantized (`--quantization int8`), or a GGUF
+"""Quantized weights at load: a float weight quantized (`--quantization int8 | fp8`), or a GGUF
 tensor's blocks repacked into the layout the quantized matmul reads.
 
-Where it sits: `models/loader.py` and `models/gguf_loader.py` call these one tensor (one
-layer's weight) at a time, on the host, before the weight goes to the device; the result
+Where it sits: `models/loader.py` and `models/gguf_loader.py` call these one parameter (a
+GGUF: one layer's tensor) at a time, on the host, before it goes to the device; the result
 is a dict of numpy arrays named as `QuantFormat.shapes` names them, which the model's
 `QuantizedLinear` holds as parameters (`pallas_kernels/quantized_matmul/layout.py`
 defines what they mean).
