@@ -93,9 +93,9 @@ inline f32x16 Fp8ToFloat(u8x16 bytes) {
   return out;
 }
 
-// The 32 weights of `row` from input `i` on, as float q: two vectors of 16. Unsigned
-// bytes throughout: GCC widens unsigned byte vectors with one instruction, signed ones one
-// value at a time, so int8 is read as uint8 offset by 128 (exact).
+// The 32 weights of `row` from input `i` on, as float q: two vectors of 16. Without
+// AVX-512 int8 is read as uint8 offset by 128 (exact): GCC widens unsigned byte vectors
+// with one instruction, signed ones one value at a time.
 template <Kind K>
 inline void Widen(const uint8_t* row, int64_t i, f32x16& low, f32x16& high) {
   if constexpr (K == kInt8) {
@@ -105,13 +105,13 @@ inline void Widen(const uint8_t* row, int64_t i, f32x16& low, f32x16& high) {
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i)))));
     high = f32x16(_mm512_cvtepi32_ps(
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i + 16)))));
-    return;
-#endif
+#else
     u8x16 a, b;
     std::memcpy(&a, row + i, 16);
     std::memcpy(&b, row + i + 16, 16);
     low = __builtin_convertvector(__builtin_convertvector(a ^ 0x80, i32x16), f32x16) - 128.0f;
     high = __builtin_convertvector(__builtin_convertvector(b ^ 0x80, i32x16), f32x16) - 128.0f;
+#endif
   } else if constexpr (K == kFp8) {
     u8x16 a, b;
     std::memcpy(&a, row + i, 16);
