@@ -149,6 +149,13 @@ class NativeKernel:
                 self._loaded = True
             return self._reason
 
+    def require(self) -> None:
+        """`load()`, raising RuntimeError with the reason where the kernel is unavailable
+        (what a kernel's direct entry point does; the dispatchers fall back instead)."""
+        reason = self.load()
+        if reason is not None:
+            raise RuntimeError(f"{self.what} unavailable: {reason}")
+
     def load_in_background(self) -> None:
         """Start `load()` on a thread: the first build on a machine is seconds of the C++
         compiler, which can run beside the rest of start-up (imports, weights, tokenizer);

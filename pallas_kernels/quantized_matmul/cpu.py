@@ -60,9 +60,7 @@ def quantized_matmul_cpu(x: jax.Array, w: QuantizedWeight, layer) -> jax.Array:
             f"inputs or of {GROUP // 2}; got x "
             f"{x.dtype}{tuple(x.shape)}, a {w.format.name} weight {w.shape}"
         )
-    reason = KERNEL.load()
-    if reason is not None:
-        raise RuntimeError(f"CPU quantized-matmul kernel unavailable: {reason}")
+    KERNEL.require()
     return _matmul(x, w, jnp.asarray(layer, jnp.int32).reshape(1))
 
 

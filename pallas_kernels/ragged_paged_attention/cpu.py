@@ -126,9 +126,7 @@ def ragged_paged_attention_cpu(
             f"{LANES} and at most {MAX_GROUP} q heads per kv head; got q "
             f"{q.dtype}{tuple(q.shape)}, kv_cache {kv_cache.dtype}{tuple(kv_cache.shape)}"
         )
-    reason = load()
-    if reason is not None:
-        raise RuntimeError(f"CPU attention kernel unavailable: {reason}")
+    KERNEL.require()
     return _attention(
         float(sm_scale),
         sliding_window,

@@ -53,9 +53,7 @@ def stacked_matmul_cpu(x: jax.Array, w: jax.Array, layer) -> jax.Array:
             f"[L, F, D] with D a multiple of {LANES}; got x {x.dtype}{tuple(x.shape)}, "
             f"w {w.dtype}{tuple(w.shape)}"
         )
-    reason = KERNEL.load()
-    if reason is not None:
-        raise RuntimeError(f"CPU stacked-matmul kernel unavailable: {reason}")
+    KERNEL.require()
     return _matmul(x, w, jnp.asarray(layer, jnp.int32).reshape(1))
 
 
