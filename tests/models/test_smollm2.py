@@ -126,7 +126,8 @@ def test_greedy_chat_replies_equal_transformers(llm, hf_model):
     assert "Paris" in outputs[0].outputs[0].text
 
 
-def test_perplexity_on_held_out_text_equals_transformers(llm, hf_model):
+def _held_out_perplexity(llm) -> float:
+    """The engine's perplexity on HELD_OUT (prompt logprobs of every token but the first)."""
     tokens = llm.get_tokenizer().encode(HELD_OUT)
     output = llm.generate(
         {"prompt_token_ids": tokens},
@@ -134,10 +135,21 @@ def test_perplexity_on_held_out_text_equals_transformers(llm, hf_model):
         use_tqdm=False,
     )[0]
     ours = [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], tokens[1:])]
+    return float(np.exp(-np.mean(ours)))
+
+
+def _hf_held_out_perplexity(hf_model, tokenizer) -> float:
+    """transformers' float32 perplexity on the same tokens."""
+    tokens = tokenizer.encode(HELD_OUT)
     with torch.no_grad():
         logits = hf_model(torch.tensor([tokens])).logits[0, :-1].float()
     theirs = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
-    ppl_ours, ppl_theirs = np.exp(-np.mean(ours)), np.exp(-theirs.mean().item())
+    return float(np.exp(-theirs.mean().item()))
+
+
+def test_perplexity_on_held_out_text_equals_transformers(llm, hf_model):
+    ppl_ours = _held_out_perplexity(llm)
+    ppl_theirs = _hf_held_out_perplexity(hf_model, llm.get_tokenizer())
     assert abs(ppl_ours / ppl_theirs - 1) < 0.005, (ppl_ours, ppl_theirs)
     assert ppl_ours < 100  # ~45: English is not noise to it (uniform would be 49152)
 
@@ -162,17 +174,8 @@ def test_int8_and_fp8_perplexity_near_float32(hf_model, quantization):
         max_num_batched_tokens=256,
         warmup=False,
     )
-    tokens = quantized.get_tokenizer().encode(HELD_OUT)
-    output = quantized.generate(
-        {"prompt_token_ids": tokens},
-        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
-        use_tqdm=False,
-    )[0]
-    ours = [entry[t].logprob for entry, t in zip(output.prompt_logprobs[1:], tokens[1:])]
-    with torch.no_grad():
-        logits = hf_model(torch.tensor([tokens])).logits[0, :-1].float()
-    theirs = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
-    ppl_ours, ppl_float = np.exp(-np.mean(ours)), np.exp(-theirs.mean().item())
+    ppl_ours = _held_out_perplexity(quantized)
+    ppl_float = _hf_held_out_perplexity(hf_model, quantized.get_tokenizer())
     assert abs(ppl_ours / ppl_float - 1) < PERPLEXITY_BOUND[quantization], (ppl_ours, ppl_float)
     # Greedy agreement: the tokens each reply shares with transformers' greedy reply to the
     # same prompt before the first difference.
