@@ -22,7 +22,7 @@ from typing import Literal
 
 # vLLM's `--quantization` values jengine takes (None: what the checkpoint holds; the
 # methods are models/quantize.METHODS).
-QUANTIZATION_CHOICES = (None, "none", "gguf", "int8", "fp8")
+QUANTIZATION_CHOICES = (None, "none", "gguf", "compressed-tensors", "int8", "fp8")
 
 
 def _require(ok: bool, field: str, msg: str, value: object) -> None:
@@ -145,8 +145,10 @@ class ModelConfig:
         means token-id prompts only.
     dtype: "auto" (bf16 on accelerators, f32 on CPU), "float32", "bfloat16", "float16".
     quantization: vLLM's `--quantization`: None keeps what the checkpoint holds (a GGUF's
-        block-quantized weights stay quantized), "none" dequantizes a GGUF, "int8" and
-        "fp8" quantize the linear weights (weight-only, per output channel).
+        block-quantized weights, a compressed-tensors checkpoint's packed ones stay
+        quantized; "gguf" / "compressed-tensors" insist on it), "none" dequantizes them,
+        "int8" (groups of 32) and "fp8" (per channel) quantize the linear weights
+        (weight-only).
     max_model_len: None -> the model's max_position_embeddings.
     seed: seeds the engine's sampling of requests that bring no seed.
     attention_impl: force "reference" / "cpu" / "gpu" / "tpu" attention (None: by backend).

@@ -22,11 +22,12 @@ import re
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 
 from jengine.config import QUANTIZATION_CHOICES
+from jengine.models import compressed_tensors
 from jengine.models.checkpoint import gguf_file, read_hf_config
 from jengine.models.llama import LINEAR_WEIGHTS
 from jengine.models.quantize import METHODS, method_format, quantize
@@ -95,13 +96,41 @@ def safetensors_files(path: str) -> list[str]:
     return [os.path.join(path, f) for f in files]
 
 
+# safetensors dtype -> numpy (bf16 and fp8 through ml_dtypes, which safetensors' own
+# numpy and flax readers do not take for fp8).
+_SAFETENSORS_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
 def read_hf_tensors(path: str) -> dict[str, np.ndarray]:
-    """All tensors of the folder as numpy (bf16 through ml_dtypes)."""
+    """All tensors of the folder as numpy arrays, read by the safetensors layout: an
+    8-byte header length, a JSON header of dtype, shape and byte offsets, the data."""
     tensors = {}
     for file in safetensors_files(path):
-        with safe_open(file, framework="flax") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                tensors[name] = np.asarray(f.get_tensor(name))
+        with open(file, "rb") as f:
+            header_bytes = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_bytes))
+        data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + header_bytes)
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if info["dtype"] not in _SAFETENSORS_DTYPES:
+                raise ValueError(f"{file}: tensor {name} has dtype {info['dtype']}, not supported")
+            start, end = info["data_offsets"]
+            array = data[start:end].view(_SAFETENSORS_DTYPES[info["dtype"]])
+            tensors[name] = np.array(array.reshape(info["shape"]))  # a copy: the file closes
+        del data
     return tensors
 
 
@@ -126,7 +155,8 @@ def hf_to_params(tensors: dict[str, np.ndarray], num_layers: int) -> dict:
         missing = [i for i, a in enumerate(arrays) if a is None]
         if missing:
             raise ValueError(f"checkpoint lacks {ours} for layers {missing}")
-        params["layers"][ours] = np.stack(arrays)
+        # A quantized weight's layers are dicts of arrays: each array stacked.
+        params["layers"][ours] = jax.tree.map(lambda *layers: np.stack(layers), *arrays)
     return params
 
 
@@ -165,9 +195,11 @@ def load_model(path: str, dtype="auto", quantization: str | None = None) -> nnx.
     Flax model with weights in `dtype`.
 
     `quantization` (vLLM's `--quantization`): None (or "gguf") keeps what the checkpoint
-    holds (a GGUF's quantized blocks stay quantized where the matmul reads them,
-    models/quantize.py); "none" dequantizes a GGUF to `dtype`; "int8" quantizes the linear
-    weights (weight-only, per output channel) one parameter at a time, a GGUF's after
+    holds (a GGUF's quantized blocks, a compressed-tensors checkpoint's packed weights
+    stay quantized where the matmul reads them: models/quantize.py,
+    models/compressed_tensors.py); "gguf" and "compressed-tensors" say so and insist the
+    checkpoint is one; "none" dequantizes either to `dtype`; "int8" / "fp8" quantize the
+    linear weights (weight-only) one parameter at a time, a quantized checkpoint's after
     dequantizing them."""
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(
@@ -175,6 +207,8 @@ def load_model(path: str, dtype="auto", quantization: str | None = None) -> nnx.
             f"{[q for q in QUANTIZATION_CHOICES if q]}"
         )
     gguf_path = gguf_file(path)
+    if quantization == "gguf" and gguf_path is None:
+        raise ValueError(f"--quantization gguf: {path} is not a GGUF file")
     if gguf_path is not None:
         from jengine.models.gguf_loader import load_gguf_model
 
@@ -192,7 +226,19 @@ def load_model(path: str, dtype="auto", quantization: str | None = None) -> nnx.
         config = config_cls.from_hf(hf_config)
     except KeyError as e:
         raise ValueError(f"{path}/config.json lacks the field {e.args[0]!r}") from e
-    params = hf_to_params(read_hf_tensors(path), config.num_hidden_layers)
+    tensors = read_hf_tensors(path)
+    packed = compressed_tensors.quantization_config(hf_config)
+    formats = {}
+    if packed is not None:
+        keep = quantization in (None, compressed_tensors.QUANT_METHOD)
+        tensors, formats = compressed_tensors.decompress(tensors, packed, keep=keep)
+    elif quantization == compressed_tensors.QUANT_METHOD:
+        raise ValueError(f"--quantization {quantization}: {path}/config.json has no such config")
+    params = hf_to_params(tensors, config.num_hidden_layers)
+    kept = [
+        (ours, formats[hf]) for hf, ours in {**_LAYER_NAMES, **_TOP_NAMES}.items() if hf in formats
+    ]
+    config = dataclasses.replace(config, quantization=tuple(kept))
     if config.tie_word_embeddings:
         params.pop("lm_head", None)  # some tied checkpoints still store a copy
     params, config = quantized_params(params, config, quantization)

@@ -141,9 +141,10 @@ class EngineArgs:
         add(
             "--quantization",
             choices=[q for q in QUANTIZATION_CHOICES if q],
-            help="weights held quantized: int8 or fp8 (the linear weights, weight-only, per "
-            "output channel); none (dequantize a GGUF); default: what the checkpoint holds "
-            "(a GGUF's block-quantized weights stay quantized)",
+            help="weights held quantized: int8 or fp8 (the linear weights, weight-only); "
+            "none (dequantize a quantized checkpoint); default: what the checkpoint holds "
+            "(a GGUF's blocks and a compressed-tensors checkpoint's packed weights stay "
+            "quantized)",
         )
         add("--max-model-len", type=int, help="default: the model's max_position_embeddings")
         add("--max-num-seqs", type=int, help="requests running at once")

@@ -14,12 +14,11 @@
 // stacked float32 kernel.
 //
 // Layouts (row-major; `layout.py` is the definition): x [T, D]; values [L, F, D] int8 or
-// float8 e4m3fn, or [L, F, D / 2] uint8 (uint4, GGUF's nibble order per group of 32); scales and mins
+// float8 e4m3fn, or [L, F, D / 2] uint8 (uint4, GGUF's nibble order per run of 32); scales and mins
 // [L, F, G] float32; layer [1]; out [T, F].
 //   w[f, i] = scale[f, g] * q[f, i] + min[f, g],  g = i / (D / G)
 // Requirements (cpu.py routes other shapes to the reference): rows of a multiple of 32
-// inputs, groups of a multiple of 32 inputs or of 16 (uint4: exactly 32), T at most
-// kMaxRows.
+// inputs, groups of a multiple of 32 inputs or of 16 (uint4: of 32), T at most kMaxRows.
 
 #include <algorithm>
 #include <atomic>
@@ -266,9 +265,9 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
     problem = "x's D must match values', scales must be [L, F, G]";
   else if (s_dims[2] == 0 || x_dims[1] % kGroup || x_dims[1] % s_dims[2] ||
            ((x_dims[1] / s_dims[2]) % kGroup && x_dims[1] / s_dims[2] != kGroup / 2) ||
-           (kind == kUint4 && x_dims[1] / s_dims[2] != kGroup))
+           (kind == kUint4 && (x_dims[1] / s_dims[2]) % kGroup))
     problem = "rows must be whole multiples of 32 inputs, groups multiples of 32 or 16 "
-              "(uint4: exactly 32)";
+              "(uint4: of 32)";
   else if (x_dims[0] > kMaxRows)
     problem = "at most 16 rows of x";
   else if (layer.element_count() != 1)

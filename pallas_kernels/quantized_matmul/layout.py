@@ -13,16 +13,19 @@ channel"); within group g of row f:
 
 - `int8`: q is `values[f, i]`, int8, [..., F, D];
 - `fp8`: q is `values[f, i]`, float8 e4m3 (OCP's e4m3fn: no infinities), [..., F, D];
-- `uint4`: q in 0..15, two to a byte, `values` uint8 [..., F, D / 2]; each group of 32
+- `uint4`: q in 0..15, two to a byte, `values` uint8 [..., F, D / 2]; each run of 32
   inputs is 16 bytes in GGUF's own order: byte j holds input j in its low nibble and input
-  j + 16 in its high one (a GGUF block's quants, copied as they are);
+  j + 16 in its high one (a GGUF block's quants, copied as they are); groups are whole
+  runs (32 inputs, 128, or the row);
 - `scales` and `mins` are float32 [..., F, G]: GGUF's float16 block scales widen to them
   exactly, and so do the parts of a weight that do not depend on q (Q4_0's -8 * d, Q4_1's
   m), so the kernel does no conversions and knows no zero points.
 
 Formats: `--quantization int8` (groups of 32) and `fp8` (per channel); GGUF's Q4_0 (mins
 -8 d), Q4_1 and Q4_K as uint4 in groups of 32; Q8_0, Q5_0, Q5_1 and Q5_K as int8 in groups
-of 32; Q6_K as int8 in groups of 16 (`models/quantize.GGUF_KEPT`).
+of 32; Q6_K as int8 in groups of 16 (`models/quantize.GGUF_KEPT`); compressed-tensors
+checkpoints' int4 as uint4, other int widths as int8, fp8 as fp8, in their own groups
+(`models/compressed_tensors.py`).
 """
 
 import dataclasses
@@ -32,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 KINDS = ("int8", "uint4", "fp8")
-UINT4_GROUP = 32  # inputs per scale of uint4 weights (a GGUF block)
+UINT4_RUN = 32  # inputs whose 4-bit values interleave in 16 bytes (a GGUF block)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,15 +50,15 @@ class QuantFormat:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"quantized kind {self.kind!r}: expected one of {KINDS}")
-        if self.kind == "uint4" and self.group_size != UINT4_GROUP:
-            raise ValueError(f"uint4 weights come in groups of {UINT4_GROUP} inputs")
+        if self.kind == "uint4" and (self.group_size or UINT4_RUN) % UINT4_RUN:
+            raise ValueError(f"{self.name}: uint4 groups are multiples of {UINT4_RUN} inputs")
         if self.group_size is not None and self.group_size % 16:
             raise ValueError(f"{self.name}: groups are multiples of 16 inputs")
 
     def groups(self, dim: int) -> int:
         """Scales per row of `dim` inputs."""
         size = self.group_size or dim
-        if dim % size:
+        if dim % size or (self.kind == "uint4" and dim % UINT4_RUN):
             raise ValueError(f"{self.name}: rows of {dim} inputs are not whole groups of {size}")
         return dim // size
 
@@ -109,11 +112,10 @@ def dequantize(weight: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
         # [..., D / 32, 16] bytes -> [..., D / 32, 2, 16]: low nibbles first, then high
         # ones (one elementwise shift XLA fuses into the dot's operand; a concatenate of
         # the two halves it does not, and XLA:CPU then runs 3x slower).
-        blocks = values.reshape(*values.shape[:-1], -1, 1, UINT4_GROUP // 2)
+        runs = values.reshape(*values.shape[:-1], -1, 1, UINT4_RUN // 2)
         shifts = jnp.array([0, 4], jnp.uint8).reshape(2, 1)
-        q = ((blocks >> shifts) & 0x0F).reshape(*values.shape[:-1], -1, UINT4_GROUP)
-    else:
-        q = values.reshape(*values.shape[:-1], weight.scales.shape[-1], -1)
+        values = (runs >> shifts) & 0x0F
+    q = values.reshape(*weight.scales.shape, -1)
     w = q.astype(jnp.float32) * weight.scales[..., None]
     if weight.mins is not None:
         w = w + weight.mins[..., None]

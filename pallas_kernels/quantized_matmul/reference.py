@@ -23,17 +23,23 @@ def quantized_matmul_reference(x: jax.Array, w: QuantizedWeight, layer) -> jax.A
 
 def _uint4_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     """The same product for 4-bit weights, as two: the low nibbles (inputs 0-15 of each
-    group of 32) with those inputs of x, the high ones with the rest. Each half dequantizes
+    run of 32) with those inputs of x, the high ones with the rest. Each half dequantizes
     elementwise, which XLA fuses into the dot's operand; interleaving the halves back into
     input order first (`dequantize`) costs XLA:CPU a copy 3x slower than the product."""
-    rows, groups = w.scales.shape
-    blocks = w.values.reshape(rows, groups, 16)
-    halves = x.reshape(*x.shape[:-1], groups, 2, 16)
+    rows, run_bytes = w.values.shape
+    runs = run_bytes // 16
+    runs_per_group = runs // w.scales.shape[-1]
+
+    def per_run(a):  # [rows, G] -> [rows, runs, 1]: a group's scale for each of its runs
+        return jnp.repeat(a, runs_per_group, axis=-1)[..., None]
+
+    blocks = w.values.reshape(rows, runs, 16)
+    halves = x.reshape(*x.shape[:-1], runs, 2, 16)
     out = None
     for half, q in enumerate((blocks & 0x0F, blocks >> 4)):
-        dense = q.astype(jnp.float32) * w.scales[..., None]
+        dense = q.astype(jnp.float32) * per_run(w.scales)
         if w.mins is not None:
-            dense = dense + w.mins[..., None]
+            dense = dense + per_run(w.mins)
         part = halves[..., half, :].reshape(*x.shape[:-1], -1) @ (
             dense.reshape(rows, -1).astype(x.dtype).T
         )

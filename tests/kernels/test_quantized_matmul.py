@@ -1,9 +1,9 @@
 """The CPU quantized-matmul kernel (`pallas_kernels/quantized_matmul/cpu.cc`) against its
 XLA reference and a float64 oracle, for every layout it reads (int8 per channel and per
-group, GGUF's Q8_0, Q4_0 and Q4_1): one row to the most it takes, odd output counts and
-group counts, the layer's neighbours' scales NaN so a read outside `w[layer]` shows,
-derivatives through the reference, operands it must refuse, and the entry point's
-choice (kernel for a few float32 rows, reference otherwise)."""
+group, fp8, uint4 in groups of 32, 64 or a row, every GGUF type kept): one row to the most
+it takes, odd output counts and group counts, the layer's neighbours' scales NaN so a
+read outside `w[layer]` shows, derivatives through the reference, operands it must
+refuse, and the entry point's choice (kernel for a few float32 rows, reference otherwise)."""
 
 import dataclasses
 
@@ -25,10 +25,13 @@ from jengine.pallas_kernels.quantized_matmul import (
 kernel = jax.jit(cpu.quantized_matmul_cpu)
 RUN_TIME_REFUSAL = (jax.errors.JaxRuntimeError, ValueError)  # as in test_cpu_kernel_errors
 INT8_GROUPS_OF_64 = QuantFormat("int8-g64", "int8", group_size=64)
+# compressed-tensors' int4 (models/compressed_tensors.py): runs of 32 in larger groups.
+UINT4_GROUPS_OF_64 = QuantFormat("uint4-g64", "uint4", group_size=64, has_mins=True)
+UINT4_PER_CHANNEL = QuantFormat("uint4-row", "uint4", group_size=None, has_mins=True)
 # Per channel; `--quantization int8` (groups of 32) has Q8_0's layout, among FORMATS too.
 INT8 = INT8_PER_CHANNEL
 Q8_0, Q4_0, Q4_1 = GGUF_KEPT["Q8_0"], GGUF_KEPT["Q4_0"], GGUF_KEPT["Q4_1"]
-FORMATS = [INT8, INT8_GROUPS_OF_64, FP8, *GGUF_KEPT.values()]
+FORMATS = [INT8, INT8_GROUPS_OF_64, FP8, UINT4_GROUPS_OF_64, UINT4_PER_CHANNEL, *GGUF_KEPT.values()]
 
 
 def weight(fmt, outputs: int, dim: int, layers: int = 3, layer: int = 1, seed: int = 0):
@@ -228,8 +231,10 @@ def test_a_float_weight_quantized_to_fp8_stays_close():
 
 
 def test_formats_check_their_groups():
-    with pytest.raises(ValueError, match="uint4 weights come in groups of 32"):
-        QuantFormat("bad", "uint4", group_size=64)
+    with pytest.raises(ValueError, match="uint4 groups are multiples of 32"):
+        QuantFormat("bad", "uint4", group_size=48)
+    with pytest.raises(ValueError, match="not whole groups of 48"):
+        UINT4_PER_CHANNEL.shapes((4,), 48)
     with pytest.raises(ValueError, match="not whole groups of 32"):
         Q4_1.shapes((4,), 48)
     with pytest.raises(ValueError, match="groups are multiples of 16"):
@@ -238,7 +243,9 @@ def test_formats_check_their_groups():
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
-@pytest.mark.parametrize("fmt", [INT8, *GGUF_KEPT.values()], ids=lambda f: f.name)
+@pytest.mark.parametrize(
+    "fmt", [INT8, UINT4_GROUPS_OF_64, *GGUF_KEPT.values()], ids=lambda f: f.name
+)
 def test_the_reference_lowers_for_gpu_and_tpu_under_a_layer_scan(platform, fmt):
     """On GPU and TPU the quantized weights go through the reference (XLA fuses the
     dequantization into the dot's operand): it lowers for both at a Llama-3-8B layer's

@@ -18,6 +18,7 @@ import pytest
 from jengine.runner.sharding import TensorParallel
 from tests.engine.engine_helpers import hf_greedy_logprobs
 from tests.models.checkpoints import make_checkpoint
+from tests.models.compressed_files import write_compressed
 from tests.models.gguf_files import write_llama_gguf
 from tests.runner.tp_check import MAX_TOKENS, PROMPTS
 
@@ -130,15 +131,22 @@ def test_sizes_that_cannot_work_are_refused(checkpoint):
         TensorParallel.create(3, config)
 
 
-@pytest.mark.parametrize("quantization", ["Q4_1", "fp8"])
+@pytest.mark.parametrize("quantization", ["Q4_1", "fp8", "compressed-tensors"])
 def test_quantized_weights_give_the_same_outputs_at_every_size(tmp_path, quantization):
     """GGUF Q4_1 kept quantized (row-parallel weights of 2 groups: split at TP=2, where
-    groups stay whole, and at TP=4 through XLA's resharding) and fp8 per channel (its
-    scales of row-parallel weights whole on every device; int8's layout is the same)."""
+    groups stay whole, and at TP=4 through XLA's resharding), fp8 per channel (its
+    scales of row-parallel weights whole on every device; int8's layout is the same) and
+    a compressed-tensors W4A16 checkpoint (asymmetric, groups of 64: 4-bit runs of 32
+    inside larger groups)."""
     path = str(tmp_path / "hf")
-    make_checkpoint("llama3", path, config_overrides=dict(num_key_value_heads=2))
+    overrides = dict(num_key_value_heads=2, intermediate_size=256)
+    make_checkpoint("llama3", path, config_overrides=overrides)
     if quantization == "fp8":
         results = _tp_check(path, "fp8")
+    elif quantization == "compressed-tensors":
+        packed = str(tmp_path / "w4a16")
+        write_compressed(path, packed, bits=4, group_size=64, symmetric=False)
+        results = _tp_check(packed, quantization)
     else:
         gguf = write_llama_gguf(path, str(tmp_path / "model.gguf"), quantization)
         results = _tp_check(gguf, "gguf")
