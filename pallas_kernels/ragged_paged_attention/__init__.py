@@ -62,13 +62,19 @@ def ragged_paged_attention(
     *,
     sm_scale: float,
     q_block_size: int = 16,
-    sliding_window: int | None = None,
+    sliding_window=None,
+    soft_cap: float | None = None,
     impl: str | None = None,
     interpret: bool = False,
 ):
     """See `reference.ragged_paged_attention_reference` for the arguments and promises."""
     impl = resolve_impl(impl, q, kv_cache)
-    kwargs = dict(sm_scale=sm_scale, q_block_size=q_block_size, sliding_window=sliding_window)
+    kwargs = dict(
+        sm_scale=sm_scale,
+        q_block_size=q_block_size,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
     args = (q, kv_cache, layer, kv_lens, block_tables, query_start_loc)
     if impl == "reference":
         return ragged_paged_attention_reference(*args, **kwargs)

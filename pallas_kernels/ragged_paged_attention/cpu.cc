@@ -9,8 +9,10 @@
 // current one is used. Work items are shared between the calling thread and XLA's
 // intra-op thread pool.
 //
-// Layouts (row-major): q [T, N, H]; kv_cache [L, 2, K, num_blocks, S, H];
-// kv_lens [R]; block_tables [R', P] with R' >= R; query_start_loc [R + 1]; out [T, N, H].
+// Layouts (row-major): q [T, N, H]; kv_cache [L, 2, K, num_blocks, S, H]; layer_window
+// [2] (the layer, and its sliding window, 0 for none: an operand, so a layer scan passes
+// each layer's own); kv_lens [R]; block_tables [R', P] with R' >= R; query_start_loc
+// [R + 1]; out [T, N, H]. Attribute soft_cap: 0, or Gemma 2's attention logit cap.
 // Kernel requirements (cpu.py routes other shapes to the reference): H and S multiples of
 // 8, N a multiple of K, N / K at most 64.
 //
@@ -111,6 +113,7 @@ struct Problem {
   int64_t num_q_heads, num_kv_heads, head_dim, num_blocks, block_size, layer, pages_per_request;
   float sm_scale;
   int64_t sliding_window;  // 0: none
+  float soft_cap;          // 0: none; else scores become cap * tanh(score / cap)
 };
 
 struct WorkItem {
@@ -171,6 +174,9 @@ inline void AttendPage(const Problem& p, Scratch& scratch, int64_t rows, int64_t
         std::min<int64_t>(S, std::min<int64_t>(pos, kv_len - 1) - page_start + 1);
     if (s_end <= s_begin) continue;
     float* scores = scratch.scores.data() + row * S;
+    if (p.soft_cap > 0)  // Gemma 2: on the visible scores only, the rest never count
+      for (int64_t s = s_begin; s < s_end; ++s)
+        scores[s] = p.soft_cap * std::tanh(scores[s] / p.soft_cap);
     float page_max = kNegInf;
     for (int64_t s = s_begin; s < s_end; ++s) page_max = std::max(page_max, scores[s]);
     const float old_max = scratch.row_max[row];
@@ -300,8 +306,9 @@ const char* ShapeProblem(Dims q, Dims cache, Dims kv_lens, Dims tables, Dims sta
   if (q.size() != 3 || !(out == q)) return "q and out must be [tokens, q heads, head dim]";
   if (cache.size() != 6 || cache[1] != 2)
     return "kv_cache must be [layers, 2 (k and v), kv heads, pages, page size, head dim]";
-  if (kv_lens.size() != 1 || tables.size() != 2 || starts.size() != 1 || layer_values != 1)
-    return "kv_lens must be [R], block_tables [R, P], query_start_loc [R + 1], layer [1]";
+  if (kv_lens.size() != 1 || tables.size() != 2 || starts.size() != 1 || layer_values != 2)
+    return "kv_lens must be [R], block_tables [R, P], query_start_loc [R + 1], layer and "
+           "window [2]";
   if (q[2] != cache[5]) return "q's head dim must equal kv_cache's";
   if (cache[2] < 1 || q[1] < 1 || q[1] % cache[2])
     return "q heads must be a multiple of kv_cache's kv heads";
@@ -335,16 +342,16 @@ std::string MetadataProblem(const Problem& p, int64_t num_requests, int64_t num_
 }
 
 ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                                ffi::Buffer<ffi::F32> kv_cache, ffi::Buffer<ffi::S32> layer,
+                                ffi::Buffer<ffi::F32> kv_cache, ffi::Buffer<ffi::S32> layer_window,
                                 ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> block_tables,
                                 ffi::Buffer<ffi::S32> query_start_loc,
                                 ffi::ResultBuffer<ffi::F32> out, float sm_scale,
-                                int32_t sliding_window) {
+                                float soft_cap) {
   const Dims q_dims = q.dimensions(), cache_dims = kv_cache.dimensions();
   const Dims lens_dims = kv_lens.dimensions(), table_dims = block_tables.dimensions(),
              start_dims = query_start_loc.dimensions();
   if (const char* problem = ShapeProblem(q_dims, cache_dims, lens_dims, table_dims, start_dims,
-                                         out->dimensions(), layer.element_count()))
+                                         out->dimensions(), layer_window.element_count()))
     return ffi::Error::InvalidArgument(
         "ragged paged attention: " + std::string(problem) + "; got q " + Shape(q_dims) +
         ", kv_cache " + Shape(cache_dims) + ", kv_lens " + Shape(lens_dims) + ", block_tables " +
@@ -355,8 +362,8 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
        block_tables.typed_data(), query_start_loc.typed_data(),
        /*num_q_heads=*/q_dims[1], /*num_kv_heads=*/cache_dims[2], /*head_dim=*/q_dims[2],
        /*num_blocks=*/cache_dims[3], /*block_size=*/cache_dims[4],
-       /*layer=*/layer.typed_data()[0], /*pages_per_request=*/table_dims[1],
-       sm_scale, /*sliding_window=*/std::max(0, sliding_window)};
+       /*layer=*/layer_window.typed_data()[0], /*pages_per_request=*/table_dims[1], sm_scale,
+       /*sliding_window=*/std::max(0, layer_window.typed_data()[1]), std::max(0.0f, soft_cap)};
   const int64_t num_tokens = q_dims[0], num_requests = lens_dims[0];
   if (std::string problem = MetadataProblem(p, num_requests, num_tokens, cache_dims[0]);
       !problem.empty())
@@ -390,10 +397,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineRaggedPagedAttention, RaggedPagedAttention,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::Buffer<ffi::F32>>()  // kv_cache
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer, shape [1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer, window: [2]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Attr<float>("sm_scale")
-                                  .Attr<int32_t>("sliding_window"));
+                                  .Attr<float>("soft_cap"));

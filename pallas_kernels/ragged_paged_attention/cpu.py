@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jengine.pallas_kernels.native_build import NativeKernel
+from jengine.pallas_kernels.ragged_paged_attention.metadata import layer_window
 from jengine.pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
 TARGET_NAME = "jengine_ragged_paged_attention"
@@ -115,10 +116,12 @@ def ragged_paged_attention_cpu(
     *,
     sm_scale: float,
     q_block_size: int = 16,
-    sliding_window: int | None = None,
+    sliding_window=None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """See `reference.ragged_paged_attention_reference`; `q_block_size` only matters to the
-    reference that computes derivatives (the kernel sizes its own work items)."""
+    reference that computes derivatives (the kernel sizes its own work items). The window
+    reaches the kernel as an operand (a layer's own, traced, inside a layer scan)."""
     check_operands(q, kv_cache, layer, kv_lens, block_tables, query_start_loc)
     if not supports(q, kv_cache):
         raise ValueError(
@@ -129,11 +132,11 @@ def ragged_paged_attention_cpu(
     KERNEL.require()
     return _attention(
         float(sm_scale),
-        sliding_window,
+        None if soft_cap is None else float(soft_cap),
         q_block_size,
         q,
         kv_cache,
-        jnp.asarray(layer, jnp.int32).reshape(1),
+        layer_window(layer, sliding_window),
         kv_lens.astype(jnp.int32),
         block_tables.astype(jnp.int32),
         query_start_loc.astype(jnp.int32),
@@ -141,33 +144,35 @@ def ragged_paged_attention_cpu(
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
-def _attention(sm_scale, sliding_window, q_block_size, q, kv_cache, layer, *metadata):
+def _attention(sm_scale, soft_cap, q_block_size, q, kv_cache, layer_window, *metadata):
+    """`layer_window`: [2] int32, the layer and its sliding window (0: none)."""
     call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(
         q,
         kv_cache,
-        layer,
+        layer_window,
         *metadata,
         sm_scale=np.float32(sm_scale),
-        sliding_window=np.int32(sliding_window or 0),
+        soft_cap=np.float32(soft_cap or 0.0),
     )
 
 
 @_attention.defjvp
-def _attention_jvp(sm_scale, sliding_window, q_block_size, primals, tangents):
+def _attention_jvp(sm_scale, soft_cap, q_block_size, primals, tangents):
     # The kernel has no derivative of its own; the reference computes the same function.
-    q, kv_cache, layer, *metadata = primals
+    q, kv_cache, layer_window, *metadata = primals
     q_dot, kv_cache_dot = tangents[:2]
 
     def reference(q, kv_cache):
         return ragged_paged_attention_reference(
             q,
             kv_cache,
-            layer[0],
+            layer_window[0],
             *metadata,
             sm_scale=sm_scale,
             q_block_size=q_block_size,
-            sliding_window=sliding_window,
+            sliding_window=layer_window[1],
+            soft_cap=soft_cap,
         )
 
     return jax.jvp(reference, (q, kv_cache), (q_dot, kv_cache_dot))

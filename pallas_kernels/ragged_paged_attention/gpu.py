@@ -36,6 +36,7 @@ from jengine.pallas_kernels.ragged_paged_attention.metadata import (
     MASK_VALUE,
     block_token_index,
     gather_query_rows,
+    layer_window,
     page_range,
     query_blocks,
     row_layout,
@@ -63,7 +64,8 @@ def _kernel(
     *,
     sm_scale: float,
     group_shift: int,
-    sliding_window: int | None,
+    has_window: bool,
+    soft_cap: float | None,
 ):
     block, kv_head = pl.program_id(0), pl.program_id(1)
     request = request_ref[block]
@@ -76,6 +78,7 @@ def _kernel(
     # reference's gather clamp alike): a stray layer or page id must not leave the cache,
     # nor a kv_len longer than P pages leave the request's row of the table.
     layer = jnp.clip(layer_ref[0], 0, num_layers - 1)
+    window = layer_ref[1] if has_window else None
     rows, head_dim = q_ref.shape
 
     q = q_ref[...]
@@ -98,10 +101,11 @@ def _kernel(
             kv_start=page_index * block_size,
             kv_len=kv_len,
             sm_scale=sm_scale,
-            sliding_window=sliding_window,
+            sliding_window=window,
+            soft_cap=soft_cap,
         )
 
-    first, end = page_range(q_len, q_pos, kv_len, block_size, sliding_window)
+    first, end = page_range(q_len, q_pos, kv_len, block_size, window)
     init = (
         jnp.zeros((rows, head_dim), jnp.float32),
         jnp.full((rows, 1), MASK_VALUE, jnp.float32),
@@ -131,7 +135,7 @@ def _check_shapes(kv_lens, block_tables, query_start_loc, block_size: int, head_
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "q_block_size", "sliding_window", "interpret", "num_warps"),
+    static_argnames=("sm_scale", "q_block_size", "soft_cap", "interpret", "num_warps"),
 )
 def ragged_paged_attention_gpu(
     q: jax.Array,
@@ -143,7 +147,8 @@ def ragged_paged_attention_gpu(
     *,
     sm_scale: float,
     q_block_size: int = 16,
-    sliding_window: int | None = None,
+    sliding_window=None,
+    soft_cap: float | None = None,
     interpret: bool | pltpu.InterpretParams = False,
     num_warps: int = 4,
 ) -> jax.Array:
@@ -170,7 +175,8 @@ def ragged_paged_attention_gpu(
         _kernel,
         sm_scale=sm_scale,
         group_shift=layout.group_padded.bit_length() - 1,
-        sliding_window=sliding_window,
+        has_window=sliding_window is not None,
+        soft_cap=soft_cap,
     )
     whole = pl.BlockSpec()  # whole array in global memory, indexed dynamically in the kernel
     row_spec = pl.BlockSpec(
@@ -195,7 +201,7 @@ def ragged_paged_attention_gpu(
         blocks.q_pos,
         kv_lens,
         block_tables.astype(jnp.int32),
-        jnp.asarray(layer, jnp.int32).reshape(1),
+        layer_window(layer, sliding_window),
         rows,
         kv_cache,
     )

@@ -145,7 +145,7 @@ def page_range(
     q_pos: jax.Array,
     kv_len: jax.Array,
     block_size: int,
-    sliding_window: int | None,
+    sliding_window,
 ) -> tuple[jax.Array, jax.Array]:
     """[first, end) pages of its request that a query block can see (scalars, empty if unused).
 
@@ -159,5 +159,29 @@ def page_range(
     end = jnp.where(q_len > 0, lax.div(visible + size - 1, size), 0)
     if sliding_window is None:
         return jnp.zeros_like(end), end
-    first = lax.div(jnp.maximum(q_pos - sliding_window + 1, 0), size)
+    window = jnp.asarray(sliding_window, jnp.int32)
+    first = jnp.where(window > 0, lax.div(jnp.maximum(q_pos - window + 1, 0), size), 0)
     return jnp.minimum(first, end), end
+
+
+def layer_window(layer, sliding_window) -> jax.Array:
+    """[2] int32: the cache layer a kernel reads and its sliding window (0: none), the
+    kernels' one small operand for both (a layer scan passes each layer's own)."""
+    window = 0 if sliding_window is None else sliding_window
+    return jnp.stack([jnp.asarray(layer, jnp.int32).reshape(()), jnp.asarray(window, jnp.int32)])
+
+
+def in_window(kv_pos: jax.Array, row_pos: jax.Array, sliding_window) -> jax.Array:
+    """Whether a key at `kv_pos` is inside the window of a row at `row_pos`: it is one of
+    the last `sliding_window` positions. The window is static (an int) or traced (a
+    per-layer int32 scalar); <= 0 means no window for that layer."""
+    window = jnp.asarray(sliding_window, jnp.int32)
+    return (window <= 0) | (kv_pos > row_pos - window)
+
+
+def soft_capped(scores: jax.Array, soft_cap: float | None) -> jax.Array:
+    """Gemma 2's attention logit soft-capping: cap * tanh(scores / cap) (scores already
+    scaled by sm_scale), before masking."""
+    if soft_cap is None:
+        return scores
+    return soft_cap * jnp.tanh(scores / soft_cap)

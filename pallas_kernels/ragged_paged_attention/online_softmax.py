@@ -10,7 +10,9 @@ lives here once.
 Promises:
 - a key is seen by a row only if the row is a real token of the block (its token index
   r >> group_shift is below q_len), the key is causal for it (position <= the token's),
-  inside the context (< kv_len) and, with a sliding window, inside the window;
+  inside the context (< kv_len) and, with a sliding window, inside the window (a static
+  int or this layer's traced one, <= 0 for none);
+- with `soft_cap`, scores (after sm_scale) are cap * tanh(score / cap), as Gemma 2's;
 - scores are masked with `where` (never an additive bias) and MASK_VALUE, masked
   probabilities are exactly 0, and V slots past kv_len are zeroed before the PV dot, so
   NaN in cache slots a block does not own never reaches its output;
@@ -25,7 +27,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jengine.pallas_kernels.ragged_paged_attention.metadata import MASK_VALUE
+from jengine.pallas_kernels.ragged_paged_attention.metadata import (
+    MASK_VALUE,
+    in_window,
+    soft_capped,
+)
 
 
 def row_tokens(rows: int, block_size: int, group_shift: int) -> jax.Array:
@@ -49,7 +55,8 @@ def online_softmax_update(
     kv_start: jax.Array,  # context position of the page's first slot
     kv_len: jax.Array,
     sm_scale: float,
-    sliding_window: int | None,
+    sliding_window,  # None, an int or a traced int32 scalar (<= 0: none)
+    soft_cap: float | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Fold one page of keys and values into the running (acc, m, l) of a query block."""
     rows, block_size = row_token.shape
@@ -58,13 +65,13 @@ def online_softmax_update(
     kv_pos = kv_start + lax.broadcasted_iota(jnp.int32, (rows, block_size), 1)
     mask = (row_token < q_len) & (kv_pos <= row_pos) & (kv_pos < kv_len)
     if sliding_window is not None:
-        mask &= kv_pos > row_pos - sliding_window
+        mask &= in_window(kv_pos, row_pos, sliding_window)
 
     s = lax.dot_general(
         q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
     )  # [M, S]
     # `where`, not an additive bias: NaN keys in unused slots must not reach the max.
-    s = jnp.where(mask, s * sm_scale, MASK_VALUE)
+    s = jnp.where(mask, soft_capped(s * sm_scale, soft_cap), MASK_VALUE)
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     alpha = jnp.exp(m_prev - m_next)
     # Masked probabilities are exactly 0 even while a row's max is still MASK_VALUE.

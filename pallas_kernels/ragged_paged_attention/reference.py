@@ -32,7 +32,9 @@ from jengine.pallas_kernels.ragged_paged_attention.metadata import (
     QueryBlocks,
     block_token_index,
     decode_blocks,
+    in_window,
     query_blocks,
+    soft_capped,
 )
 
 # Query blocks that walk their pages together, sorted by how far they see.
@@ -74,7 +76,8 @@ def ragged_paged_attention_reference(
     *,
     sm_scale: float,
     q_block_size: int = 16,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """Attention of a ragged batch over a paged KV cache.
 
@@ -90,7 +93,10 @@ def ragged_paged_attention_reference(
       q_block_size: Bq, the tokens one walk over a request's pages serves. With Bq > 1,
         requests with one new token still get blocks of one (their own walk) and longer
         ones blocks of Bq; Bq = 1 (decode-only steps) gives every token its own block.
-      sliding_window: if set, a token sees only the last `sliding_window` positions.
+      sliding_window: if set, a token sees only the last `sliding_window` positions: an
+        int, or a traced int32 scalar (a layer's own window inside a layer scan, <= 0
+        for a layer without one).
+      soft_cap: if set, scores (after sm_scale) become cap * tanh(score / cap) (Gemma 2).
     Returns:
       [T, N, H] attention output in q's dtype.
     """
@@ -123,6 +129,7 @@ def ragged_paged_attention_reference(
             pages_per_step,
             sm_scale,
             sliding_window,
+            soft_cap,
         )
         result = result.at[token_index].set(out.astype(q.dtype), mode="drop")
     return result
@@ -164,7 +171,7 @@ def _gather_pages(kv_cache: jax.Array, layer, kv: int, page_ids: jax.Array) -> j
     return pages.reshape(num_blocks, num_kv_heads, num_pages * block_size, head_dim)
 
 
-def _attend_pages(kv_cache, layer, step_tokens, sliding_window, group_xs, carry, step):
+def _attend_pages(kv_cache, layer, step_tokens, window, soft_cap, group_xs, carry, step):
     """One online-softmax step of a group of query blocks over their next `step_tokens`
     keys (`pages_per_step` pages of each block's request)."""
     row_max, denom, acc = carry
@@ -175,11 +182,11 @@ def _attend_pages(kv_cache, layer, step_tokens, sliding_window, group_xs, carry,
     kv_valid = kv_pos[None, :] < group_xs["kv_lens"][:, None]  # [GS, C]
     q_pos = group_xs["q_pos"]
     mask = kv_valid[:, None, :] & (kv_pos[None, None, :] <= q_pos[:, :, None])  # [GS, rows, C]
-    if sliding_window is not None:
-        mask &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    if window is not None:
+        mask &= in_window(kv_pos[None, None, :], q_pos[:, :, None], window)
     # Unused slots may hold NaN: zero them so 0-probability * NaN cannot poison the sum.
     v = jnp.where(kv_valid[:, None, :, None], v, 0)
-    scores = jnp.einsum("bkmh,bksh->bkms", group_xs["q"], k)
+    scores = soft_capped(jnp.einsum("bkmh,bksh->bkms", group_xs["q"], k), soft_cap)
     scores = jnp.where(mask[:, None], scores, -jnp.inf)
     new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1))
     # Rows that have seen no visible key yet keep a finite reference point.
@@ -201,7 +208,8 @@ def _attend_blocks(
     q_block_size: int,
     pages_per_step: int,
     sm_scale: float,
-    sliding_window: int | None,
+    sliding_window,
+    soft_cap: float | None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of one set of query blocks: ([B, Q] token index, [B, Q, N, H] f32 output)."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -249,7 +257,9 @@ def _attend_blocks(
         def walk(carry, step):
             carry = jax.lax.cond(
                 step < group_xs["steps_needed"],
-                partial(_attend_pages, kv_cache, layer, step_tokens, sliding_window, group_xs),
+                partial(
+                    _attend_pages, kv_cache, layer, step_tokens, sliding_window, soft_cap, group_xs
+                ),
                 lambda c, _: c,
                 carry,
                 step,

@@ -35,6 +35,7 @@ from jengine.pallas_kernels.ragged_paged_attention.metadata import (
     RowLayout,
     block_token_index,
     gather_query_rows,
+    layer_window,
     page_range,
     query_blocks,
     row_layout,
@@ -62,12 +63,12 @@ def _visible_page(
     pages_per_request: int,
     num_pages: int,
     block_size: int,
-    sliding_window: int | None,
+    window,
 ):
     """Cache page for grid step `page_index` of `block`, clamped to the pages it can see."""
     request = request_ref[block]
     first, end = page_range(
-        q_len_ref[block], q_pos_ref[block], kv_lens_ref[request], block_size, sliding_window
+        q_len_ref[block], q_pos_ref[block], kv_lens_ref[request], block_size, window
     )
     # Repeating the previous page index makes the pipeline skip the copy.
     page_index = jnp.clip(page_index, first, jnp.maximum(end - 1, first))
@@ -83,7 +84,7 @@ def _kernel(
     q_pos_ref,  # [B]
     kv_lens_ref,  # [R]
     block_tables_ref,  # [R * P]
-    layer_ref,  # [1]
+    layer_ref,  # [2]: the layer and its sliding window (0: none)
     # blocks (VMEM)
     q_ref,  # [M, H]
     k_ref,  # [S, H]
@@ -96,9 +97,10 @@ def _kernel(
     *,
     sm_scale: float,
     group_shift: int,
-    sliding_window: int | None,
+    has_window: bool,
+    soft_cap: float | None,
 ):
-    del layer_ref  # used by the index maps only
+    window = layer_ref[1] if has_window else None
     block, page_index = pl.program_id(0), pl.program_id(2)
     request = request_ref[block]
     q_len = q_len_ref[block]
@@ -106,7 +108,7 @@ def _kernel(
     kv_len = kv_lens_ref[request]
     block_size = k_ref.shape[0]
     rows = q_ref.shape[0]
-    first, end = page_range(q_len, q_pos, kv_len, block_size, sliding_window)
+    first, end = page_range(q_len, q_pos, kv_len, block_size, window)
 
     @pl.when(page_index == 0)
     def _init():
@@ -130,7 +132,8 @@ def _kernel(
             kv_start=page_index * block_size,
             kv_len=kv_len,
             sm_scale=sm_scale,
-            sliding_window=sliding_window,
+            sliding_window=window,
+            soft_cap=soft_cap,
         )
         acc_ref[...] = acc
         m_ref[...] = jnp.broadcast_to(m_next, m_ref.shape)
@@ -147,7 +150,7 @@ def _grid_spec(
     layout: RowLayout,
     num_blocks: int,
     pages_per_request: int,
-    sliding_window: int | None,
+    has_window: bool,
 ) -> pltpu.PrefetchScalarGridSpec:
     """The (query block, kv head, page) grid after the 6 scalar-prefetch operands: q and
     output rows per (block, kv head), the K and V page `_visible_page` picks, and the
@@ -158,7 +161,6 @@ def _grid_spec(
         pages_per_request=pages_per_request,
         num_pages=num_pages,
         block_size=block_size,
-        sliding_window=sliding_window,
     )
 
     def row_map(b, h, p, *_):
@@ -166,7 +168,8 @@ def _grid_spec(
 
     def kv_map(which):
         def index_map(b, h, p, request, q_len, q_pos, kv_lens, tables, layer):
-            page = visible_page(b, p, request, q_len, q_pos, kv_lens, tables)
+            window = layer[1] if has_window else None
+            page = visible_page(b, p, request, q_len, q_pos, kv_lens, tables, window=window)
             return layer[0], which, h, page, 0, 0
 
         return index_map
@@ -191,9 +194,7 @@ def _grid_spec(
     )
 
 
-@functools.partial(
-    jax.jit, static_argnames=("sm_scale", "q_block_size", "sliding_window", "interpret")
-)
+@functools.partial(jax.jit, static_argnames=("sm_scale", "q_block_size", "soft_cap", "interpret"))
 def ragged_paged_attention_tpu(
     q: jax.Array,
     kv_cache: jax.Array,
@@ -204,7 +205,8 @@ def ragged_paged_attention_tpu(
     *,
     sm_scale: float,
     q_block_size: int = 16,
-    sliding_window: int | None = None,
+    sliding_window=None,
+    soft_cap: float | None = None,
     interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:
     """Same arguments and result as `ragged_paged_attention_reference`.
@@ -225,12 +227,14 @@ def ragged_paged_attention_tpu(
     rows = gather_query_rows(q, token_index, num_kv_heads, layout)  # [B, K, M, H]
     num_blocks = rows.shape[0]
 
-    grid_spec = _grid_spec(kv_cache.shape, layout, num_blocks, pages_per_request, sliding_window)
+    has_window = sliding_window is not None
+    grid_spec = _grid_spec(kv_cache.shape, layout, num_blocks, pages_per_request, has_window)
     kernel = functools.partial(
         _kernel,
         sm_scale=sm_scale,
         group_shift=layout.group_padded.bit_length() - 1,
-        sliding_window=sliding_window,
+        has_window=sliding_window is not None,
+        soft_cap=soft_cap,
     )
     out = pl.pallas_call(
         kernel,
@@ -247,7 +251,7 @@ def ragged_paged_attention_tpu(
         blocks.q_pos,
         kv_lens,
         block_tables.astype(jnp.int32).reshape(num_requests * pages_per_request),
-        jnp.asarray(layer, jnp.int32).reshape(1),
+        layer_window(layer, sliding_window),
         rows,
         kv_cache,
         kv_cache,

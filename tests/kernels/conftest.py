@@ -87,8 +87,11 @@ def build_batch(
     )
 
 
-def naive_attention(batch: Batch, sm_scale: float, sliding_window: int | None = None):
-    """Per-token float64 oracle: loops over requests, tokens and heads in Python."""
+def naive_attention(
+    batch: Batch, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None
+):
+    """Per-token float64 oracle: loops over requests, tokens and heads in Python (a window
+    of 0 or None: none; `soft_cap`: scores become cap * tanh(score / cap))."""
     q = np.asarray(batch.q, np.float64)
     cache = np.asarray(batch.kv_cache, np.float64)[batch.layer]
     num_tokens, num_q_heads, head_dim = q.shape
@@ -99,13 +102,15 @@ def naive_attention(batch: Batch, sm_scale: float, sliding_window: int | None = 
         start, end = batch.query_start_loc[r], batch.query_start_loc[r + 1]
         for i, t in enumerate(range(start, end)):
             pos = kv_len - (end - start) + i
-            lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            lo = max(0, pos - sliding_window + 1) if sliding_window else 0
             ctx = np.arange(lo, pos + 1)
             pages = batch.block_tables[r, ctx // block_size]
             for n in range(num_q_heads):
                 k = cache[0, n // group, pages, ctx % block_size]  # [C, H]
                 v = cache[1, n // group, pages, ctx % block_size]
                 scores = k @ q[t, n] * sm_scale
+                if soft_cap:
+                    scores = soft_cap * np.tanh(scores / soft_cap)
                 probs = np.exp(scores - scores.max())
                 out[t, n] = probs @ v / probs.sum()
     return out

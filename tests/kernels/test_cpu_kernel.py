@@ -24,7 +24,7 @@ from jengine.pallas_kernels.ragged_paged_attention import (
 
 reference = jax.jit(
     ragged_paged_attention_reference,
-    static_argnames=("sm_scale", "q_block_size", "sliding_window"),
+    static_argnames=("sm_scale", "q_block_size", "sliding_window", "soft_cap"),
 )
 kernel = jax.jit(
     cpu.ragged_paged_attention_cpu, static_argnames=("sm_scale", "q_block_size", "sliding_window")
@@ -83,6 +83,38 @@ def test_kernel_matches_reference_and_oracle(make_batch, oracle, case):
         out, oracle(batch, head_dim**-0.5, sliding_window), rtol=1e-5, atol=1e-5
     )
     assert not out[sum(q_lens) :].any(), "padding tokens must come back as zeros"
+
+
+@pytest.mark.parametrize("impl", ["cpu", "reference"])
+@pytest.mark.parametrize("window, soft_cap", [(0, None), (11, None), (20, 3.0), (0, 1.5)])
+def test_a_layers_own_window_traced_and_soft_capping(make_batch, oracle, impl, window, soft_cap):
+    """Gemma's layers each have their own window, which a layer scan passes traced (0: no
+    window for that layer), and Gemma 2 soft-caps the attention logits."""
+    batch = make_batch(
+        33,
+        [9, 1, 20, 1, 0],
+        [9, 40, 52, 3, 0],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        pad_tokens=2,
+    )
+    attention = {
+        "cpu": cpu.ragged_paged_attention_cpu,
+        "reference": ragged_paged_attention_reference,
+    }[impl]
+
+    @jax.jit
+    def run(window, *args):
+        return attention(*args, sm_scale=0.3, sliding_window=window, soft_cap=soft_cap)
+
+    out = np.asarray(run(jnp.int32(window), *batch.args))
+    assert np.isfinite(out).all()
+    expected = oracle(batch, 0.3, window, soft_cap)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    if soft_cap:  # the cap changed what attention sees
+        assert np.abs(expected - oracle(batch, 0.3, window)).max() > 1e-3
 
 
 def test_kernel_on_many_requests_of_every_length(make_batch, oracle):

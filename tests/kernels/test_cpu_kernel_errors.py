@@ -81,7 +81,7 @@ def test_the_kernel_itself_refuses_bad_shapes(batch, case):
     q, kv_cache, layer, *metadata = _args(batch, **replace(batch))
     call = jax.jit(cpu._attention, static_argnums=(0, 1, 2))
     with pytest.raises(RUN_TIME_REFUSAL, match=message) as error:
-        np.asarray(call(0.125, None, 16, q, kv_cache, jnp.int32([layer]), *metadata))
+        np.asarray(call(0.125, None, 16, q, kv_cache, jnp.int32([layer, 0]), *metadata))
     assert "ragged paged attention" in str(error.value) and "got q [" in str(error.value)
 
 

@@ -64,17 +64,31 @@ def test_kernel_lowers(platform, dtype, q_block_size, sliding_window, num_pages)
 
 
 @pytest.mark.parametrize("platform", sorted(KERNELS))
-def test_kernel_lowers_inside_a_layer_scan(platform):
-    """The model calls attention inside a scan over layers with the stacked cache."""
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma"])
+def test_kernel_lowers_inside_a_layer_scan(platform, gemma):
+    """The model calls attention inside a scan over layers with the stacked cache; Gemma's
+    layers pass each its own window (traced: local layers 4096, global 0) and soft-cap."""
     kernel, custom_call = KERNELS[platform]
     args = _abstract_args(jnp.bfloat16, 4096)
+    windows = jnp.where(jnp.arange(NUM_LAYERS) % 2 == 0, 4096, 0).astype(jnp.int32)
 
     def model(q, kv_cache, kv_lens, block_tables, query_start_loc):
-        def layer_step(x, layer):
-            out = kernel(x, kv_cache, layer, kv_lens, block_tables, query_start_loc, sm_scale=0.1)
+        def layer_step(x, xs):
+            layer, window = xs
+            gemma_args = dict(sliding_window=window, soft_cap=50.0) if gemma else {}
+            out = kernel(
+                x,
+                kv_cache,
+                layer,
+                kv_lens,
+                block_tables,
+                query_start_loc,
+                sm_scale=0.1,
+                **gemma_args,
+            )
             return out, None
 
-        return jax.lax.scan(layer_step, q, jnp.arange(NUM_LAYERS))[0]
+        return jax.lax.scan(layer_step, q, (jnp.arange(NUM_LAYERS), windows))[0]
 
     traced = jax.jit(model).trace(args[0], args[1], *args[3:])
     text = traced.lower(lowering_platforms=(platform,)).as_text()

@@ -31,7 +31,7 @@ KERNELS = {
 
 reference = jax.jit(
     ragged_paged_attention_reference,
-    static_argnames=("sm_scale", "q_block_size", "sliding_window"),
+    static_argnames=("sm_scale", "q_block_size", "sliding_window", "soft_cap"),
 )
 
 # (q_lens, kv_lens, pad_tokens); trailing (0, 0) requests are padding.
@@ -98,6 +98,30 @@ def test_kernel_matches_reference(make_batch, impl, case):
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
     num_real = int(batch.query_start_loc[-1])
     assert not out[num_real:].any(), "padding tokens must come back as zeros"
+
+
+@pytest.mark.parametrize("impl", sorted(KERNELS))
+@pytest.mark.parametrize("window, soft_cap", [(0, 3.0), (20, None), (11, 1.5)])
+def test_a_layers_own_window_traced_and_soft_capping(make_batch, impl, window, soft_cap):
+    """A layer scan's per-layer window (traced; 0: none) and Gemma 2's logit soft-capping."""
+    q_lens, kv_lens, pad_tokens = BATCHES["mixed"]
+    batch = make_batch(
+        sum(q_lens),
+        q_lens,
+        kv_lens,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        pad_tokens=pad_tokens,
+    )
+    kwargs = dict(sm_scale=0.3, q_block_size=16, soft_cap=soft_cap)
+    kernel = KERNELS[impl]
+    out = jax.jit(lambda w, *args: kernel(*args, **kwargs, sliding_window=w))(
+        jnp.int32(window), *batch.args
+    )
+    expected = reference(*batch.args, **kwargs, sliding_window=window)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("impl", sorted(KERNELS))
