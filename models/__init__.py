@@ -1,5 +1,5 @@
-"""jengine.models: Flax model definitions (the Llama family) and Hugging Face checkpoint
-loading.
+"""jengine.models: Flax model definitions (one decoder, the Llama and Gemma families on it)
+and Hugging Face checkpoint loading.
 
 Installed as `jengine.models` (the folder is `models/` at the top of the repository), so a
 user's own `models` package never shadows it. Importing the package does not import jax:
@@ -11,6 +11,9 @@ import importlib
 
 _EXPORTS = {
     "AttentionMetadata": "jengine.models.attention_metadata",
+    "DecoderConfig": "jengine.models.decoder",
+    "DecoderForCausalLM": "jengine.models.decoder",
+    "GemmaConfig": "jengine.models.gemma",
     "LlamaConfig": "jengine.models.llama",
     "LlamaForCausalLM": "jengine.models.llama",
     "load_model": "jengine.models.loader",

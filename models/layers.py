@@ -1,6 +1,7 @@
-"""Building blocks of the Llama family as pure functions: RMSNorm, rotary embeddings, MLP.
+"""Building blocks of the decoder as pure functions: RMSNorm (with Gemma's 1 + w), rotary
+embeddings, the gated MLP (SiLU or GELU-tanh).
 
-Where it sits: `models/llama.py` calls these inside its per-layer scan body. They promise
+Where it sits: `models/decoder.py` calls these inside its per-layer scan body. They promise
 the numerics of Hugging Face transformers (PyTorch) for the same weights: RMSNorm and
 rotary angles are computed in float32 and cast back, as HF does, so f32 logits agree to
 ~1e-5 and bf16 rounding happens at the same places.
@@ -17,20 +18,29 @@ import jax.numpy as jnp
 Linear = Callable[[jax.Array], jax.Array]
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """HF LlamaRMSNorm: normalize in f32, cast back, then scale."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, plus_one: bool = False):
+    """HF LlamaRMSNorm: normalize in f32, cast back, then scale. `plus_one`: Gemma's,
+    which scales by (1 + weight) in f32 and casts back last."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if plus_one:
+        return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * x32.astype(x.dtype)
 
 
-def silu_mlp(x: jax.Array, gate: Linear, up: Linear, down: Linear, biases=None):
-    """down(silu(gate(x)) * up(x)); `biases` = (gate, up, down) or None."""
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),  # HF's gelu_pytorch_tanh
+}
+
+
+def gated_mlp(x, gate: Linear, up: Linear, down: Linear, biases=None, *, activation="silu"):
+    """down(act(gate(x)) * up(x)); `biases` = (gate, up, down) or None."""
     g = gate(x)
     u = up(x)
     if biases is not None:
         g, u = g + biases[0], u + biases[1]
-    out = down(jax.nn.silu(g) * u)
+    out = down(ACTIVATIONS[activation](g) * u)
     return out if biases is None else out + biases[2]
 
 

@@ -34,32 +34,6 @@ from jengine.models.quantize import METHODS, method_format, quantize
 from jengine.models.registry import resolve_architecture
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-# HF per-layer tensor name -> our stacked name
-_LAYER_NAMES = {
-    "input_layernorm.weight": "input_layernorm",
-    "post_attention_layernorm.weight": "post_attention_layernorm",
-    "self_attn.q_proj.weight": "q_proj",
-    "self_attn.k_proj.weight": "k_proj",
-    "self_attn.v_proj.weight": "v_proj",
-    "self_attn.o_proj.weight": "o_proj",
-    "self_attn.q_proj.bias": "q_bias",
-    "self_attn.k_proj.bias": "k_bias",
-    "self_attn.v_proj.bias": "v_bias",
-    "self_attn.o_proj.bias": "o_bias",
-    "self_attn.q_norm.weight": "q_norm",
-    "self_attn.k_norm.weight": "k_norm",
-    "mlp.gate_proj.weight": "gate_proj",
-    "mlp.up_proj.weight": "up_proj",
-    "mlp.down_proj.weight": "down_proj",
-    "mlp.gate_proj.bias": "gate_bias",
-    "mlp.up_proj.bias": "up_bias",
-    "mlp.down_proj.bias": "down_bias",
-}
-_TOP_NAMES = {
-    "model.embed_tokens.weight": "embed_tokens",
-    "model.norm.weight": "norm",
-    "lm_head.weight": "lm_head",
-}
 
 DTYPES = {
     "float32": jnp.float32,
@@ -134,18 +108,20 @@ def read_hf_tensors(path: str) -> dict[str, np.ndarray]:
     return tensors
 
 
-def hf_to_params(tensors: dict[str, np.ndarray], num_layers: int) -> dict:
-    """HF tensor names -> our nested params dict (layers stacked, linear weights [out, in])."""
+def hf_to_params(tensors: dict[str, np.ndarray], config) -> dict:
+    """HF tensor names -> our nested params dict (layers stacked, linear weights [out, in]),
+    by the names the config's family gives them (`hf_layer_names`, `hf_top_names`)."""
+    num_layers = config.num_hidden_layers
     params: dict = {"layers": {}}
     per_layer: dict[str, list] = {}
     unexpected = []
     for name, array in tensors.items():
-        if name in _TOP_NAMES:
-            params[_TOP_NAMES[name]] = array
+        if name in config.hf_top_names:
+            params[config.hf_top_names[name]] = array
             continue
         match = _LAYER_KEY.match(name)
-        if match and match.group(2) in _LAYER_NAMES:
-            ours = _LAYER_NAMES[match.group(2)]
+        if match and match.group(2) in config.hf_layer_names:
+            ours = config.hf_layer_names[match.group(2)]
             per_layer.setdefault(ours, [None] * num_layers)[int(match.group(1))] = array
         elif not name.endswith("rotary_emb.inv_freq"):
             unexpected.append(name)
@@ -234,10 +210,9 @@ def load_model(path: str, dtype="auto", quantization: str | None = None) -> nnx.
         tensors, formats = compressed_tensors.decompress(tensors, packed, keep=keep)
     elif quantization == compressed_tensors.QUANT_METHOD:
         raise ValueError(f"--quantization {quantization}: {path}/config.json has no such config")
-    params = hf_to_params(tensors, config.num_hidden_layers)
-    kept = [
-        (ours, formats[hf]) for hf, ours in {**_LAYER_NAMES, **_TOP_NAMES}.items() if hf in formats
-    ]
+    params = hf_to_params(tensors, config)
+    names = {**config.hf_layer_names, **config.hf_top_names}
+    kept = [(ours, formats[hf]) for hf, ours in names.items() if hf in formats]
     config = dataclasses.replace(config, quantization=tuple(kept))
     if config.tie_word_embeddings:
         params.pop("lm_head", None)  # some tied checkpoints still store a copy

@@ -1,7 +1,7 @@
 """A quantized weight as model parameters: the packed values, scales and mins of one
 (layer-stacked) linear weight, held by the model in place of a float `nnx.Param`.
 
-Where it sits: `LlamaForCausalLM` builds one for each weight its config names in
+Where it sits: `DecoderForCausalLM` builds one for each weight its config names in
 `quantization` (`models/quantize.py` fills them at load); the forward pass reads it as a
 `QuantizedWeight` (`pallas_kernels/quantized_matmul/layout.py`) through `matmul`, and
 `embedding_rows` gathers rows of a quantized embedding. Its arrays are ordinary

@@ -4,14 +4,19 @@ Where it sits: `models/loader.py` asks it which class builds a checkpoint. Promi
 clear ValueError naming the architecture and the supported list for anything else.
 """
 
-from jengine.models.llama import LlamaConfig, LlamaForCausalLM
+from jengine.models.decoder import DecoderForCausalLM
+from jengine.models.gemma import GemmaConfig
+from jengine.models.llama import LlamaConfig
 
-# name -> (model class, config class); one family file serves several architectures.
+# name -> (model class, config class); each family file's config class reads its
+# architectures' config.json into the shared decoder's knobs and names their tensors.
 _ARCHITECTURES = {
-    "LlamaForCausalLM": (LlamaForCausalLM, LlamaConfig),
-    "MistralForCausalLM": (LlamaForCausalLM, LlamaConfig),
-    "Qwen2ForCausalLM": (LlamaForCausalLM, LlamaConfig),
-    "Qwen3ForCausalLM": (LlamaForCausalLM, LlamaConfig),
+    "LlamaForCausalLM": (DecoderForCausalLM, LlamaConfig),
+    "MistralForCausalLM": (DecoderForCausalLM, LlamaConfig),
+    "Qwen2ForCausalLM": (DecoderForCausalLM, LlamaConfig),
+    "Qwen3ForCausalLM": (DecoderForCausalLM, LlamaConfig),
+    "Gemma2ForCausalLM": (DecoderForCausalLM, GemmaConfig),
+    "Gemma3ForCausalLM": (DecoderForCausalLM, GemmaConfig),
 }
 
 

@@ -111,13 +111,13 @@ def hf_config(args, vocab_size: int, eos_id: int) -> dict:
 
 def params_to_hf(params: dict, num_layers: int) -> dict[str, np.ndarray]:
     """Our nested params (stacked [L, ...] layers) -> HF tensor names."""
-    from jengine.models.loader import _LAYER_NAMES, _TOP_NAMES
+    from jengine.models.decoder import HF_LAYER_NAMES, HF_TOP_NAMES
 
     tensors = {}
-    for hf_name, ours in _TOP_NAMES.items():
+    for hf_name, ours in HF_TOP_NAMES.items():
         if ours in params:
             tensors[hf_name] = np.asarray(params[ours])
-    for hf_suffix, ours in _LAYER_NAMES.items():
+    for hf_suffix, ours in HF_LAYER_NAMES.items():
         if ours not in params["layers"]:
             continue
         stacked = np.asarray(params["layers"][ours])

@@ -56,6 +56,41 @@ FAMILIES = {
         transformers.Qwen3ForCausalLM,
         dict(head_dim=32, num_attention_heads=8, num_key_value_heads=2),
     ),
+    # Local layers with a window shorter than the tests' prompts, soft-capping low enough
+    # to bend the scores, query_pre_attn_scalar other than head_dim.
+    "gemma2": (
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        dict(
+            head_dim=16,
+            num_hidden_layers=4,
+            sliding_window=6,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0,
+        ),
+    ),
+    # Five local layers to a global one (the pattern, cut to 4 layers: local, local,
+    # global, local), each kind with its own rope (the global one linearly scaled).
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        dict(
+            head_dim=32,
+            num_hidden_layers=4,
+            sliding_window=5,
+            layer_types=[
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+            ],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0},
+            },
+        ),
+    ),
 }
 
 

@@ -38,7 +38,10 @@ SCHEMES = {
         dict(bits=8, group_size=32, symmetric=False, fmt="int-quantized"),
         "int8-g32",
     ),
-    "FP8-channel": (dict(kind="float", bits=8, strategy="channel", fmt="float-quantized"), "fp8-channel"),
+    "FP8-channel": (
+        dict(kind="float", bits=8, strategy="channel", fmt="float-quantized"),
+        "fp8-channel",
+    ),
     "FP8-block": (dict(kind="float", bits=8, strategy="block", fmt="float-quantized"), "fp8-g128"),
 }
 

@@ -1,0 +1,377 @@
+"""The decoder-only transformer every supported family runs on, in Flax nnx: one layer
+stack whose knobs (norm style, activation, sandwich norms, soft-capping, per-layer sliding
+windows and rope, q/k norm, embedding scale) a family's config sets.
+
+Where it sits: a family file (`models/llama.py`: Llama 2/3, Mistral, Qwen2, Qwen3;
+`models/gemma.py`: Gemma 2, Gemma 3) turns an HF `config.json` into a `DecoderConfig` and
+names its tensors; `models/loader.py` builds a `DecoderForCausalLM` from it; the runner
+splits it once (`nnx.split`) and jits a pure step over its state. One call runs one ragged
+batch (`input_ids[T]`, `positions[T]`) over the paged KV cache and returns the hidden
+states and the updated cache; `compute_logits` turns chosen rows into logits.
+
+Promises:
+- layer weights are stacked on a leading `layers` axis and the layers run under one
+  `lax.scan` with the whole KV cache in the carry, so compile time does not grow with depth
+  and the cache is updated in place (docs/architecture.md, "One step, end to end"); linear
+  weights are [L, out, in] as HF stores them, read by layer index (`stacked_matmul`), not
+  sliced out as the scan's `xs`; what differs per layer (a sliding window, its rope) rides
+  in the scan's `xs` as values, so the step stays one compiled body;
+- parameter names are the family-independent ones below (`LINEAR_WEIGHTS`, the norms),
+  which sharding, quantization and weight updates key on;
+- numerics follow Hugging Face transformers for the same checkpoint (tests/models);
+- each token writes its K/V into its slot and attends to its own request's pages only.
+
+Axis letters: T tokens, D model dim, N q heads, K kv heads, H head dim, F MLP dim, V vocab.
+"""
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jengine.models.attention_metadata import AttentionMetadata
+from jengine.models.layers import RopeConfig, apply_rope, gated_mlp, rms_norm, rope_cos_sin
+from jengine.models.quantized_linear import (
+    QuantizedLinear,
+    embedding_rows,
+    leading_axis,
+    matmul,
+    param_value,
+)
+from jengine.pallas_kernels import ragged_paged_attention, update_kv_cache
+from jengine.pallas_kernels.quantized_matmul import QuantFormat
+
+LINEAR_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# HF per-layer tensor name -> our stacked name: the Llama family's names, which most
+# families share. Our `post_attention_layernorm` is the norm before the MLP (Llama's);
+# a family with norms around each block's output as well (Gemma's "sandwich") names them
+# `attn_output_norm` and `mlp_output_norm`.
+HF_LAYER_NAMES = {
+    "input_layernorm.weight": "input_layernorm",
+    "post_attention_layernorm.weight": "post_attention_layernorm",
+    "self_attn.q_proj.weight": "q_proj",
+    "self_attn.k_proj.weight": "k_proj",
+    "self_attn.v_proj.weight": "v_proj",
+    "self_attn.o_proj.weight": "o_proj",
+    "self_attn.q_proj.bias": "q_bias",
+    "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.bias": "v_bias",
+    "self_attn.o_proj.bias": "o_bias",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+    "mlp.gate_proj.weight": "gate_proj",
+    "mlp.up_proj.weight": "up_proj",
+    "mlp.down_proj.weight": "down_proj",
+    "mlp.gate_proj.bias": "gate_bias",
+    "mlp.up_proj.bias": "up_bias",
+    "mlp.down_proj.bias": "down_bias",
+}
+HF_TOP_NAMES = {
+    "model.embed_tokens.weight": "embed_tokens",
+    "model.norm.weight": "norm",
+    "lm_head.weight": "lm_head",
+}
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """The architecture: sizes and the knobs families differ by. A family's subclass reads
+    it from an HF `config.json` (`from_hf`) and names its tensors (`hf_layer_names`)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2, or Llama with attention_bias
+    o_bias: bool = False  # Llama / Qwen3 with attention_bias
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3, Gemma 3
+    # Keys a token sees: the last `sliding_window` positions, in every layer or, with
+    # `local_layers`, in the layers it flags (Gemma's local layers; the rest are global).
+    sliding_window: int | None = None
+    local_layers: tuple[bool, ...] | None = None
+    local_rope: RopeConfig | None = None  # Gemma 3: the windowed layers' own rope
+    hidden_act: str = "silu"  # the gated MLP's: "silu" or "gelu_tanh"
+    norm_plus_one: bool = False  # Gemma: RMSNorm scales by (1 + w), in float32
+    sandwich_norms: bool = False  # Gemma: norms on the attention's and MLP's outputs too
+    embedding_multiplier: float | None = None  # Gemma: embeddings times sqrt(D)
+    query_pre_attn_scalar: float | None = None  # Gemma: sm_scale = scalar ** -0.5
+    attn_soft_cap: float | None = None  # Gemma 2: cap * tanh(score / cap)
+    final_soft_cap: float | None = None  # Gemma 2: the same on the logits
+    # Zero rows past `vocab_size` in the embedding and LM head (tensor parallelism pads the
+    # vocabulary to a multiple of its size); their logits are cut off, never sampled.
+    vocab_padding: int = 0
+    # Weights held quantized: (parameter name, format) pairs, e.g. ("q_proj", Q4_1);
+    # the loader sets them (models/quantize.py).
+    quantization: tuple[tuple[str, QuantFormat], ...] = ()
+
+    hf_layer_names: ClassVar[dict[str, str]] = HF_LAYER_NAMES
+    hf_top_names: ClassVar[dict[str, str]] = HF_TOP_NAMES
+
+    def quant_format(self, name: str) -> QuantFormat | None:
+        return dict(self.quantization).get(name)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return self.vocab_size + self.vocab_padding
+
+    @property
+    def sm_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "DecoderConfig":
+        raise NotImplementedError(f"{cls.__name__} is not read from a config.json")
+
+
+def sliding_windows_from_hf(hf: dict) -> tuple[int | None, tuple[bool, ...] | None]:
+    """(sliding_window, local_layers) from an HF config: `layer_types` names the layers
+    with a window ("sliding_attention"); without it, Qwen2/3's `use_sliding_window` puts
+    one on the layers from `max_window_layers` on, and otherwise `sliding_window` applies
+    to every layer (Mistral). One window in every layer comes back without flags."""
+    window = hf.get("sliding_window")
+    if not window:
+        return None, None
+    num_layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types:
+        local = tuple(t == "sliding_attention" for t in types)
+    elif hf.get("use_sliding_window"):
+        first = hf.get("max_window_layers", 0)
+        local = tuple(i >= first for i in range(num_layers))
+    else:
+        local = (True,) * num_layers
+    if len(local) != num_layers:
+        raise ValueError(f"layer_types names {len(local)} layers, the model has {num_layers}")
+    if not any(local):
+        return None, None
+    return int(window), None if all(local) else local
+
+
+class DecoderLayers(nnx.Module):
+    """All decoder layers' weights, stacked on a leading axis of size L; linear weights are
+    [out, in], as HF stores them (`stacked_matmul` reads a layer's rows in place)."""
+
+    def __init__(self, config: DecoderConfig, *, dtype, rngs: nnx.Rngs):
+        c = config
+        L, D, F = c.num_hidden_layers, c.hidden_size, c.intermediate_size
+        q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        init = nnx.initializers.normal(0.02)
+
+        def weight(*shape, name: str):
+            fmt = c.quant_format(name)
+            if fmt is not None:
+                return QuantizedLinear(fmt, (L, *shape[:-1]), shape[-1])
+            return nnx.Param(init(rngs.params(), (L, *shape), dtype))
+
+        def filled(value, *shape):
+            return nnx.Param(jnp.full((L, *shape), value, dtype))
+
+        unit = 0.0 if c.norm_plus_one else 1.0  # a norm weight that scales by 1
+        self.input_layernorm = filled(unit, D)
+        self.q_proj, self.k_proj, self.v_proj = (
+            weight(q_size, D, name="q_proj"),
+            weight(kv_size, D, name="k_proj"),
+            weight(kv_size, D, name="v_proj"),
+        )
+        self.o_proj = weight(D, q_size, name="o_proj")
+        if c.qkv_bias:
+            self.q_bias, self.k_bias, self.v_bias = (
+                filled(0.0, q_size),
+                filled(0.0, kv_size),
+                filled(0.0, kv_size),
+            )
+        if c.o_bias:
+            self.o_bias = filled(0.0, D)
+        if c.qk_norm:
+            self.q_norm, self.k_norm = filled(unit, c.head_dim), filled(unit, c.head_dim)
+        self.post_attention_layernorm = filled(unit, D)
+        if c.sandwich_norms:
+            self.attn_output_norm, self.mlp_output_norm = filled(unit, D), filled(unit, D)
+        self.gate_proj, self.up_proj, self.down_proj = (
+            weight(F, D, name="gate_proj"),
+            weight(F, D, name="up_proj"),
+            weight(D, F, name="down_proj"),
+        )
+        if c.mlp_bias:
+            self.gate_bias, self.up_bias, self.down_bias = (
+                filled(0.0, F),
+                filled(0.0, F),
+                filled(0.0, D),
+            )
+
+    def stacked(self) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+        """The weights as dicts of [L, ...] arrays: the linear weights (arrays or
+        `QuantizedWeight`s), which the scan body reads in place by layer index, and the rest
+        (norms, biases), the scan's `xs`."""
+        linear = {name: param_value(getattr(self, name)) for name in LINEAR_WEIGHTS}
+        rest = {
+            name: value.value
+            for name, value in vars(self).items()
+            if isinstance(value, nnx.Param) and name not in LINEAR_WEIGHTS
+        }
+        return linear, rest
+
+
+class DecoderForCausalLM(nnx.Module):
+    def __init__(self, config: DecoderConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        rngs = rngs or nnx.Rngs(0)
+        self.config = config
+        self.dtype = dtype
+        c = config
+
+        def table(name: str):
+            """[V, D]: the embedding or the LM head."""
+            fmt = c.quant_format(name)
+            if fmt is not None:
+                return QuantizedLinear(fmt, (c.padded_vocab_size,), c.hidden_size)
+            init = nnx.initializers.normal(0.02)
+            return nnx.Param(init(rngs.params(), (c.padded_vocab_size, c.hidden_size), dtype))
+
+        self.embed_tokens = table("embed_tokens")
+        self.layers = DecoderLayers(config, dtype=dtype, rngs=rngs)
+        self.norm = nnx.Param(jnp.full((c.hidden_size,), 0.0 if c.norm_plus_one else 1.0, dtype))
+        if not c.tie_word_embeddings:
+            self.lm_head = table("lm_head")
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """[L, 2, K, num_blocks, block_size, H], the layout the attention kernels read."""
+        c = self.config
+        return (c.num_hidden_layers, 2, c.num_key_value_heads, num_blocks, block_size, c.head_dim)
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array,
+        kv_cache: jax.Array,
+        metadata: AttentionMetadata,
+        *,
+        attention_impl: str | None = None,
+        mesh: Mesh | None = None,
+    ) -> tuple[jax.Array, jax.Array]:
+        """One ragged batch through all layers. Returns (hidden [T, D], updated kv_cache).
+        With a `mesh` (tensor parallel), attention runs per device under `shard_map`."""
+        c = self.config
+        T = input_ids.shape[0]
+        N, K, H = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        hidden = embedding_rows(param_value(self.embed_tokens), input_ids, self.dtype)
+        if c.embedding_multiplier is not None:  # in the hidden dtype, as HF rounds it
+            hidden = hidden * jnp.asarray(c.embedding_multiplier, hidden.dtype)
+        cos, sin = rope_cos_sin(c.rope, positions)
+        if c.local_rope is not None:
+            local_cos, local_sin = rope_cos_sin(c.local_rope, positions)
+        tables = (
+            metadata.slot_mapping,
+            metadata.kv_lens,
+            metadata.block_tables,
+            metadata.query_start_loc,
+        )
+        # One window for every layer stays static; layers with their own (Gemma's local
+        # and global) pass each layer's through the scan (0: none).
+        per_layer_windows = c.local_layers is not None and c.sliding_window is not None
+
+        def attend(q, k, v, cache, layer_index, window, slot_mapping, kv_lens, tables_, starts):
+            """Write this layer's K/V, then attend: (attn [T, N, H], cache)."""
+            cache = update_kv_cache(cache, layer_index, k, v, slot_mapping)
+            attn = ragged_paged_attention(
+                q,
+                cache,
+                layer_index,
+                kv_lens,
+                tables_,
+                starts,
+                sm_scale=c.sm_scale,
+                q_block_size=metadata.q_block_size,
+                sliding_window=window if per_layer_windows else c.sliding_window,
+                soft_cap=c.attn_soft_cap,
+                impl=attention_impl,
+            )
+            return attn, cache
+
+        if mesh is not None:
+            # Tensor parallel: heads and the cache's KV heads are split over the mesh axis;
+            # each device attends with its own heads (XLA cannot partition a custom call).
+            heads = P(None, mesh.axis_names[0], None)
+            cache_spec = P(None, None, mesh.axis_names[0], None, None, None)
+            attend = jax.shard_map(
+                attend,
+                mesh=mesh,
+                in_specs=(heads, heads, heads, cache_spec, P(), P(), P(), P(), P(), P()),
+                out_specs=(heads, cache_spec),
+                check_vma=False,
+            )
+
+        weights, vectors = self.layers.stacked()
+        # XLA cannot partition the CPU kernel's custom call over a mesh.
+        matmul_impl = "reference" if mesh is not None else None
+
+        def norm(x, weight):
+            return rms_norm(x, weight, c.rms_norm_eps, plus_one=c.norm_plus_one)
+
+        def layer(carry, xs):
+            h, cache = carry
+            p, layer_index, is_local = xs
+
+            def linear(name: str):
+                return lambda x: matmul(x, weights[name], layer_index, impl=matmul_impl)
+
+            x = norm(h, p["input_layernorm"])
+            q, k, v = linear("q_proj")(x), linear("k_proj")(x), linear("v_proj")(x)
+            if c.qkv_bias:
+                q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
+            q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
+            if c.qk_norm:
+                q, k = norm(q, p["q_norm"]), norm(k, p["k_norm"])
+            layer_cos, layer_sin = cos, sin
+            if c.local_rope is not None:
+                layer_cos = jnp.where(is_local, local_cos, cos)
+                layer_sin = jnp.where(is_local, local_sin, sin)
+            q, k = apply_rope(q, layer_cos, layer_sin), apply_rope(k, layer_cos, layer_sin)
+            window = jnp.where(is_local, c.sliding_window or 0, 0).astype(jnp.int32)
+            attn, cache = attend(q, k, v, cache, layer_index, window, *tables)
+            out = linear("o_proj")(attn.reshape(T, N * H))
+            if c.o_bias:
+                out = out + p["o_bias"]
+            if c.sandwich_norms:
+                out = norm(out, p["attn_output_norm"])
+            h = h + out
+            x = norm(h, p["post_attention_layernorm"])
+            mlp_biases = (p["gate_bias"], p["up_bias"], p["down_bias"]) if c.mlp_bias else None
+            mlp = (linear("gate_proj"), linear("up_proj"), linear("down_proj"))
+            out = gated_mlp(x, *mlp, mlp_biases, activation=c.hidden_act)
+            if c.sandwich_norms:
+                out = norm(out, p["mlp_output_norm"])
+            h = h + out
+            return (h, cache), None
+
+        layer_ids = jnp.arange(c.num_hidden_layers, dtype=jnp.int32)
+        local = c.local_layers or (c.sliding_window is not None,) * c.num_hidden_layers
+        local = jnp.asarray(local)
+        xs = (vectors, layer_ids, local)
+        (hidden, kv_cache), _ = jax.lax.scan(layer, (hidden, kv_cache), xs)
+        return norm(hidden, self.norm.value), kv_cache
+
+    def compute_logits(self, hidden: jax.Array, *, mesh: Mesh | None = None) -> jax.Array:
+        """[R, D] final hidden states -> [R, V] f32 logits (computed in the model dtype, as HF;
+        a padded vocabulary's rows cut off). `mesh`: the head is split over it."""
+        head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        # The head as a one-layer stack: read in place by the CPU kernels for a few rows.
+        impl = "reference" if mesh is not None else None
+        logits = matmul(hidden, leading_axis(param_value(head)), 0, impl=impl)
+        if self.config.final_soft_cap is not None:  # in the model dtype, as HF
+            cap = self.config.final_soft_cap
+            logits = jnp.tanh(logits / cap) * cap
+        logits = logits.astype(jnp.float32)
+        return logits[:, : self.config.vocab_size] if self.config.vocab_padding else logits
