@@ -56,6 +56,12 @@ FAMILIES = {
         transformers.Qwen3ForCausalLM,
         dict(head_dim=32, num_attention_heads=8, num_key_value_heads=2),
     ),
+    # Qwen3 with `use_sliding_window`: a window on the layers from max_window_layers on.
+    "qwen3-window": (
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        dict(use_sliding_window=True, sliding_window=6, max_window_layers=1),
+    ),
     # Local layers with a window shorter than the tests' prompts, soft-capping low enough
     # to bend the scores, query_pre_attn_scalar other than head_dim.
     "gemma2": (
