@@ -119,6 +119,10 @@ class DecoderConfig:
 
     hf_layer_names: ClassVar[dict[str, str]] = HF_LAYER_NAMES
     hf_top_names: ClassVar[dict[str, str]] = HF_TOP_NAMES
+    # Checkpoint tensors that hold several of our weights (Phi-3's qkv_proj, gate_up_proj):
+    # the name `hf_layer_names` gives the fused tensor -> the weights it splits into along
+    # its rows, in order (the loader splits them once; the step never sees them fused).
+    fused_weights: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     def quant_format(self, name: str) -> QuantFormat | None:
         return dict(self.quantization).get(name)
@@ -126,6 +130,14 @@ class DecoderConfig:
     @property
     def padded_vocab_size(self) -> int:
         return self.vocab_size + self.vocab_padding
+
+    def split_sizes(self, fused: str) -> tuple[int, ...]:
+        """Rows of each weight a fused tensor holds (`fused_weights`)."""
+        q_size = self.num_attention_heads * self.head_dim
+        kv_size = self.num_key_value_heads * self.head_dim
+        rows = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
+        rows |= {"gate_proj": self.intermediate_size, "up_proj": self.intermediate_size}
+        return tuple(rows[name] for name in self.fused_weights[fused])
 
     @property
     def sm_scale(self) -> float:

@@ -81,7 +81,9 @@ class RopeConfig:
             original_max_position_embeddings=int(
                 params.get("original_max_position_embeddings", 8192)
             ),
-            partial_rotary_factor=float(hf_config.get("partial_rotary_factor", 1.0)),
+            partial_rotary_factor=float(
+                params.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))
+            ),
         )
 
     def inv_freq(self) -> jax.Array:

@@ -132,7 +132,16 @@ def hf_to_params(tensors: dict[str, np.ndarray], config) -> dict:
         if missing:
             raise ValueError(f"checkpoint lacks {ours} for layers {missing}")
         # A quantized weight's layers are dicts of arrays: each array stacked.
-        params["layers"][ours] = jax.tree.map(lambda *layers: np.stack(layers), *arrays)
+        stacked = jax.tree.map(lambda *layers: np.stack(layers), *arrays)
+        if ours in config.fused_weights:  # [L, rows, ...] split along the rows
+            cuts = np.cumsum(config.split_sizes(ours))[:-1]
+            pieces = jax.tree.map(lambda a, cuts=cuts: np.split(a, cuts, axis=1), stacked)
+            for i, name in enumerate(config.fused_weights[ours]):
+                params["layers"][name] = jax.tree.map(
+                    lambda p, i=i: p[i], pieces, is_leaf=lambda x: isinstance(x, list)
+                )
+        else:
+            params["layers"][ours] = stacked
     return params
 
 
@@ -212,7 +221,12 @@ def load_model(path: str, dtype="auto", quantization: str | None = None) -> nnx.
         raise ValueError(f"--quantization {quantization}: {path}/config.json has no such config")
     params = hf_to_params(tensors, config)
     names = {**config.hf_layer_names, **config.hf_top_names}
-    kept = [(ours, formats[hf]) for hf, ours in names.items() if hf in formats]
+    kept = [
+        (part, formats[hf])
+        for hf, ours in names.items()
+        if hf in formats
+        for part in config.fused_weights.get(ours, (ours,))
+    ]
     config = dataclasses.replace(config, quantization=tuple(kept))
     if config.tie_word_embeddings:
         params.pop("lm_head", None)  # some tied checkpoints still store a copy

@@ -7,6 +7,7 @@ clear ValueError naming the architecture and the supported list for anything els
 from jengine.models.decoder import DecoderForCausalLM
 from jengine.models.gemma import GemmaConfig
 from jengine.models.llama import LlamaConfig
+from jengine.models.phi3 import Phi3Config
 
 # name -> (model class, config class); each family file's config class reads its
 # architectures' config.json into the shared decoder's knobs and names their tensors.
@@ -15,6 +16,7 @@ _ARCHITECTURES = {
     "MistralForCausalLM": (DecoderForCausalLM, LlamaConfig),
     "Qwen2ForCausalLM": (DecoderForCausalLM, LlamaConfig),
     "Qwen3ForCausalLM": (DecoderForCausalLM, LlamaConfig),
+    "Phi3ForCausalLM": (DecoderForCausalLM, Phi3Config),
     "Gemma2ForCausalLM": (DecoderForCausalLM, GemmaConfig),
     "Gemma3ForCausalLM": (DecoderForCausalLM, GemmaConfig),
 }

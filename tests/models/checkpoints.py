@@ -62,6 +62,22 @@ FAMILIES = {
         transformers.Qwen3ForCausalLM,
         dict(use_sliding_window=True, sliding_window=6, max_window_layers=1),
     ),
+    # Fused qkv and gate_up tensors, a sliding window in every layer, partial rotary.
+    "phi3": (
+        transformers.Phi3Config,
+        transformers.Phi3ForCausalLM,
+        dict(
+            sliding_window=7,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     # Local layers with a window shorter than the tests' prompts, soft-capping low enough
     # to bend the scores, query_pre_attn_scalar other than head_dim.
     "gemma2": (
