@@ -212,6 +212,9 @@ class ParallelConfig:
 
     tensor_parallel_size: devices each weight and the KV cache are split over (a
         `jax.sharding.Mesh` axis, Megatron-style; jengine/runner/sharding.py).
+    enable_expert_parallel: in a mixture-of-experts model, place whole experts over those
+        devices (each computes the tokens routed to its experts) instead of splitting every
+        expert's features (vLLM's --enable-expert-parallel; models/moe.py).
     data_parallel_size: engine-core processes, each a whole replica of the model on its
         own devices, behind one front end that balances requests over them
         (jengine/engine/client.py).
@@ -222,6 +225,7 @@ class ParallelConfig:
     """
 
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     data_parallel_size: int = 1
     coordinator_address: str | None = None
     num_hosts: int = 1

@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from jengine.models.attention_metadata import AttentionMetadata
 from jengine.models.layers import RopeConfig, apply_rope, gated_mlp, rms_norm, rope_cos_sin
+from jengine.models.moe import moe_mlp, sharded_moe_mlp
 from jengine.models.quantized_linear import (
     QuantizedLinear,
     embedding_rows,
@@ -46,6 +47,17 @@ from jengine.pallas_kernels import ragged_paged_attention, update_kv_cache
 from jengine.pallas_kernels.quantized_matmul import QuantFormat
 
 LINEAR_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# An MoE layer's weights in place of gate/up/down (models/moe.py), read by layer index too.
+MOE_WEIGHTS = (
+    "router",
+    "expert_gate",
+    "expert_up",
+    "expert_down",
+    "shared_gate_proj",
+    "shared_up_proj",
+    "shared_down_proj",
+    "shared_expert_gate",
+)
 
 # HF per-layer tensor name -> our stacked name: the Llama family's names, which most
 # families share. Our `post_attention_layernorm` is the norm before the MLP (Llama's);
@@ -110,6 +122,13 @@ class DecoderConfig:
     query_pre_attn_scalar: float | None = None  # Gemma: sm_scale = scalar ** -0.5
     attn_soft_cap: float | None = None  # Gemma 2: cap * tanh(score / cap)
     final_soft_cap: float | None = None  # Gemma 2: the same on the logits
+    # Mixture of experts (models/moe.py): 0 experts is a dense MLP in every layer.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights (Mixtral: yes)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert; 0: none
+    expert_parallel: bool = False  # under a mesh: experts whole, spread over its devices
     # Zero rows past `vocab_size` in the embedding and LM head (tensor parallelism pads the
     # vocabulary to a multiple of its size); their logits are cut off, never sampled.
     vocab_padding: int = 0
@@ -119,6 +138,10 @@ class DecoderConfig:
 
     hf_layer_names: ClassVar[dict[str, str]] = HF_LAYER_NAMES
     hf_top_names: ClassVar[dict[str, str]] = HF_TOP_NAMES
+    # HF's per-expert tensors, "<expert prefix>.<e>.<name>.weight" -> our stacked
+    # [L, E, ...] weight (the MoE families set them).
+    hf_expert_prefix: ClassVar[str] = "mlp.experts"
+    hf_expert_names: ClassVar[dict[str, str]] = {}
     # Checkpoint tensors that hold several of our weights (Phi-3's qkv_proj, gate_up_proj):
     # the name `hf_layer_names` gives the fused tensor -> the weights it splits into along
     # its rows, in order (the loader splits them once; the step never sees them fused).
@@ -212,11 +235,24 @@ class DecoderLayers(nnx.Module):
         self.post_attention_layernorm = filled(unit, D)
         if c.sandwich_norms:
             self.attn_output_norm, self.mlp_output_norm = filled(unit, D), filled(unit, D)
-        self.gate_proj, self.up_proj, self.down_proj = (
-            weight(F, D, name="gate_proj"),
-            weight(F, D, name="up_proj"),
-            weight(D, F, name="down_proj"),
-        )
+        if c.num_experts:
+            E, M = c.num_experts, c.moe_intermediate_size
+            self.router = nnx.Param(init(rngs.params(), (L, E, D), dtype))
+            self.expert_gate = nnx.Param(init(rngs.params(), (L, E, M, D), dtype))
+            self.expert_up = nnx.Param(init(rngs.params(), (L, E, M, D), dtype))
+            self.expert_down = nnx.Param(init(rngs.params(), (L, E, D, M), dtype))
+            if c.shared_expert_intermediate_size:
+                S = c.shared_expert_intermediate_size
+                self.shared_gate_proj = nnx.Param(init(rngs.params(), (L, S, D), dtype))
+                self.shared_up_proj = nnx.Param(init(rngs.params(), (L, S, D), dtype))
+                self.shared_down_proj = nnx.Param(init(rngs.params(), (L, D, S), dtype))
+                self.shared_expert_gate = nnx.Param(init(rngs.params(), (L, 1, D), dtype))
+        else:
+            self.gate_proj, self.up_proj, self.down_proj = (
+                weight(F, D, name="gate_proj"),
+                weight(F, D, name="up_proj"),
+                weight(D, F, name="down_proj"),
+            )
         if c.mlp_bias:
             self.gate_bias, self.up_bias, self.down_bias = (
                 filled(0.0, F),
@@ -228,11 +264,14 @@ class DecoderLayers(nnx.Module):
         """The weights as dicts of [L, ...] arrays: the linear weights (arrays or
         `QuantizedWeight`s), which the scan body reads in place by layer index, and the rest
         (norms, biases), the scan's `xs`."""
-        linear = {name: param_value(getattr(self, name)) for name in LINEAR_WEIGHTS}
+        in_place = (*LINEAR_WEIGHTS, *MOE_WEIGHTS)
+        linear = {
+            name: param_value(getattr(self, name)) for name in in_place if hasattr(self, name)
+        }
         rest = {
             name: value.value
             for name, value in vars(self).items()
-            if isinstance(value, nnx.Param) and name not in LINEAR_WEIGHTS
+            if isinstance(value, nnx.Param) and name not in in_place
         }
         return linear, rest
 
@@ -360,9 +399,13 @@ class DecoderForCausalLM(nnx.Module):
                 out = norm(out, p["attn_output_norm"])
             h = h + out
             x = norm(h, p["post_attention_layernorm"])
-            mlp_biases = (p["gate_bias"], p["up_bias"], p["down_bias"]) if c.mlp_bias else None
-            mlp = (linear("gate_proj"), linear("up_proj"), linear("down_proj"))
-            out = gated_mlp(x, *mlp, mlp_biases, activation=c.hidden_act)
+            if c.num_experts:
+                moe = {name: weights[name][layer_index] for name in MOE_WEIGHTS if name in weights}
+                out = moe_mlp(x, moe, c) if mesh is None else sharded_moe_mlp(x, moe, c, mesh)
+            else:
+                biases = (p["gate_bias"], p["up_bias"], p["down_bias"]) if c.mlp_bias else None
+                mlp = (linear("gate_proj"), linear("up_proj"), linear("down_proj"))
+                out = gated_mlp(x, *mlp, biases, activation=c.hidden_act)
             if c.sandwich_norms:
                 out = norm(out, p["mlp_output_norm"])
             h = h + out

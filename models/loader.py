@@ -115,6 +115,7 @@ def hf_to_params(tensors: dict[str, np.ndarray], config) -> dict:
     params: dict = {"layers": {}}
     per_layer: dict[str, list] = {}
     unexpected = []
+    experts = _ExpertTensors(config)
     for name, array in tensors.items():
         if name in config.hf_top_names:
             params[config.hf_top_names[name]] = array
@@ -123,10 +124,13 @@ def hf_to_params(tensors: dict[str, np.ndarray], config) -> dict:
         if match and match.group(2) in config.hf_layer_names:
             ours = config.hf_layer_names[match.group(2)]
             per_layer.setdefault(ours, [None] * num_layers)[int(match.group(1))] = array
+        elif match and experts.take(int(match.group(1)), match.group(2), array):
+            continue
         elif not name.endswith("rotary_emb.inv_freq"):
             unexpected.append(name)
     if unexpected:
         raise ValueError(f"checkpoint has tensors this architecture does not use: {unexpected[:5]}")
+    params["layers"].update(experts.stacked())
     for ours, arrays in per_layer.items():
         missing = [i for i, a in enumerate(arrays) if a is None]
         if missing:
@@ -143,6 +147,43 @@ def hf_to_params(tensors: dict[str, np.ndarray], config) -> dict:
         else:
             params["layers"][ours] = stacked
     return params
+
+
+class _ExpertTensors:
+    """An MoE checkpoint's per-expert tensors ("<prefix>.<e>.<name>.weight" in each layer),
+    collected and stacked to [L, E, ...] per weight (`hf_expert_names`)."""
+
+    def __init__(self, config):
+        self.config = config
+        self.found: dict[str, dict[tuple[int, int], np.ndarray]] = {}
+
+    def take(self, layer: int, suffix: str, array) -> bool:
+        prefix = self.config.hf_expert_prefix + "."
+        parts = suffix.removeprefix(prefix).split(".")
+        if not suffix.startswith(prefix) or len(parts) != 3 or not parts[0].isdigit():
+            return False
+        ours = self.config.hf_expert_names.get(parts[1])
+        if ours is None or parts[2] != "weight":
+            return False
+        self.found.setdefault(ours, {})[(layer, int(parts[0]))] = array
+        return True
+
+    def stacked(self) -> dict[str, np.ndarray]:
+        num_layers, num_experts = self.config.num_hidden_layers, self.config.num_experts
+        out = {}
+        for ours, arrays in self.found.items():
+            missing = [
+                (layer, e)
+                for layer in range(num_layers)
+                for e in range(num_experts)
+                if (layer, e) not in arrays
+            ]
+            if missing:
+                raise ValueError(f"checkpoint lacks {ours} for (layer, expert) {missing[:5]}")
+            out[ours] = np.stack(
+                [np.stack([arrays[(i, e)] for e in range(num_experts)]) for i in range(num_layers)]
+            )
+        return out
 
 
 def model_from_params(model_cls, config, params: dict, dtype) -> nnx.Module:
@@ -246,7 +287,8 @@ def quantized_params(params: dict, config, quantization: str | None):
     params = {**params, "layers": dict(params["layers"])}
     formats = []
     tables = ("embed_tokens", "lm_head") if quantization == "int8" else ()
-    for tree, name in [(params["layers"], n) for n in LINEAR_WEIGHTS] + [
+    linear = [n for n in LINEAR_WEIGHTS if n in params["layers"]]  # an MoE's experts: float
+    for tree, name in [(params["layers"], n) for n in linear] + [
         (params, n)
         for n in tables
         if n in params  # a tied head is the embedding

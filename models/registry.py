@@ -7,7 +7,9 @@ clear ValueError naming the architecture and the supported list for anything els
 from jengine.models.decoder import DecoderForCausalLM
 from jengine.models.gemma import GemmaConfig
 from jengine.models.llama import LlamaConfig
+from jengine.models.mixtral import MixtralConfig
 from jengine.models.phi3 import Phi3Config
+from jengine.models.qwen_moe import QwenMoeConfig
 
 # name -> (model class, config class); each family file's config class reads its
 # architectures' config.json into the shared decoder's knobs and names their tensors.
@@ -17,6 +19,9 @@ _ARCHITECTURES = {
     "Qwen2ForCausalLM": (DecoderForCausalLM, LlamaConfig),
     "Qwen3ForCausalLM": (DecoderForCausalLM, LlamaConfig),
     "Phi3ForCausalLM": (DecoderForCausalLM, Phi3Config),
+    "MixtralForCausalLM": (DecoderForCausalLM, MixtralConfig),
+    "Qwen2MoeForCausalLM": (DecoderForCausalLM, QwenMoeConfig),
+    "Qwen3MoeForCausalLM": (DecoderForCausalLM, QwenMoeConfig),
     "Gemma2ForCausalLM": (DecoderForCausalLM, GemmaConfig),
     "Gemma3ForCausalLM": (DecoderForCausalLM, GemmaConfig),
 }

@@ -52,6 +52,7 @@ class EngineArgs:
     compilation_cache_dir: str | None = field(default_factory=default_compilation_cache_dir)
     warmup: bool = CompilationConfig.warmup
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
+    enable_expert_parallel: bool = ParallelConfig.enable_expert_parallel
     data_parallel_size: int = ParallelConfig.data_parallel_size
     coordinator_address: str | None = ParallelConfig.coordinator_address
     num_hosts: int = ParallelConfig.num_hosts
@@ -109,6 +110,7 @@ class EngineArgs:
             ),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
+                enable_expert_parallel=self.enable_expert_parallel,
                 data_parallel_size=self.data_parallel_size,
                 coordinator_address=self.coordinator_address,
                 num_hosts=self.num_hosts,
@@ -174,6 +176,12 @@ class EngineArgs:
         add("--seed", type=int)
         add("--attention-impl", choices=["reference", "cpu", "gpu", "tpu"])
         add("--tensor-parallel-size", type=int, help="devices to split the model over")
+        add(
+            "--enable-expert-parallel",
+            action="store_true",
+            help="mixture-of-experts models: whole experts spread over the tensor-parallel "
+            "devices instead of each expert split over them",
+        )
         add(
             "--data-parallel-size",
             type=int,

@@ -89,6 +89,7 @@ class EngineCore:
             seed=config.model.seed,
             attention_impl=config.model.attention_impl,
             tensor_parallel_size=config.parallel.tensor_parallel_size,
+            expert_parallel=config.parallel.enable_expert_parallel,
             devices=devices,
             draft_model=draft_model,
             num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,

@@ -80,6 +80,7 @@ class ModelRunner:
         seed: int = 0,
         attention_impl: str | None = None,
         tensor_parallel_size: int = 1,
+        expert_parallel: bool = False,
         devices: Sequence[jax.Device] | None = None,
         draft_model: nnx.Module | None = None,
         num_speculative_tokens: int = 0,
@@ -92,7 +93,7 @@ class ModelRunner:
         self.tensor_parallel = None
         if tensor_parallel_size > 1:
             self.tensor_parallel = TensorParallel.create(
-                tensor_parallel_size, model.config, devices
+                tensor_parallel_size, model.config, devices, expert_parallel=expert_parallel
             )
             model = self.tensor_parallel.fit_model(model)
         self.config = model.config

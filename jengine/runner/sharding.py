@@ -46,7 +46,12 @@ _LAYER_SPLIT = {
     "q_bias": 0, "k_bias": 0, "v_bias": 0,
     "gate_proj": 0, "up_proj": 0, "gate_bias": 0, "up_bias": 0,
     "o_proj": 1, "down_proj": 1,  # [D, in]: row-parallel
+    # Mixture of experts (models/moe.py): each expert's features split, as a dense MLP's
+    # (with expert parallelism instead, `_EXPERT_SPLIT`); a shared expert likewise.
+    "expert_gate": 1, "expert_up": 1, "expert_down": 2,  # [E, F, D], [E, D, F]
+    "shared_gate_proj": 0, "shared_up_proj": 0, "shared_down_proj": 1,
 }  # fmt: skip
+_EXPERT_SPLIT = {"expert_gate": 0, "expert_up": 0, "expert_down": 0}  # whole experts
 _TOP_SPLIT = {"embed_tokens": 0, "lm_head": 0}  # [V, D]: vocab-parallel
 
 
@@ -56,15 +61,26 @@ class TensorParallel:
     mesh: Mesh
     kv_repeats: int  # each KV head's copies, so every device holds one (1: none)
     vocab_padding: int  # zero rows that make the vocabulary a multiple of `size`
+    expert_parallel: bool = False  # MoE: whole experts over the devices (models/moe.py)
 
     @classmethod
-    def create(cls, size: int, config, devices=None) -> "TensorParallel":
+    def create(
+        cls, size: int, config, devices=None, *, expert_parallel: bool = False
+    ) -> "TensorParallel":
         """`devices`: where the mesh goes (default: the first `size` of `jax.devices()`),
-        e.g. those of a user's training mesh."""
-        for name, count in (
-            ("attention heads", config.num_attention_heads),
-            ("MLP width (intermediate_size)", config.intermediate_size),
-        ):
+        e.g. those of a user's training mesh. `expert_parallel`: an MoE model's experts
+        spread whole over the devices (else each one's features split)."""
+        if expert_parallel and not config.num_experts:
+            raise ValueError("enable_expert_parallel needs a mixture-of-experts model")
+        if not config.num_experts:
+            widths = [("MLP width (intermediate_size)", config.intermediate_size)]
+        elif expert_parallel:
+            widths = [("experts", config.num_experts)]
+        else:
+            widths = [("expert MLP width (moe_intermediate_size)", config.moe_intermediate_size)]
+        if config.shared_expert_intermediate_size:
+            widths.append(("shared expert's width", config.shared_expert_intermediate_size))
+        for name, count in (("attention heads", config.num_attention_heads), *widths):
             if count % size:
                 raise ValueError(f"tensor_parallel_size={size} does not divide the {count} {name}")
         kv = config.num_key_value_heads
@@ -83,6 +99,7 @@ class TensorParallel:
             Mesh(np.array(devices[:size]), (AXIS,)),
             kv_repeats=max(1, size // kv),
             vocab_padding=-config.vocab_size % size,
+            expert_parallel=expert_parallel,
         )
 
     # -- the model --------------------------------------------------------------------------
@@ -94,14 +111,16 @@ class TensorParallel:
 
     def fit_model(self, model: nnx.Module) -> nnx.Module:
         """The model with each KV head repeated until every device holds one, and the
-        vocabulary padded to a multiple of the TP size, if needed."""
-        if not self.changes_layout:
-            return model
+        vocabulary padded to a multiple of the TP size, if needed; its config says
+        whether experts are spread whole."""
         config = model.config
+        if not self.changes_layout and config.expert_parallel == self.expert_parallel:
+            return model
         new_config = dataclasses.replace(
             config,
             num_key_value_heads=config.num_key_value_heads * self.kv_repeats,
             vocab_padding=self.vocab_padding,
+            expert_parallel=self.expert_parallel,
         )
         state = self.fit_params(nnx.to_pure_dict(nnx.state(model, nnx.Param)), config)
         from jengine.models.loader import model_from_params
@@ -142,7 +161,13 @@ class TensorParallel:
         def spec(path, leaf) -> NamedSharding:
             names = [getattr(p, "key", getattr(p, "name", None)) for p in path]
             if "layers" in names:
-                axis = _LAYER_SPLIT.get(names[names.index("layers") + 1])
+                name = names[names.index("layers") + 1]
+                split_by = (
+                    _EXPERT_SPLIT
+                    if self.expert_parallel and name in _EXPERT_SPLIT
+                    else _LAYER_SPLIT
+                )
+                axis = split_by.get(name)
                 split = None if axis is None else axis + 1  # after the layer axis
             else:
                 split = _TOP_SPLIT.get(names[0])

@@ -78,6 +78,35 @@ FAMILIES = {
             eos_token_id=2,
         ),
     ),
+    # Mixtures of experts: top-2 of 4 (Mixtral renormalises; Qwen3 with norm_topk_prob;
+    # Qwen2 without, and with its shared expert).
+    "mixtral": (
+        transformers.MixtralConfig,
+        transformers.MixtralForCausalLM,
+        dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=96),
+    ),
+    "qwen3-moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+        ),
+    ),
+    "qwen2-moe": (
+        transformers.Qwen2MoeConfig,
+        transformers.Qwen2MoeForCausalLM,
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=80,
+            norm_topk_prob=False,
+        ),
+    ),
     # Local layers with a window shorter than the tests' prompts, soft-capping low enough
     # to bend the scores, query_pre_attn_scalar other than head_dim.
     "gemma2": (

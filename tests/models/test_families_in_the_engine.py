@@ -12,7 +12,7 @@ from jengine import LLM, SamplingParams
 from tests.engine.engine_helpers import hf_teacher_forced, random_prompts
 from tests.models.checkpoints import make_checkpoint
 
-FAMILIES = ["gemma2", "gemma3", "phi3"]
+FAMILIES = ["gemma2", "gemma3", "phi3", "mixtral", "qwen3-moe", "qwen2-moe"]
 TIGHT = dict(
     dtype="float32",
     max_model_len=96,
