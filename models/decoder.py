@@ -400,8 +400,11 @@ class DecoderForCausalLM(nnx.Module):
             h = h + out
             x = norm(h, p["post_attention_layernorm"])
             if c.num_experts:
-                moe = {name: weights[name][layer_index] for name in MOE_WEIGHTS if name in weights}
-                out = moe_mlp(x, moe, c) if mesh is None else sharded_moe_mlp(x, moe, c, mesh)
+                moe = {name: weights[name] for name in MOE_WEIGHTS if name in weights}
+                if mesh is None:
+                    out = moe_mlp(x, moe, c, layer_index)
+                else:
+                    out = sharded_moe_mlp(x, moe, c, layer_index, mesh)
             else:
                 biases = (p["gate_bias"], p["up_bias"], p["down_bias"]) if c.mlp_bias else None
                 mlp = (linear("gate_proj"), linear("up_proj"), linear("down_proj"))

@@ -13,8 +13,12 @@ devices' parts.
 Promises (transformers' numerics): router logits in the activations' dtype, softmax in
 float32, top-k (renormalised over the k where the family says so: Mixtral always,
 Qwen's `norm_topk_prob`), the expert outputs weighted and summed per token; Qwen2-MoE's
-shared expert (a dense gated MLP scaled by sigmoid(its gate)) added. `dense_moe_mlp` is
-the per-expert loop the grouped matmul is tested and timed against.
+shared expert (a dense gated MLP scaled by sigmoid(its gate)) added. A batch runs as
+grouped matmuls (`grouped_experts`: GPU, TPU), as a loop over the experts
+(`looped_experts`: on CPU, where XLA's grouped matmul is slower), or, with few (token,
+expert) pairs against many experts (a decode step), reading only the chosen experts'
+weights (`gathered_experts`); `experts_impl` picks, by measurement. `dense_moe_mlp` is the
+per-expert loop all are tested and timed against.
 """
 
 import jax
@@ -44,7 +48,8 @@ def grouped_experts(
     x, weights, experts, gate, up, down, *, activation: str, first_expert=0
 ) -> jax.Array:
     """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) over the experts held here
-    (`first_expert` .. + gate.shape[0]; assignments to others count 0): [T, D]."""
+    (`first_expert` .. + gate.shape[0]; assignments to others count 0): [T, D]. One grouped
+    matmul per projection over the (token, expert) pairs sorted by expert."""
     num_tokens, top_k = experts.shape
     num_local = gate.shape[0]
     local = experts.reshape(-1) - first_expert  # [T * k]
@@ -62,73 +67,118 @@ def grouped_experts(
     return jnp.zeros_like(x).at[token].add(out * scale[:, None])
 
 
-def moe_mlp(x, p: dict, config, *, expert_offset=0, shard_axis: str | None = None):
-    """The MoE block of one layer: `p` holds its `router`, `expert_gate`, `expert_up`,
-    `expert_down` and, for a shared expert, `shared_gate_proj`, `shared_up_proj`,
-    `shared_down_proj`, `shared_expert_gate`. With `shard_axis` (inside shard_map) the
-    devices' partial sums are added up over it."""
-    weights, experts = route(x, p["router"], config.num_experts_per_tok, config.norm_topk_prob)
-    out = grouped_experts(
-        x,
-        weights,
-        experts,
-        p["expert_gate"],
-        p["expert_up"],
-        p["expert_down"],
-        activation=config.hidden_act,
-        first_expert=expert_offset,
-    )
+def gathered_experts(
+    x, weights, experts, gate, up, down, layer, *, activation: str, first_expert=0
+) -> jax.Array:
+    """The same sum for a few tokens (T * k at most the experts held): each (token,
+    expert) pair reads its expert's weights straight out of the layer-stacked [L, E, ...]
+    arrays, so a decode step reads k experts' weights, not all E (XLA:CPU's grouped matmul
+    computes every group: bench/README.md)."""
+    num_tokens, top_k = experts.shape
+    local = experts.reshape(-1) - first_expert
+    held = (local >= 0) & (local < gate.shape[1])
+    index = jnp.where(held, local, 0)
+    rows = jnp.repeat(x, top_k, axis=0)  # [T * k, D]
+    g = jnp.einsum("md,mfd->mf", rows, gate[layer, index])
+    u = jnp.einsum("md,mfd->mf", rows, up[layer, index])
+    out = jnp.einsum("mf,mdf->md", ACTIVATIONS[activation](g) * u, down[layer, index])
+    scale = jnp.where(held, weights.reshape(-1), 0)
+    return jnp.sum((out * scale[:, None]).reshape(num_tokens, top_k, -1), axis=1)
+
+
+def looped_experts(
+    x, weights, experts, gate, up, down, layer, *, activation: str, first_expert=0
+) -> jax.Array:
+    """The same sum as a loop over the experts held here, each applied to every token and
+    weighted by the routing (0 for tokens that did not choose it): E / k times the
+    arithmetic, but on XLA:CPU faster than its grouped matmul (bench/README.md)."""
+    act = ACTIVATIONS[activation]
+    out = jnp.zeros_like(x)
+    for e in range(gate.shape[1]):
+        token_weight = jnp.sum(jnp.where(experts == first_expert + e, weights, 0), axis=-1)
+        h = act(x @ gate[layer, e].T) * (x @ up[layer, e].T)
+        out = out + (h @ down[layer, e].T) * token_weight[:, None]
+    return out
+
+
+def experts_impl(num_pairs: int, num_experts: int, backend: str | None = None) -> str:
+    """How `moe_mlp` computes a batch's experts: "gathered" when its (token, expert) pairs
+    are few against the experts (a decode step of a many-expert model reads k of E), else
+    "grouped" matmuls, or on CPU the "looped" experts (measured faster there than XLA:CPU's
+    grouped matmul at batch 1 and 64: `jengine bench moe`)."""
+    if num_pairs * 8 <= num_experts:
+        return "gathered"
+    return "looped" if (backend or jax.default_backend()) == "cpu" else "grouped"
+
+
+def moe_mlp(x, p: dict, config, layer, *, expert_offset=0, shard_axis: str | None = None):
+    """The MoE block of layer `layer`: `p` holds the layer-stacked [L, ...] `router`,
+    `expert_gate`, `expert_up`, `expert_down` and, for a shared expert,
+    `shared_gate_proj`, `shared_up_proj`, `shared_down_proj`, `shared_expert_gate`. With
+    `shard_axis` (inside shard_map) the devices' partial sums are added up over it."""
+    top_k = config.num_experts_per_tok
+    weights, experts = route(x, p["router"][layer], top_k, config.norm_topk_prob)
+    kwargs = dict(activation=config.hidden_act, first_expert=expert_offset)
+    stacked = (p["expert_gate"], p["expert_up"], p["expert_down"])
+    impl = experts_impl(x.shape[0] * top_k, p["expert_gate"].shape[1])
+    if impl == "gathered":
+        out = gathered_experts(x, weights, experts, *stacked, layer, **kwargs)
+    elif impl == "looped":
+        out = looped_experts(x, weights, experts, *stacked, layer, **kwargs)
+    else:
+        out = grouped_experts(x, weights, experts, *(w[layer] for w in stacked), **kwargs)
     if config.shared_expert_intermediate_size:
         act = ACTIVATIONS[config.hidden_act]
-        shared = act(x @ p["shared_gate_proj"].T) * (x @ p["shared_up_proj"].T)
-        shared = shared @ p["shared_down_proj"].T  # a part of it under a mesh
-        out = out + jax.nn.sigmoid(x @ p["shared_expert_gate"].T) * shared
+        shared = act(x @ p["shared_gate_proj"][layer].T) * (x @ p["shared_up_proj"][layer].T)
+        shared = shared @ p["shared_down_proj"][layer].T  # a part of it under a mesh
+        out = out + jax.nn.sigmoid(x @ p["shared_expert_gate"][layer].T) * shared
     if shard_axis is not None:
         out = jax.lax.psum(out, shard_axis)
     return out
 
 
 def expert_specs(config, axis: str) -> dict:
-    """How each MoE weight of one layer lies over the mesh axis (see the module docstring;
-    `runner/sharding.py` places the stacked weights the same way)."""
+    """How each layer-stacked MoE weight lies over the mesh axis (see the module
+    docstring; `runner/sharding.py` places them the same way)."""
     if config.expert_parallel:
-        experts = dict.fromkeys(("expert_gate", "expert_up", "expert_down"), P(axis))
+        experts = dict.fromkeys(("expert_gate", "expert_up", "expert_down"), P(None, axis))
     else:
         experts = {
-            "expert_gate": P(None, axis),
-            "expert_up": P(None, axis),
-            "expert_down": P(None, None, axis),
+            "expert_gate": P(None, None, axis),
+            "expert_up": P(None, None, axis),
+            "expert_down": P(None, None, None, axis),
         }
     specs = {"router": P(), **experts}
     if config.shared_expert_intermediate_size:  # split as a dense MLP, in both modes
         specs |= {
-            "shared_gate_proj": P(axis),
-            "shared_up_proj": P(axis),
-            "shared_down_proj": P(None, axis),
+            "shared_gate_proj": P(None, axis),
+            "shared_up_proj": P(None, axis),
+            "shared_down_proj": P(None, None, axis),
             "shared_expert_gate": P(),
         }
     return specs
 
 
-def sharded_moe_mlp(x, p: dict, config, mesh):
+def sharded_moe_mlp(x, p: dict, config, layer, mesh):
     """`moe_mlp` per device of `mesh`'s one axis (tokens replicated), summed over it."""
     axis = mesh.axis_names[0]
     specs = expert_specs(config, axis)
 
-    def local(x, p):
+    def local(x, p, layer):
         offset = 0
         if config.expert_parallel:
-            offset = jax.lax.axis_index(axis) * p["expert_gate"].shape[0]
-        return moe_mlp(x, p, config, expert_offset=offset, shard_axis=axis)
+            offset = jax.lax.axis_index(axis) * p["expert_gate"].shape[1]
+        return moe_mlp(x, p, config, layer, expert_offset=offset, shard_axis=axis)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), specs), out_specs=P(), check_vma=False)(
-        x, {name: p[name] for name in specs}
-    )
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=(P(), specs, P()), out_specs=P(), check_vma=False
+    )(x, {name: p[name] for name in specs}, layer)
 
 
 def dense_moe_mlp(x, p: dict, config) -> jax.Array:
     """The same block as a loop over every expert, each applied to every token and masked
-    by the routing: what the grouped matmul must equal (tests, `jengine bench moe`)."""
+    by the routing, for one layer's weights (`p` unstacked: [E, F, D], ...): what the
+    grouped and gathered paths must equal (tests, `jengine bench moe`)."""
     weights, experts = route(x, p["router"], config.num_experts_per_tok, config.norm_topk_prob)
     act = ACTIVATIONS[config.hidden_act]
     out = jnp.zeros_like(x)
