@@ -11,8 +11,10 @@ Promises:
 - `gguf_file(path)`: the `.gguf` a path names (the file, or the only one in a folder that
   has no config.json), else None;
 - `read_hf_config(path)`: an HF `config.json` dict, from the folder or, for a GGUF, built
-  from its metadata the way transformers builds it (architecture, sizes, rope theta, tied
-  embeddings when the file has no `output.weight`, BOS/EOS ids);
+  from its metadata the way transformers builds it (architecture: llama, qwen2, qwen3,
+  gemma2, gemma3; sizes, rope theta and linear scaling, tied embeddings when the file has
+  no `output.weight`, BOS/EOS ids; Gemma's window and soft-caps, transformers' defaults
+  for what the file does not say);
 - a clear ValueError naming what is wrong: a missing path, a folder without config.json
   or with several .gguf files, a GGUF architecture jengine does not run.
 """
@@ -30,8 +32,20 @@ BUNDLED_MODEL_PATH = os.path.join(os.path.dirname(__file__), "shakespeare-llama"
 SHAKESPEARE_DRAFT = "shakespeare-draft"
 BUNDLED_DRAFT_PATH = os.path.join(os.path.dirname(__file__), "shakespeare-llama-draft")
 
-# GGUF `general.architecture` -> the HF architecture jengine runs it as.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+# GGUF `general.architecture` -> the HF architecture and model_type jengine runs it as
+# (the ones whose tensors map one to one onto the HF checkpoint's).
+GGUF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+}
+# What transformers' Gemma configs default to where a GGUF has no key for it.
+_GEMMA_DEFAULTS = {
+    "gemma2": dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    "gemma3": dict(attn_logit_softcapping=None, final_logit_softcapping=None),
+}
 
 
 def installed_smollm2() -> str | None:
@@ -106,7 +120,7 @@ def gguf_hf_config(path: str) -> dict:
             f"{', '.join(sorted(GGUF_ARCHITECTURES))}"
         )
     rope_scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if rope_scaling != "none":
+    if rope_scaling not in ("none", "linear"):
         raise ValueError(f"GGUF rope scaling {rope_scaling!r} of {path} is not supported")
 
     def get(key, default=None):
@@ -118,9 +132,10 @@ def gguf_hf_config(path: str) -> dict:
     vocab_size = get("vocab_size") or meta.get("tokenizer.ggml.tokens")
     if not (num_heads and hidden and vocab_size):
         raise ValueError(f"{path} lacks {arch}.attention.head_count, embedding_length or a vocab")
+    architecture, model_type = GGUF_ARCHITECTURES[arch]
     config = {
-        "architectures": [GGUF_ARCHITECTURES[arch]],
-        "model_type": arch,
+        "architectures": [architecture],
+        "model_type": model_type,
         "vocab_size": int(vocab_size),
         "hidden_size": int(hidden),
         "intermediate_size": int(get("feed_forward_length")),
@@ -134,6 +149,27 @@ def gguf_hf_config(path: str) -> dict:
         "tie_word_embeddings": "output.weight" not in gguf.tensors,
         "hidden_act": "silu",
     }
+    if rope_scaling == "linear":
+        factor = float(get("rope.scaling.factor", 1.0))
+        config["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+    if arch in _GEMMA_DEFAULTS:
+        # llama.cpp's converter writes the soft-caps and the window; the rest is
+        # transformers' defaults, as its own GGUF loader takes them.
+        for key, default in _GEMMA_DEFAULTS[arch].items():
+            config[key] = get(key, default)
+        config["sliding_window"] = get("attention.sliding_window")
+        # Which layers are local: llama.cpp writes a pattern (every n-th layer global) or
+        # one flag a layer; without it, the family's default pattern.
+        pattern = get("attention.sliding_window_pattern")
+        if isinstance(pattern, int):
+            config["sliding_window_pattern"] = pattern
+        elif pattern is not None:
+            config["layer_types"] = [
+                "sliding_attention" if local else "full_attention" for local in pattern
+            ]
+        config["query_pre_attn_scalar"] = 256
+        config["hidden_activation"] = "gelu_pytorch_tanh"
+        del config["hidden_act"]
     for name in ("bos", "eos", "padding"):
         token_id = meta.get(f"tokenizer.ggml.{name}_token_id")
         if token_id is not None:

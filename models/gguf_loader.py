@@ -5,9 +5,11 @@ says it is a GGUF. The config comes from the file's metadata (`checkpoint.gguf_h
 the tensors memory-mapped by `gguf_reader.py`.
 
 Promises:
-- llama.cpp's tensor names map onto the model's parameters; the q/k row permutation that
-  llama.cpp's converter applies for its rotary embedding is undone, so the weights are
-  exactly the HF checkpoint's (tests: a GGUF written from an HF folder loads equal to it);
+- llama.cpp's tensor names map onto the model's parameters (llama, qwen2, qwen3, gemma2,
+  gemma3); the q/k row permutation that llama.cpp's converter applies to llama's rotary
+  embedding is undone, and the one added to Gemma's norm weights subtracted, so the
+  weights are exactly the HF checkpoint's (tests: a GGUF written from an HF folder loads
+  equal to it);
 - weights stay quantized where the quantized matmul reads their types
   (`models/quantize.GGUF_KEPT`), their blocks repacked once, one tensor at a time; a
   weight whose layers mix kept types (Q4_K_M's Q4_K and Q6_K) is repacked into one format
@@ -39,21 +41,32 @@ from jengine.models.registry import resolve_architecture
 
 logger = logging.getLogger(__name__)
 
-# GGUF per-layer tensor (after "blk.N.") -> our stacked name (linear weights are [out, in]
-# in both)
+# Our stacked name -> the GGUF per-layer tensor (after "blk.N.") that fills it (linear
+# weights are [out, in] in both); a model takes those of its parameters.
 _LAYER_TENSORS = {
-    "attn_norm.weight": "input_layernorm",
-    "ffn_norm.weight": "post_attention_layernorm",
-    "attn_q.weight": "q_proj",
-    "attn_k.weight": "k_proj",
-    "attn_v.weight": "v_proj",
-    "attn_output.weight": "o_proj",
-    "ffn_gate.weight": "gate_proj",
-    "ffn_up.weight": "up_proj",
-    "ffn_down.weight": "down_proj",
+    "input_layernorm": "attn_norm.weight",
+    "post_attention_layernorm": "ffn_norm.weight",  # the norm before the MLP
+    "q_proj": "attn_q.weight",
+    "k_proj": "attn_k.weight",
+    "v_proj": "attn_v.weight",
+    "o_proj": "attn_output.weight",
+    "q_bias": "attn_q.bias",
+    "k_bias": "attn_k.bias",
+    "v_bias": "attn_v.bias",
+    "q_norm": "attn_q_norm.weight",
+    "k_norm": "attn_k_norm.weight",
+    "gate_proj": "ffn_gate.weight",
+    "up_proj": "ffn_up.weight",
+    "down_proj": "ffn_down.weight",
+    # Gemma's norms on the attention's and MLP's outputs
+    "attn_output_norm": "post_attention_norm.weight",
+    "mlp_output_norm": "post_ffw_norm.weight",
 }
 _TOP_TENSORS = {"token_embd.weight": "embed_tokens", "output_norm.weight": "norm"}
 _LM_HEAD = "output.weight"
+# llama.cpp's converter stores Gemma's norm weights plus one (its RMSNorm multiplies by
+# the stored weight); transformers' GGUF loader subtracts it again, and so does this one.
+_NORMS_PLUS_ONE = ("gemma2", "gemma3")
 
 
 def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -67,12 +80,16 @@ def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def _gguf_names(num_layers: int, tied: bool) -> dict[str, list[str]]:
-    """Our parameter name -> the GGUF tensor(s) that fill it (one per layer if stacked)."""
+def _gguf_names(layer_params, num_layers: int, tied: bool) -> dict[str, list[str]]:
+    """Our parameter name -> the GGUF tensor(s) that fill it (one per layer if stacked),
+    for a model whose layers hold `layer_params`."""
     names = {ours: [gguf] for gguf, ours in _TOP_TENSORS.items()}
     if not tied:
         names["lm_head"] = [_LM_HEAD]
-    for suffix, ours in _LAYER_TENSORS.items():
+    for ours in layer_params:
+        if ours not in _LAYER_TENSORS:
+            raise ValueError(f"a GGUF has no tensor for the model's {ours}")
+        suffix = _LAYER_TENSORS[ours]
         names[f"layers.{ours}"] = [f"blk.{i}.{suffix}" for i in range(num_layers)]
     return names
 
@@ -88,7 +105,10 @@ def load_gguf_model(path: str, dtype, keep_quantized: bool = True) -> nnx.Module
     config = config_cls.from_hf(hf_config)
     gguf = read_gguf(path)
     tensors = gguf.tensors
-    wanted = _gguf_names(config.num_hidden_layers, config.tie_word_embeddings)
+    arch = gguf.metadata.get("general.architecture")
+    abstract = nnx.eval_shape(lambda: model_cls(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    layer_params = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))["layers"]
+    wanted = _gguf_names(layer_params, config.num_hidden_layers, config.tie_word_embeddings)
     used = {name for names in wanted.values() for name in names}
     # Some tied checkpoints still carry an output.weight; nothing else may be left over.
     unexpected = sorted(set(tensors) - used - {_LM_HEAD})
@@ -98,10 +118,13 @@ def load_gguf_model(path: str, dtype, keep_quantized: bool = True) -> nnx.Module
             f"{path}: tensors the {hf_config['architectures'][0]} model has no place for "
             f"{unexpected[:5]}, tensors it lacks {missing[:5]}"
         )
-    heads = {
-        "attn_q.weight": config.num_attention_heads,
-        "attn_k.weight": config.num_key_value_heads,
-    }
+    # Only for llama does llama.cpp's converter permute q/k rows (its rotary layout).
+    heads = {}
+    if arch == "llama":
+        heads = {
+            "attn_q.weight": config.num_attention_heads,
+            "attn_k.weight": config.num_key_value_heads,
+        }
 
     def unpermuted(name: str, weight: np.ndarray) -> np.ndarray:
         num_heads = heads.get(name.split(".", 2)[-1]) if name.startswith("blk.") else None
@@ -109,7 +132,10 @@ def load_gguf_model(path: str, dtype, keep_quantized: bool = True) -> nnx.Module
 
     def read(name: str) -> np.ndarray:
         info = tensors[name]
-        return unpermuted(name, dequantize(gguf.tensor_data(name), info.type_name, info.shape))
+        weight = dequantize(gguf.tensor_data(name), info.type_name, info.shape)
+        if arch in _NORMS_PLUS_ONE and name.endswith("norm.weight"):
+            weight = weight - 1  # exact: the stored values lie in [0.5, 2] or so
+        return unpermuted(name, weight)
 
     def read_packed(name: str, fmt) -> dict[str, np.ndarray]:
         info = tensors[name]

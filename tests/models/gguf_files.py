@@ -1,6 +1,8 @@
 """Write small GGUF files for the tests with the `gguf` package's writer, the way
-llama.cpp's converter lays out a Llama: its tensor names, q/k rows permuted for its
-rotary embedding, norms in F32, 2-D weights in the type asked for."""
+llama.cpp's converter lays out a Llama, Qwen2, Qwen3, Gemma 2 or Gemma 3: its tensor names,
+q/k rows permuted for its rotary embedding (llama only), Gemma's norm weights plus one,
+norms in F32, 2-D weights in the type asked for, Gemma's window and soft-caps in the
+metadata."""
 
 import json
 import os
@@ -26,6 +28,28 @@ _TOP_NAMES = {
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
+# What the other architectures add or name differently.
+_MORE_NAMES = {
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+}
+_GEMMA_NAMES = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+# HF model_type -> llama.cpp's architecture name
+GGUF_ARCH = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+}
 
 
 def permute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -39,23 +63,30 @@ def permute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def gguf_tensors(folder: str) -> dict[str, np.ndarray]:
-    """The HF folder's tensors under llama.cpp's names, q/k permuted (float32)."""
+    """The HF folder's tensors under llama.cpp's names, q/k permuted for llama, Gemma's
+    norms plus one (float32)."""
     with open(os.path.join(folder, "config.json")) as f:
         config = json.load(f)
-    heads = {
-        "attn_q.weight": config["num_attention_heads"],
-        "attn_k.weight": config.get("num_key_value_heads") or config["num_attention_heads"],
-    }
+    arch = GGUF_ARCH[config.get("model_type", "llama")]
+    names = {**_LAYER_NAMES, **_MORE_NAMES, **(_GEMMA_NAMES if "gemma" in arch else {})}
+    heads = {}
+    if arch == "llama":
+        heads = {
+            "attn_q.weight": config["num_attention_heads"],
+            "attn_k.weight": config.get("num_key_value_heads") or config["num_attention_heads"],
+        }
     tensors = {}
     for name, array in load_file(os.path.join(folder, "model.safetensors")).items():
         array = array.astype(np.float32)
+        if "gemma" in arch and name.endswith("norm.weight"):
+            array = array + 1  # llama.cpp's converter: its RMSNorm multiplies by the weight
         if name in _TOP_NAMES:
             if name == "lm_head.weight" and config.get("tie_word_embeddings"):
                 continue
             tensors[_TOP_NAMES[name]] = array
             continue
         _, _, layer, suffix = name.split(".", 3)
-        ours = _LAYER_NAMES[suffix]
+        ours = names[suffix]
         if ours in heads:
             array = permute_rotary(array, heads[ours])
         tensors[f"blk.{layer}.{ours}"] = array
@@ -86,23 +117,41 @@ def write_llama_gguf(
     path: str,
     tensor_type: str = "F32",
     *,
-    arch: str = "llama",
+    arch: str | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
     tensor_types: dict[str, str] | None = None,
 ) -> str:
-    """Convert the HF Llama `folder` to a GGUF at `path` (no tokenizer metadata), its
-    matrices in `tensor_type` or, by name, `tensor_types`."""
+    """Convert the HF `folder` to a GGUF at `path` (no tokenizer metadata), its matrices in
+    `tensor_type` or, by name, `tensor_types`; `arch` (default: the folder's) names the
+    architecture in the file."""
     with open(os.path.join(folder, "config.json")) as f:
         config = json.load(f)
+    arch = arch or GGUF_ARCH[config.get("model_type", "llama")]
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(config["num_hidden_layers"])
+    if config.get("head_dim"):
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    if "gemma" in arch:
+        writer.add_sliding_window(config["sliding_window"])
+        if config.get("layer_types"):
+            local = [kind == "sliding_attention" for kind in config["layer_types"]]
+            writer.add_sliding_window_pattern(local)
+        if config.get("attn_logit_softcapping"):
+            writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+            writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config.get("num_key_value_heads") or config["num_attention_heads"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers'
+    writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
     writer.add_vocab_size(config["vocab_size"])
     rng = np.random.default_rng(0)
     for name, array in {**gguf_tensors(folder), **(extra_tensors or {})}.items():

@@ -20,8 +20,9 @@ from jengine.models.gguf_reader import read_gguf
 from jengine.models.llama import LINEAR_WEIGHTS
 from jengine.models.quantized_linear import param_value
 from jengine.pallas_kernels.quantized_matmul import dequantize
-from tests.models.checkpoints import make_checkpoint
+from tests.models.checkpoints import hf_logits, make_checkpoint
 from tests.models.gguf_files import permute_rotary, write_llama_gguf
+from tests.models.paged_batch import PagedSequences
 
 GQA = dict(num_key_value_heads=2)  # q and k permuted with different head counts
 
@@ -54,6 +55,36 @@ def test_f32_gguf_loads_the_hf_weights_exactly(hf_folder, tmp_path):
     assert ours.keys() == theirs.keys()
     for name in ours:
         np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+
+
+# What llama.cpp's GGUF of each family holds differently from a Llama's: q/k not
+# permuted, Qwen2's biases, Qwen3's and Gemma 3's q/k norms, Gemma's norms stored plus one
+# and its window, soft-caps and linear rope scaling in the metadata. Gemma's
+# query_pre_attn_scalar is not in a GGUF: transformers' default (256) is what loads.
+GGUF_FAMILIES = {
+    "qwen2": {},
+    "qwen3": {},
+    "gemma2": dict(query_pre_attn_scalar=256),
+    "gemma3": {},
+}
+
+
+@pytest.mark.parametrize("family", sorted(GGUF_FAMILIES))
+def test_other_architectures_load_as_their_folders(tmp_path, family):
+    folder = str(tmp_path / family)
+    hf_model = make_checkpoint(family, folder, config_overrides=GGUF_FAMILIES[family])
+    path = write_llama_gguf(folder, str(tmp_path / "model.gguf"))
+    ours, theirs = _leaves(load_model(path, "float32")), _leaves(load_model(folder, "float32"))
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        # Gemma's norms went through the converter's + 1: one rounding.
+        np.testing.assert_allclose(ours[name], theirs[name], rtol=2e-7, atol=0, err_msg=name)
+    model = load_model(path, "float32")
+    seq = list(range(3, 26))
+    got = PagedSequences(model, [seq], block_size=4).step({0: len(seq)}, q_block_size=4)[0]
+    np.testing.assert_allclose(got, hf_logits(hf_model, seq).numpy(), atol=1e-4, rtol=0)
+    kept = load_model(write_llama_gguf(folder, str(tmp_path / "q8.gguf"), "Q8_0"), "float32")
+    assert {name for name, _ in kept.config.quantization} >= {"q_proj", "down_proj"}
 
 
 @pytest.mark.parametrize("quantization", [None, "none"])
@@ -120,7 +151,9 @@ def test_broken_ggufs_fail_clearly(hf_folder, tmp_path):
     with pytest.raises(ValueError, match=r"no place for \['blk.0.attn_q.bias'\]"):
         load_model(extra, "float32")
     other = write_llama_gguf(hf_folder, str(tmp_path / "other.gguf"), arch="gpt2")
-    with pytest.raises(ValueError, match="architecture 'gpt2'.*jengine runs llama"):
+    with pytest.raises(
+        ValueError, match="architecture .gpt2.*jengine runs gemma2, gemma3, llama, qwen2, qwen3"
+    ):
         load_model(other, "float32")
     not_gguf = tmp_path / "notes.gguf"
     not_gguf.write_text("hello")
