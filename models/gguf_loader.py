@@ -86,11 +86,12 @@ def _gguf_names(layer_params, num_layers: int, tied: bool) -> dict[str, list[str
     names = {ours: [gguf] for gguf, ours in _TOP_TENSORS.items()}
     if not tied:
         names["lm_head"] = [_LM_HEAD]
-    for ours in layer_params:
-        if ours not in _LAYER_TENSORS:
-            raise ValueError(f"a GGUF has no tensor for the model's {ours}")
-        suffix = _LAYER_TENSORS[ours]
-        names[f"layers.{ours}"] = [f"blk.{i}.{suffix}" for i in range(num_layers)]
+    unknown = sorted(set(layer_params) - set(_LAYER_TENSORS))
+    if unknown:
+        raise ValueError(f"a GGUF has no tensors for the model's {unknown}")
+    for ours, suffix in _LAYER_TENSORS.items():  # in the model's order: q, k, v, o, ...
+        if ours in layer_params:
+            names[f"layers.{ours}"] = [f"blk.{i}.{suffix}" for i in range(num_layers)]
     return names
 
 
