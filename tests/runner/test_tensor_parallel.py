@@ -131,14 +131,13 @@ def test_sizes_that_cannot_work_are_refused(checkpoint):
         TensorParallel.create(3, config)
 
 
-@pytest.mark.parametrize("family", ["qwen2-moe", "mixtral"])
-def test_experts_split_or_spread_give_the_same_outputs(tmp_path, family):
-    """Mixture of experts on 2 and 4 forced CPU devices, each expert's features split
-    (tensor parallel) and whole experts spread (expert parallel: 4 experts, one or two a
-    device; Qwen2-MoE's shared expert split either way): the tokens of one device,
+def test_experts_split_or_spread_give_the_same_outputs(tmp_path):
+    """Mixture of experts (Qwen2-MoE: routed experts and a shared one) on 2 and 4 forced
+    CPU devices, each expert's features split (tensor parallel) and whole experts spread
+    (expert parallel: 4 experts, one or two a device; the shared expert split either way): the tokens of one device,
     logprobs within 1e-4, nothing compiled after warmup."""
-    path = str(tmp_path / family)
-    make_checkpoint(family, path, config_overrides=dict(num_key_value_heads=2))
+    path = str(tmp_path / "qwen2-moe")
+    make_checkpoint("qwen2-moe", path, config_overrides=dict(num_key_value_heads=2))
     results = _tp_check(path, "experts")
     one = results["1"]
     for key in ("tp2", "ep2", "tp4", "ep4"):
@@ -149,8 +148,7 @@ def test_experts_split_or_spread_give_the_same_outputs(tmp_path, family):
         assert run["compiles_after_warmup"] == 0, key
         assert run["preemptions"] > 0, key
     # [L, E, F, D] per device: experts whole (E / n) or each expert's features split (F / n).
-    layers, num_experts = 3, 4
-    width = 48 if family == "qwen2-moe" else 96
+    layers, num_experts, width = 3, 4, 48
     for n in (2, 4):
         assert results[f"ep{n}"]["expert_gate_shard"][:3] == [layers, num_experts // n, width]
         assert results[f"tp{n}"]["expert_gate_shard"][:3] == [layers, num_experts, width // n]
