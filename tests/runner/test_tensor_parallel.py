@@ -134,8 +134,8 @@ def test_sizes_that_cannot_work_are_refused(checkpoint):
 def test_experts_split_or_spread_give_the_same_outputs(tmp_path):
     """Mixture of experts (Qwen2-MoE: routed experts and a shared one) on 2 and 4 forced
     CPU devices, each expert's features split (tensor parallel) and whole experts spread
-    (expert parallel: 4 experts, one or two a device; the shared expert split either way): the tokens of one device,
-    logprobs within 1e-4, nothing compiled after warmup."""
+    (expert parallel: 4 experts, one or two a device; the shared expert split either
+    way): the tokens of one device, logprobs within 1e-4, nothing compiled after warmup."""
     path = str(tmp_path / "qwen2-moe")
     make_checkpoint("qwen2-moe", path, config_overrides=dict(num_key_value_heads=2))
     results = _tp_check(path, "experts")
