@@ -18,7 +18,12 @@ final logit soft-capping; Gemma 3's q/k norms and its local layers' own rope
 from dataclasses import dataclass
 from typing import ClassVar
 
-from jengine.models.decoder import HF_LAYER_NAMES, DecoderConfig, sliding_windows_from_hf
+from jengine.models.decoder import (
+    HF_LAYER_NAMES,
+    DecoderConfig,
+    DecoderForCausalLM,
+    sliding_windows_from_hf,
+)
 from jengine.models.layers import RopeConfig
 
 _MODEL_TYPES = ("gemma2", "gemma3_text")
@@ -61,6 +66,10 @@ def _ropes(hf: dict, head_dim: int) -> tuple[RopeConfig, RopeConfig | None]:
     if hf["model_type"] == "gemma3_text":
         local = RopeConfig(head_dim, theta=float(hf.get("rope_local_base_freq", 10000.0)))
     return RopeConfig.from_hf(hf, head_dim), local
+
+
+class GemmaForCausalLM(DecoderForCausalLM):
+    """Gemma 2 / 3 on the shared decoder (its own name in logs)."""
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,9 @@ from jengine.models.decoder import (
 )
 from jengine.models.layers import RopeConfig
 
-# The Llama family runs on the shared decoder as it is.
-LlamaForCausalLM = DecoderForCausalLM
+
+class LlamaForCausalLM(DecoderForCausalLM):
+    """The Llama family's model: the shared decoder as it is (its own name in logs)."""
 
 
 @dataclass(frozen=True)

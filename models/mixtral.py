@@ -9,7 +9,7 @@ Where it sits: `models/registry.py` maps `MixtralForCausalLM` here. Its experts 
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from jengine.models.decoder import HF_LAYER_NAMES
+from jengine.models.decoder import HF_LAYER_NAMES, DecoderForCausalLM
 from jengine.models.llama import LlamaConfig
 
 
@@ -17,6 +17,10 @@ def _mixtral_layer_names() -> dict[str, str]:
     names = {k: v for k, v in HF_LAYER_NAMES.items() if not k.startswith("mlp.")}
     names["block_sparse_moe.gate.weight"] = "router"
     return names
+
+
+class MixtralForCausalLM(DecoderForCausalLM):
+    """Mixtral on the shared decoder (its own name in logs)."""
 
 
 @dataclass(frozen=True)

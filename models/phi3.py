@@ -12,7 +12,7 @@ scaling (the 128k variants) is refused with the rope types that are supported.
 from dataclasses import dataclass
 from typing import ClassVar
 
-from jengine.models.decoder import HF_LAYER_NAMES, sliding_windows_from_hf
+from jengine.models.decoder import HF_LAYER_NAMES, DecoderForCausalLM, sliding_windows_from_hf
 from jengine.models.llama import LlamaConfig
 
 
@@ -21,6 +21,10 @@ def _phi3_layer_names() -> dict[str, str]:
     names["self_attn.qkv_proj.weight"] = "qkv_proj"
     names["mlp.gate_up_proj.weight"] = "gate_up_proj"
     return names
+
+
+class Phi3ForCausalLM(DecoderForCausalLM):
+    """Phi-3 on the shared decoder (its own name in logs)."""
 
 
 @dataclass(frozen=True)

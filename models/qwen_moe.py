@@ -11,7 +11,7 @@ are renormalised where `norm_topk_prob` says. Every layer must be sparse: a conf
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from jengine.models.decoder import HF_LAYER_NAMES
+from jengine.models.decoder import HF_LAYER_NAMES, DecoderForCausalLM
 from jengine.models.llama import LlamaConfig
 
 _BASE_TYPES = {"qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
@@ -24,6 +24,10 @@ def _qwen_moe_layer_names() -> dict[str, str]:
         names[f"mlp.shared_expert.{proj}.weight"] = f"shared_{proj}"
     names["mlp.shared_expert_gate.weight"] = "shared_expert_gate"
     return names
+
+
+class QwenMoeForCausalLM(DecoderForCausalLM):
+    """Qwen2-MoE / Qwen3-MoE on the shared decoder (its own name in logs)."""
 
 
 @dataclass(frozen=True)

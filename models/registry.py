@@ -4,26 +4,25 @@ Where it sits: `models/loader.py` asks it which class builds a checkpoint. Promi
 clear ValueError naming the architecture and the supported list for anything else.
 """
 
-from jengine.models.decoder import DecoderForCausalLM
-from jengine.models.gemma import GemmaConfig
-from jengine.models.llama import LlamaConfig
-from jengine.models.mixtral import MixtralConfig
-from jengine.models.phi3 import Phi3Config
-from jengine.models.qwen_moe import QwenMoeConfig
+from jengine.models.gemma import GemmaConfig, GemmaForCausalLM
+from jengine.models.llama import LlamaConfig, LlamaForCausalLM
+from jengine.models.mixtral import MixtralConfig, MixtralForCausalLM
+from jengine.models.phi3 import Phi3Config, Phi3ForCausalLM
+from jengine.models.qwen_moe import QwenMoeConfig, QwenMoeForCausalLM
 
 # name -> (model class, config class); each family file's config class reads its
 # architectures' config.json into the shared decoder's knobs and names their tensors.
 _ARCHITECTURES = {
-    "LlamaForCausalLM": (DecoderForCausalLM, LlamaConfig),
-    "MistralForCausalLM": (DecoderForCausalLM, LlamaConfig),
-    "Qwen2ForCausalLM": (DecoderForCausalLM, LlamaConfig),
-    "Qwen3ForCausalLM": (DecoderForCausalLM, LlamaConfig),
-    "Phi3ForCausalLM": (DecoderForCausalLM, Phi3Config),
-    "MixtralForCausalLM": (DecoderForCausalLM, MixtralConfig),
-    "Qwen2MoeForCausalLM": (DecoderForCausalLM, QwenMoeConfig),
-    "Qwen3MoeForCausalLM": (DecoderForCausalLM, QwenMoeConfig),
-    "Gemma2ForCausalLM": (DecoderForCausalLM, GemmaConfig),
-    "Gemma3ForCausalLM": (DecoderForCausalLM, GemmaConfig),
+    "LlamaForCausalLM": (LlamaForCausalLM, LlamaConfig),
+    "MistralForCausalLM": (LlamaForCausalLM, LlamaConfig),
+    "Qwen2ForCausalLM": (LlamaForCausalLM, LlamaConfig),
+    "Qwen3ForCausalLM": (LlamaForCausalLM, LlamaConfig),
+    "Phi3ForCausalLM": (Phi3ForCausalLM, Phi3Config),
+    "MixtralForCausalLM": (MixtralForCausalLM, MixtralConfig),
+    "Qwen2MoeForCausalLM": (QwenMoeForCausalLM, QwenMoeConfig),
+    "Qwen3MoeForCausalLM": (QwenMoeForCausalLM, QwenMoeConfig),
+    "Gemma2ForCausalLM": (GemmaForCausalLM, GemmaConfig),
+    "Gemma3ForCausalLM": (GemmaForCausalLM, GemmaConfig),
 }
 
 

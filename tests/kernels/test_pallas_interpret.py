@@ -101,7 +101,7 @@ def test_kernel_matches_reference(make_batch, impl, case):
 
 
 @pytest.mark.parametrize("impl", sorted(KERNELS))
-@pytest.mark.parametrize("window, soft_cap", [(0, 3.0), (20, None), (11, 1.5)])
+@pytest.mark.parametrize("window, soft_cap", [(11, 1.5)])
 def test_a_layers_own_window_traced_and_soft_capping(make_batch, impl, window, soft_cap):
     """A layer scan's per-layer window (traced; 0: none) and Gemma 2's logit soft-capping."""
     q_lens, kv_lens, pad_tokens = BATCHES["mixed"]

@@ -66,7 +66,7 @@ def _weights(config, seed=0) -> dict:
     }
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 3, 17, 64])
+@pytest.mark.parametrize("tokens", [1, 17, 64])
 @pytest.mark.parametrize("shared, normalize, top_k", [(0, True, 2), (40, False, 2), (0, False, 3)])
 def test_the_block_equals_the_dense_loop(tokens, shared, normalize, top_k):
     config = _config(shared, normalize, top_k)

@@ -18,7 +18,6 @@ import pytest
 from jengine.runner.sharding import TensorParallel
 from tests.engine.engine_helpers import hf_greedy_logprobs
 from tests.models.checkpoints import make_checkpoint
-from tests.models.compressed_files import write_compressed
 from tests.models.gguf_files import write_llama_gguf
 from tests.runner.tp_check import MAX_TOKENS, PROMPTS
 
@@ -133,14 +132,14 @@ def test_sizes_that_cannot_work_are_refused(checkpoint):
 
 def test_experts_split_or_spread_give_the_same_outputs(tmp_path):
     """Mixture of experts (Qwen2-MoE: routed experts and a shared one) on 2 and 4 forced
-    CPU devices, each expert's features split (tensor parallel) and whole experts spread
-    (expert parallel: 4 experts, one or two a device; the shared expert split either
+    CPU devices: whole experts spread (expert parallel: 4 experts, one or two a device)
+    and, on 4, each expert's features split (tensor parallel; the shared expert split either
     way): the tokens of one device, logprobs within 1e-4, nothing compiled after warmup."""
     path = str(tmp_path / "qwen2-moe")
     make_checkpoint("qwen2-moe", path, config_overrides=dict(num_key_value_heads=2))
     results = _tp_check(path, "experts")
     one = results["1"]
-    for key in ("tp2", "ep2", "tp4", "ep4"):
+    for key in ("ep2", "tp4", "ep4"):
         run = results[key]
         assert run["tokens"] == one["tokens"], key
         for ours, theirs in zip(run["logprobs"], one["logprobs"], strict=True):
@@ -151,25 +150,18 @@ def test_experts_split_or_spread_give_the_same_outputs(tmp_path):
     layers, num_experts, width = 3, 4, 48
     for n in (2, 4):
         assert results[f"ep{n}"]["expert_gate_shard"][:3] == [layers, num_experts // n, width]
-        assert results[f"tp{n}"]["expert_gate_shard"][:3] == [layers, num_experts, width // n]
+    assert results["tp4"]["expert_gate_shard"][:3] == [layers, num_experts, width // 4]
 
 
-@pytest.mark.parametrize("quantization", ["Q4_1", "fp8", "compressed-tensors"])
+@pytest.mark.parametrize("quantization", ["Q4_1", "fp8"])
 def test_quantized_weights_give_the_same_outputs_at_every_size(tmp_path, quantization):
     """GGUF Q4_1 kept quantized (row-parallel weights of 2 groups: split at TP=2, where
     groups stay whole, and at TP=4 through XLA's resharding), fp8 per channel (its
-    scales of row-parallel weights whole on every device; int8's layout is the same) and
-    a compressed-tensors W4A16 checkpoint (asymmetric, groups of 64: 4-bit runs of 32
-    inside larger groups)."""
+    scales of row-parallel weights whole on every device; int8's layout is the same)."""
     path = str(tmp_path / "hf")
-    overrides = dict(num_key_value_heads=2, intermediate_size=256)
-    make_checkpoint("llama3", path, config_overrides=overrides)
+    make_checkpoint("llama3", path, config_overrides=dict(num_key_value_heads=2))
     if quantization == "fp8":
         results = _tp_check(path, "fp8")
-    elif quantization == "compressed-tensors":
-        packed = str(tmp_path / "w4a16")
-        write_compressed(path, packed, bits=4, group_size=64, symmetric=False)
-        results = _tp_check(packed, quantization)
     else:
         gguf = write_llama_gguf(path, str(tmp_path / "model.gguf"), quantization)
         results = _tp_check(gguf, "gguf")
