@@ -2,9 +2,9 @@
 stack whose knobs (norm style, activation, sandwich norms, soft-capping, per-layer sliding
 windows and rope, q/k norm, embedding scale) a family's config sets.
 
-Where it sits: a family file (`models/llama.py`: Llama 2/3, Mistral, Qwen2, Qwen3;
-`models/gemma.py`: Gemma 2, Gemma 3) turns an HF `config.json` into a `DecoderConfig` and
-names its tensors; `models/loader.py` builds a `DecoderForCausalLM` from it; the runner
+Where it sits: a family file (`models/llama.py`, `phi3.py`, `gemma.py`, `mixtral.py`,
+`qwen_moe.py`) turns an HF `config.json` into a `DecoderConfig` subclass and names its
+tensors; `models/loader.py` builds the family's model (a `DecoderForCausalLM`); the runner
 splits it once (`nnx.split`) and jits a pure step over its state. One call runs one ragged
 batch (`input_ids[T]`, `positions[T]`) over the paged KV cache and returns the hidden
 states and the updated cache; `compute_logits` turns chosen rows into logits.
@@ -35,6 +35,8 @@ from jax.sharding import PartitionSpec as P
 
 from jengine.models.attention_metadata import AttentionMetadata
 from jengine.models.layers import RopeConfig, apply_rope, gated_mlp, rms_norm, rope_cos_sin
+from jengine.models.lora import lora_delta
+from jengine.models.lora import param_names as lora_param_names
 from jengine.models.moe import moe_mlp, sharded_moe_mlp
 from jengine.models.quantized_linear import (
     QuantizedLinear,
@@ -129,6 +131,10 @@ class DecoderConfig:
     norm_topk_prob: bool = False  # renormalise the top-k routing weights (Mixtral: yes)
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert; 0: none
     expert_parallel: bool = False  # under a mesh: experts whole, spread over its devices
+    # LoRA (models/lora.py): adapter slots (slot 0: none) of one rank on these projections.
+    lora_slots: int = 0
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ()
     # Zero rows past `vocab_size` in the embedding and LM head (tensor parallelism pads the
     # vocabulary to a multiple of its size); their logits are cut off, never sampled.
     vocab_padding: int = 0
@@ -253,6 +259,20 @@ class DecoderLayers(nnx.Module):
                 weight(F, D, name="up_proj"),
                 weight(D, F, name="down_proj"),
             )
+        if c.lora_slots:
+            if c.num_experts and set(c.lora_targets) & {"gate_proj", "up_proj", "down_proj"}:
+                raise ValueError("LoRA on a mixture of experts' MLP is not supported")
+            sizes = {
+                "q_proj": (q_size, D), "k_proj": (kv_size, D), "v_proj": (kv_size, D),
+                "o_proj": (D, q_size), "gate_proj": (F, D), "up_proj": (F, D),
+                "down_proj": (D, F),
+            }  # fmt: skip
+            slots, rank = c.lora_slots + 1, c.lora_rank
+            for target in c.lora_targets:
+                out, inputs = sizes[target]
+                a_name, b_name = lora_param_names(target)
+                setattr(self, a_name, nnx.Param(jnp.zeros((L, slots, rank, inputs), dtype)))
+                setattr(self, b_name, nnx.Param(jnp.zeros((L, slots, out, rank), dtype)))
         if c.mlp_bias:
             self.gate_bias, self.up_bias, self.down_bias = (
                 filled(0.0, F),
@@ -311,9 +331,11 @@ class DecoderForCausalLM(nnx.Module):
         *,
         attention_impl: str | None = None,
         mesh: Mesh | None = None,
+        lora_slots: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         """One ragged batch through all layers. Returns (hidden [T, D], updated kv_cache).
-        With a `mesh` (tensor parallel), attention runs per device under `shard_map`."""
+        With a `mesh` (tensor parallel), attention runs per device under `shard_map`.
+        `lora_slots` [T]: each token's LoRA adapter slot (0 or None: none)."""
         c = self.config
         T = input_ids.shape[0]
         N, K, H = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -376,7 +398,13 @@ class DecoderForCausalLM(nnx.Module):
             p, layer_index, is_local = xs
 
             def linear(name: str):
-                return lambda x: matmul(x, weights[name], layer_index, impl=matmul_impl)
+                if name not in c.lora_targets or lora_slots is None:
+                    return lambda x: matmul(x, weights[name], layer_index, impl=matmul_impl)
+                a_name, b_name = lora_param_names(name)
+                return lambda x: (
+                    matmul(x, weights[name], layer_index, impl=matmul_impl)
+                    + lora_delta(x, p[a_name], p[b_name], lora_slots)
+                )
 
             x = norm(h, p["input_layernorm"])
             q, k, v = linear("q_proj")(x), linear("k_proj")(x), linear("v_proj")(x)

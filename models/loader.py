@@ -88,23 +88,30 @@ _SAFETENSORS_DTYPES = {
 
 
 def read_hf_tensors(path: str) -> dict[str, np.ndarray]:
-    """All tensors of the folder as numpy arrays, read by the safetensors layout: an
-    8-byte header length, a JSON header of dtype, shape and byte offsets, the data."""
+    """All tensors of the folder's safetensors files as numpy arrays."""
     tensors = {}
     for file in safetensors_files(path):
-        with open(file, "rb") as f:
-            header_bytes = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(header_bytes))
-        data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + header_bytes)
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            if info["dtype"] not in _SAFETENSORS_DTYPES:
-                raise ValueError(f"{file}: tensor {name} has dtype {info['dtype']}, not supported")
-            start, end = info["data_offsets"]
-            array = data[start:end].view(_SAFETENSORS_DTYPES[info["dtype"]])
-            tensors[name] = np.array(array.reshape(info["shape"]))  # a copy: the file closes
-        del data
+        tensors.update(read_safetensors(file))
+    return tensors
+
+
+def read_safetensors(file: str) -> dict[str, np.ndarray]:
+    """One file's tensors, read by the safetensors layout: an 8-byte header length, a JSON
+    header of dtype, shape and byte offsets, the data."""
+    tensors = {}
+    with open(file, "rb") as f:
+        header_bytes = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_bytes))
+    data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + header_bytes)
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{file}: tensor {name} has dtype {info['dtype']}, not supported")
+        start, end = info["data_offsets"]
+        array = data[start:end].view(_SAFETENSORS_DTYPES[info["dtype"]])
+        tensors[name] = np.array(array.reshape(info["shape"]))  # a copy: the file closes
+    del data
     return tensors
 
 

@@ -9,7 +9,7 @@ sharding, quantization and weight updates see the usual q/k/v/gate/up. Its slidi
 scaling (the 128k variants) is refused with the rope types that are supported.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from jengine.models.decoder import HF_LAYER_NAMES, DecoderForCausalLM, sliding_windows_from_hf
@@ -39,12 +39,6 @@ class Phi3Config(LlamaConfig):
 
     @classmethod
     def from_hf(cls, hf: dict) -> "Phi3Config":
-        config = super().from_hf(hf)
         sliding_window, local_layers = sliding_windows_from_hf(hf)
-        return cls(
-            **{
-                **config.__dict__,
-                "sliding_window": sliding_window,
-                "local_layers": local_layers,
-            }
-        )
+        config = super().from_hf(hf)
+        return replace(config, sliding_window=sliding_window, local_layers=local_layers)

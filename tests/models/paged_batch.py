@@ -23,8 +23,8 @@ PAGES_PER_REQUEST = 8
 
 
 @partial(jax.jit, static_argnums=(0, 1))
-def _forward(graphdef, impl, state, *args):
-    return nnx.merge(graphdef, state)(*args, attention_impl=impl)
+def _forward(graphdef, impl, state, *args, lora_slots=None):
+    return nnx.merge(graphdef, state)(*args, attention_impl=impl, lora_slots=lora_slots)
 
 
 class PagedSequences:
@@ -41,9 +41,11 @@ class PagedSequences:
         self._graphdef, self._state = nnx.split(model)
         self._impl = impl
 
-    def step(self, chunks, *, q_block_size=4):
-        """Run {seq index: num new tokens} as one batch; returns {seq index: logits [n, V]}."""
+    def step(self, chunks, *, q_block_size=4, lora=None):
+        """Run {seq index: num new tokens} as one batch; returns {seq index: logits [n, V]}.
+        `lora`: {seq index: LoRA slot} for a model with adapter slots (others: slot 0)."""
         ids, positions, slots, q_starts, kv_lens, tables = [], [], [], [0], [], []
+        lora_slots = []
         for index, count in chunks.items():
             while len(self.pages[index]) * self.block_size < self.computed[index] + count:
                 self.pages[index].append(self.free.pop())
@@ -53,6 +55,7 @@ class PagedSequences:
             for pos in range(start, start + count):
                 ids.append(self.sequences[index][pos])
                 positions.append(pos)
+                lora_slots.append((lora or {}).get(index, 0))
                 page = self.pages[index][pos // self.block_size]
                 slots.append(page * self.block_size + pos % self.block_size)
             q_starts.append(q_starts[-1] + count)
@@ -84,6 +87,7 @@ class PagedSequences:
             jnp.asarray(positions, jnp.int32),
             self.kv_cache,
             metadata,
+            lora_slots=None if lora is None else jnp.asarray(lora_slots + [0] * pad_tokens),
         )
         logits = np.asarray(self.model.compute_logits(hidden))
         assert np.all(logits[num_real:] == logits[num_real:]), "padding rows must stay finite"

@@ -94,7 +94,9 @@ def test_dequantized_exactly_and_kept_in_the_checkpoints_groups(float_folder, tm
     assert {f.name for f in formats.values()} == {SCHEMES[scheme][1]}
 
 
-@pytest.mark.parametrize("scheme", ["W4A16-g128", "W4A16-asym-g64", "W8A16-channel", "FP8-block"])
+# Through the engine: 4-bit with zero points in groups of 64 (two 32-input runs a group),
+# and fp8 in blocks; every scheme's layout is checked at load above and by the kernel tests.
+@pytest.mark.parametrize("scheme", ["W4A16-asym-g64", "FP8-block"])
 def test_kept_quantized_generates_as_dequantized(float_folder, tmp_path, scheme):
     path, _ = _write(float_folder, tmp_path, scheme)
     prompts = _prompts()

@@ -12,7 +12,11 @@ from jengine import LLM, SamplingParams
 from tests.engine.engine_helpers import hf_teacher_forced, random_prompts
 from tests.models.checkpoints import make_checkpoint
 
-FAMILIES = ["gemma2", "gemma3", "phi3", "mixtral", "qwen3-moe", "qwen2-moe"]
+# Each brings something the engine's step does differently: Gemma 2's soft-caps and
+# alternating windows, Gemma 3's per-layer rope, Mixtral's experts. (Phi-3 differs at
+# load only; Qwen2-MoE runs through the whole engine in the expert-parallel test; all of
+# them are held to transformers' logits in test_llama_fidelity.py.)
+FAMILIES = ["gemma2", "gemma3", "mixtral"]
 TIGHT = dict(
     dtype="float32",
     max_model_len=96,

@@ -4,8 +4,8 @@ compiles. Prints one JSON object.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m tests.runner.tp_check PATH
     ... PATH.gguf gguf | PATH int8: the same with quantized weights (sizes 1, 2, 4 only)
-    ... PATH experts: a mixture-of-experts model at size 1, with whole experts spread
-        at 2 and 4 (expert parallelism) and each expert split at 4
+    ... PATH experts: a mixture-of-experts model at size 1 and at 4, each expert split and
+        whole experts spread (expert parallelism)
 """
 
 import json
@@ -189,10 +189,10 @@ def quantized(path: str, quantization: str | None) -> dict:
 
 
 def experts(path: str) -> dict:
-    """An MoE model at size 1, its experts spread whole (EP) at 2 and 4 and split (TP) at
-    4; the shape of each device's expert array."""
+    """An MoE model at size 1, and at 4 with its experts split (TP) and spread whole (EP,
+    one a device); the shape of each device's expert array."""
     results = {"1": run(path, 1)[0]}
-    for tp, expert_parallel in ((2, True), (4, False), (4, True)):
+    for tp, expert_parallel in ((4, False), (4, True)):
         key = f"{'ep' if expert_parallel else 'tp'}{tp}"
         results[key], llm = run(path, tp, enable_expert_parallel=expert_parallel)
         layers = llm.engine_core.runner.params["layers"]

@@ -1,0 +1,123 @@
+"""LoRA adapters: PEFT folders read into the decoder's layout, and the low-rank products of
+a batch in which every token may use a different adapter.
+
+Where it sits: a model built with `DecoderConfig.lora_slots` > 0 holds, for each targeted
+projection `name` of `lora_targets`, two layer-stacked parameters: `lora_a_<name>`
+[L, S, r, in] and `lora_b_<name>` [L, S, out, r], S = lora_slots + 1 slots of rank
+r = lora_rank; slot 0 stays zero (no adapter). `read_peft_adapter` turns a PEFT folder
+into one slot's arrays (`LoRAAdapter.slot_arrays`), which the caller writes into the
+params: loading an adapter changes values, never a shape, so nothing recompiles. The
+forward pass takes each token's slot (`lora_slots` [T]) and adds, to every targeted
+projection, `lora_delta`.
+
+Promises (PEFT's numerics): y = x W^T + scale * (x A^T) B^T with scale = alpha / r
+(alpha / sqrt(r) with rsLoRA), folded into B once at load; an adapter of rank below the
+slots' is zero-padded (exact); targets among q/k/v/o and gate/up/down; a clear
+ValueError for what is not read (embedding or LM-head adapters, `modules_to_save`, DoRA,
+biases, a rank above the slots', other targets).
+"""
+
+import dataclasses
+import json
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# PEFT module name (the last part of its path) -> our projection
+TARGETS = {
+    "q_proj": "q_proj",
+    "k_proj": "k_proj",
+    "v_proj": "v_proj",
+    "o_proj": "o_proj",
+    "gate_proj": "gate_proj",
+    "up_proj": "up_proj",
+    "down_proj": "down_proj",
+}
+_TENSOR = re.compile(
+    r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
+)
+
+
+def param_names(target: str) -> tuple[str, str]:
+    """The layer parameters that hold `target`'s slots: (A, B)."""
+    return f"lora_a_{target}", f"lora_b_{target}"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAAdapter:
+    """One adapter's weights in the decoder's layout: target -> (A [L, r, in],
+    B [L, out, r] times the scale)."""
+
+    name: str
+    rank: int
+    weights: dict[str, tuple[np.ndarray, np.ndarray]]
+
+    def slot_arrays(self, rank: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """The adapter zero-padded to slots of `rank`: target -> (A [L, rank, in],
+        B [L, out, rank])."""
+        if self.rank > rank:
+            raise ValueError(f"LoRA adapter {self.name!r} has rank {self.rank} > {rank}")
+        padded = {}
+        for target, (a, b) in self.weights.items():
+            pad = rank - a.shape[1]
+            padded[target] = (
+                np.pad(a, ((0, 0), (0, pad), (0, 0))),
+                np.pad(b, ((0, 0), (0, 0), (0, pad))),
+            )
+        return padded
+
+
+def read_peft_adapter(path: str, config, name: str | None = None) -> LoRAAdapter:
+    """A PEFT LoRA folder (`adapter_config.json` + `adapter_model.safetensors`) for a model
+    of `config`."""
+    config_path = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"LoRA adapter {path!r} has no adapter_config.json")
+    with open(config_path) as f:
+        peft = json.load(f)
+    where = f"LoRA adapter {path}"
+    if peft.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{where}: peft_type {peft['peft_type']!r} is not LORA")
+    for key in ("modules_to_save", "use_dora"):
+        if peft.get(key):
+            raise ValueError(f"{where}: {key} is not supported")
+    if peft.get("bias", "none") != "none":
+        raise ValueError(f"{where}: bias {peft['bias']!r} is not supported (only 'none')")
+    rank, alpha = int(peft["r"]), float(peft.get("lora_alpha", peft["r"]))
+    scale = alpha / (rank**0.5 if peft.get("use_rslora") else rank)
+    found: dict[str, dict[str, list]] = {}
+    for tensor, array in _adapter_tensors(path).items():
+        match = _TENSOR.match(tensor)
+        if not match or match.group(2) not in TARGETS:
+            raise ValueError(f"{where}: tensor {tensor} is not a LoRA weight jengine applies")
+        layer, target, which = int(match.group(1)), TARGETS[match.group(2)], match.group(3)
+        layers = found.setdefault(target, {}).setdefault(which, [None] * config.num_hidden_layers)
+        layers[layer] = np.asarray(array, np.float32)
+    weights = {}
+    for target, parts in found.items():
+        if set(parts) != {"A", "B"} or any(a is None for p in parts.values() for a in p):
+            raise ValueError(f"{where}: {target} lacks lora_A or lora_B in some layers")
+        weights[target] = (np.stack(parts["A"]), np.stack(parts["B"]) * np.float32(scale))
+    return LoRAAdapter(name or os.path.basename(os.path.normpath(path)), rank, weights)
+
+
+def _adapter_tensors(path: str) -> dict[str, np.ndarray]:
+    from jengine.models.loader import read_safetensors  # the loader imports the models
+
+    file = os.path.join(path, "adapter_model.safetensors")
+    if not os.path.isfile(file):
+        raise ValueError(f"LoRA adapter {path!r} has no adapter_model.safetensors")
+    return read_safetensors(file)
+
+
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> jax.Array:
+    """sum over slots s of [slots[t] == s] * (x[t] A_s^T) B_s^T: [T, in] -> [T, out], for one
+    layer's a [S, r, in], b [S, out, r]. Every slot's low-rank product for every token,
+    masked to its own (S r (in + out) per token: small beside the projection's in x out,
+    with no per-token copy of adapter weights)."""
+    h = jnp.einsum("ti,sri->tsr", x, a)  # [T, S, r]
+    mine = (slots[:, None] == jnp.arange(a.shape[0], dtype=slots.dtype)[None, :]).astype(x.dtype)
+    return jnp.einsum("tsr,sor->to", h * mine[:, :, None], b)
