@@ -27,8 +27,18 @@ def family_checkpoint(request, tmp_path_factory):
     return request.param, hf_model, load_model(str(path), dtype="float32")
 
 
-@pytest.mark.parametrize("q_block_size", [1, 4])
-def test_ragged_mixed_batch_matches_transformers(family_checkpoint, q_block_size):
+def test_ragged_mixed_batch_matches_transformers(family_checkpoint):
+    _check_ragged_mixed_batch(family_checkpoint, q_block_size=4)
+
+
+# Query blocks of one token run the same kernels for every family: a plain family and a
+# windowed, soft-capped one keep that case (a compile each, cold).
+@pytest.mark.parametrize("family_checkpoint", ["llama3", "gemma2"], indirect=True)
+def test_ragged_mixed_batch_in_one_token_query_blocks(family_checkpoint):
+    _check_ragged_mixed_batch(family_checkpoint, q_block_size=1)
+
+
+def _check_ragged_mixed_batch(family_checkpoint, q_block_size: int):
     _, hf_model, model = family_checkpoint
     seqs = _sequences(1, [13, 9, 20, 6])
     paged = PagedSequences(model, seqs, block_size=4)
