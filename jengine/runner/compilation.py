@@ -13,8 +13,7 @@ Promises:
   jax keeps its listeners forever, so the listener holds the counter weakly: a dropped
   engine is not kept alive by it;
 - `compile_ahead_of_time` only fills the persistent cache: without one it does nothing,
-  since an executable compiled ahead of time is not reused by a later jitted call; it
-  compiles one program at a time (see `AHEAD_OF_TIME_THREADS`);
+  since an executable compiled ahead of time is not reused by a later jitted call;
 - `StaticJit` binds a step function's leading arguments (graphdef, attention
   implementation, ...) as static: a second engine over an equal model in the same process
   reuses the first one's traces and executables (a `partial` would be a new function to
@@ -133,17 +132,13 @@ class _HashedOnce:
         )
 
 
-# Programs compiled at once by `compile_ahead_of_time`. One: two cold CI runs segfaulted
-# inside XLA:CPU's executable serialization while another thread compiled (jax 0.10.2),
-# so the cache is filled one program at a time until that is understood.
-AHEAD_OF_TIME_THREADS = 1
-
-
 def compile_ahead_of_time(programs: Sequence[tuple]) -> None:
-    """Compile `(jitted_fn, *args)` programs into the persistent cache
-    (`AHEAD_OF_TIME_THREADS` at a time); the sequential dummy steps of warmup then only
-    load the executables. Does nothing without a persistent cache."""
+    """Compile `(jitted_fn, *args)` programs on a thread pool into the persistent cache.
+
+    XLA compiles outside the GIL, one program per core; the sequential dummy steps of
+    warmup then only load the executables. Does nothing without a persistent cache.
+    """
     if not jax.config.jax_compilation_cache_dir:
         return
-    with ThreadPoolExecutor(max_workers=AHEAD_OF_TIME_THREADS) as pool:
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         list(pool.map(lambda p: p[0].lower(*p[1:]).compile(), programs))
