@@ -37,6 +37,7 @@ from jengine.models.decoder_config import (  # noqa: F401 (re-exported for the f
     LINEAR_WEIGHTS,
     MOE_WEIGHTS,
     DecoderConfig,
+    sizes_from_hf,
     sliding_windows_from_hf,
 )
 from jengine.models.layers import apply_rope, gated_mlp, rms_norm, rope_cos_sin

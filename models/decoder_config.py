@@ -141,6 +141,22 @@ class DecoderConfig:
         raise NotImplementedError(f"{cls.__name__} is not read from a config.json")
 
 
+def sizes_from_hf(hf: dict) -> dict:
+    """The config fields every family reads alike from an HF config.json: the sizes (the
+    head dim: `head_dim`, else hidden size / heads) and the RMSNorm epsilon."""
+    num_heads = hf["num_attention_heads"]
+    return dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_hidden_layers=hf["num_hidden_layers"],
+        num_attention_heads=num_heads,
+        num_key_value_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+    )
+
+
 def sliding_windows_from_hf(hf: dict) -> tuple[int | None, tuple[bool, ...] | None]:
     """(sliding_window, local_layers) from an HF config: `layer_types` names the layers
     with a window ("sliding_attention"); without it, Qwen2/3's `use_sliding_window` puts

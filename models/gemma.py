@@ -22,6 +22,7 @@ from jengine.models.decoder import (
     HF_LAYER_NAMES,
     DecoderConfig,
     DecoderForCausalLM,
+    sizes_from_hf,
     sliding_windows_from_hf,
 )
 from jengine.models.layers import RopeConfig
@@ -86,8 +87,7 @@ class GemmaConfig(DecoderConfig):
         activation = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
         if activation not in _ACTIVATIONS:
             raise ValueError(f"Gemma hidden_activation {activation!r} is not supported")
-        num_heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        head_dim = sizes_from_hf(hf)["head_dim"]
         if hf.get("attention_bias"):
             raise ValueError("Gemma with attention_bias=true is not supported")
         rope, local_rope = _ropes(hf, head_dim)
@@ -95,14 +95,7 @@ class GemmaConfig(DecoderConfig):
             {**hf, "layer_types": _layer_types(hf)}
         )
         return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_hidden_layers=hf["num_hidden_layers"],
-            num_attention_heads=num_heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            **sizes_from_hf(hf),
             rope=rope,
             max_position_embeddings=hf.get("max_position_embeddings", 8192),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),

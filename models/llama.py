@@ -15,6 +15,7 @@ from jengine.models.decoder import (
     LINEAR_WEIGHTS,
     DecoderConfig,
     DecoderForCausalLM,
+    sizes_from_hf,
     sliding_windows_from_hf,
 )
 from jengine.models.layers import RopeConfig
@@ -33,22 +34,14 @@ class LlamaConfig(DecoderConfig):
         model_type = hf.get("model_type", "llama")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
-        num_heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         attention_bias = bool(hf.get("attention_bias", False))
         sliding_window, local_layers = None, None
         if model_type == "mistral" or hf.get("use_sliding_window"):
             sliding_window, local_layers = sliding_windows_from_hf(hf)
+        sizes = sizes_from_hf(hf)
         return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_hidden_layers=hf["num_hidden_layers"],
-            num_attention_heads=num_heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope=RopeConfig.from_hf(hf, head_dim),
+            **sizes,
+            rope=RopeConfig.from_hf(hf, sizes["head_dim"]),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or (model_type != "mistral" and attention_bias),

@@ -27,7 +27,7 @@ from jengine.models import load_model
 from jengine.models.llama import LINEAR_WEIGHTS
 from tests.models.checkpoints import make_checkpoint
 from tests.models.compressed_files import write_compressed
-from tests.models.test_quantized_models import TIGHT, _generate, _prompts
+from tests.models.test_quantized_models import TIGHT, _prompts, assert_generates_as_dequantized
 
 # (writer's arguments, the format jengine keeps the weights in)
 SCHEMES = {
@@ -103,14 +103,7 @@ def test_kept_quantized_generates_as_dequantized(float_folder, tmp_path, scheme)
     kept = LLM(path, **TIGHT)
     report = kept.engine_core.runner.weights_report()
     assert f"{SCHEMES[scheme][1]}: q_proj, k_proj" in report, report
-    ours, our_logprobs, outputs = _generate(kept, prompts)
-    assert kept.engine_core.num_preemptions > 0, "no preemption was forced"
-    assert any(o.num_cached_tokens > 0 for o in outputs), "no prefix-cache hit"
-    assert kept.engine_core.runner.compiles_after_warmup == 0
-    theirs, their_logprobs, _ = _generate(LLM(path, quantization="none", **TIGHT), prompts)
-    assert ours == theirs
-    for a, b in zip(our_logprobs, their_logprobs, strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+    assert_generates_as_dequantized(kept, path, prompts)
 
 
 def test_activation_ordered_groups_are_dequantized_and_logged(float_folder, tmp_path, caplog):

@@ -56,6 +56,19 @@ def _generate(llm, prompts, max_tokens=16):
     return tokens, logprobs, outputs
 
 
+def assert_generates_as_dequantized(kept, path: str, prompts) -> None:
+    """`kept` (a quantized engine under TIGHT) generates what the same checkpoint
+    dequantized generates, with preemption, a prefix hit and no compile after warmup."""
+    ours, our_logprobs, outputs = _generate(kept, prompts)
+    assert kept.engine_core.num_preemptions > 0, "no preemption was forced"
+    assert any(o.num_cached_tokens > 0 for o in outputs), "no prefix-cache hit"
+    assert kept.engine_core.runner.compiles_after_warmup == 0
+    theirs, their_logprobs, _ = _generate(LLM(path, quantization="none", **TIGHT), prompts)
+    assert ours == theirs
+    for a, b in zip(our_logprobs, their_logprobs, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def wide_hf_folder(tmp_path_factory):
     """Rows of 256 and 512 inputs: whole K-quant super-blocks."""
@@ -88,14 +101,7 @@ def test_gguf_kept_quantized_generates_as_dequantized(
     if mixed:  # one format holds both types of the mixed weights
         assert "Q4_K/Q6_K: v_proj, down_proj" in report, report
     assert "MiB saved hold" in report and "KV-cache tokens" in report, report
-    ours, our_logprobs, outputs = _generate(kept, prompts)
-    assert kept.engine_core.num_preemptions > 0, "no preemption was forced"
-    assert any(o.num_cached_tokens > 0 for o in outputs), "no prefix-cache hit"
-    assert kept.engine_core.runner.compiles_after_warmup == 0
-    theirs, their_logprobs, _ = _generate(LLM(path, quantization="none", **TIGHT), prompts)
-    assert ours == theirs
-    for a, b in zip(our_logprobs, their_logprobs, strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+    assert_generates_as_dequantized(kept, path, prompts)
 
 
 def _perplexity(llm, tokens: list[int]) -> float:
