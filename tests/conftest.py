@@ -3,6 +3,10 @@ its transformers twin (the fidelity oracle), and `LLM`s over it under each atten
 of the equality suite. And the order files run in under `pytest -n 2 --dist loadfile`
 (the README's test command): the slowest first, so both workers finish together."""
 
+import gc
+from pathlib import Path
+
+import jax
 import pytest
 
 from tests.engine.engine_helpers import ATTENTION_SETUPS, make_llm
@@ -25,6 +29,25 @@ def attention_setup(request) -> str:
 @pytest.fixture(scope="session")
 def llm(checkpoint, attention_setup):
     return make_llm(checkpoint[0], attention_setup)
+
+
+def _memory_map_limit() -> int:
+    path = Path("/proc/sys/vm/max_map_count")
+    return int(path.read_text()) if path.exists() else 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_executables():
+    """Frees jax's compiled executables after a test file once a worker holds half the
+    memory maps the kernel allows. Each engine's executables hold ~1,300 maps of JIT code,
+    and jax keeps them while its caches live: a worker that had built ~50 engines reached
+    Linux's 65,530 and segfaulted in XLA's executable (de)serialization. Clearing costs a
+    re-trace where a later file uses a session engine, so it waits until maps are many."""
+    yield
+    limit = _memory_map_limit()
+    if limit and sum(1 for _ in open("/proc/self/maps")) > limit // 2:
+        jax.clear_caches()
+        gc.collect()
 
 
 # The slowest test files, slowest first (`--durations` of the README's test command). A
