@@ -319,6 +319,35 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (vLLM's `--enable-lora` flags; models/lora.py, runner/lora_slots.py).
+
+    max_loras: adapters on the device at once, so the most in one step.
+    max_lora_rank: the slots' rank; an adapter of a lower rank is zero-padded (exact).
+    max_cpu_loras: adapters kept read on the host (None: max_loras); more are read again
+        from their folder when next needed.
+    """
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.max_loras >= 1, "max_loras", "must be >= 1", self.max_loras)
+        _require(self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1", self.max_lora_rank)
+        _require(
+            self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+            "max_cpu_loras",
+            f"must be >= max_loras={self.max_loras}",
+            self.max_cpu_loras,
+        )
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """All parts together; what `EngineCore` is built from."""
 
@@ -328,3 +357,4 @@ class EngineConfig:
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
+    lora: LoRAConfig | None = None  # None: LoRA off

@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from jengine.lora_request import LoRARequest
 from jengine.sampling_params import SamplingParams
 
 # -- front end -> engine core ---------------------------------------------------------------
@@ -42,6 +43,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     eos_token_id: int | None = None
     arrival_time: float = 0.0
     priority: int = 0
+    lora_request: LoRARequest | None = None
 
 
 class EngineCoreOutputType(enum.IntEnum):
@@ -75,6 +77,8 @@ UTILITY_METHODS = frozenset(
         "has_unfinished_requests",
         "get_stats",
         "reset_prefix_cache",
+        "add_lora",
+        "remove_lora",
     }
 )
 

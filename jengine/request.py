@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import time
 
+from jengine.lora_request import LoRARequest
 from jengine.protocol import FinishReason
 from jengine.sampling_params import SamplingParams
 
@@ -64,6 +65,7 @@ class Request:
         "output_token_ids",
         "all_token_ids",
         "block_hashes",
+        "lora_request",
         "structured_output",
         "spec_token_ids",
         "error",
@@ -77,6 +79,7 @@ class Request:
         eos_token_id: int | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -103,6 +106,7 @@ class Request:
         # concatenation on the hot path.
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.block_hashes: list[int] = []
+        self.lora_request = lora_request  # its adapter (None: the base model)
         # A constrained request's grammar and matcher (core/structured_output.py).
         self.structured_output = None
         # Draft tokens proposed for the next step (speculative decoding), not yet verified.

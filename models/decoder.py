@@ -43,6 +43,7 @@ from jengine.models.decoder_config import (  # noqa: F401 (re-exported for the f
 from jengine.models.layers import apply_rope, gated_mlp, rms_norm, rope_cos_sin
 from jengine.models.lora import lora_delta
 from jengine.models.lora import param_names as lora_param_names
+from jengine.models.lora import projection_sizes as lora_projection_sizes
 from jengine.models.moe import moe_mlp, sharded_moe_mlp
 from jengine.models.quantized_linear import (
     QuantizedLinear,
@@ -115,11 +116,7 @@ class DecoderLayers(nnx.Module):
         if c.lora_slots:
             if c.num_experts and set(c.lora_targets) & {"gate_proj", "up_proj", "down_proj"}:
                 raise ValueError("LoRA on a mixture of experts' MLP is not supported")
-            sizes = {
-                "q_proj": (q_size, D), "k_proj": (kv_size, D), "v_proj": (kv_size, D),
-                "o_proj": (D, q_size), "gate_proj": (F, D), "up_proj": (F, D),
-                "down_proj": (D, F),
-            }  # fmt: skip
+            sizes = lora_projection_sizes(c)
             slots, rank = c.lora_slots + 1, c.lora_rank
             for target in c.lora_targets:
                 out, inputs = sizes[target]

@@ -41,6 +41,17 @@ _TENSOR = re.compile(
 )
 
 
+def projection_sizes(config) -> dict[str, tuple[int, int]]:
+    """Each target's (outputs, inputs) in a model of `config` (as its checkpoint holds
+    it: before tensor parallelism repeats any KV head)."""
+    D, F, H = config.hidden_size, config.intermediate_size, config.head_dim
+    q_size, kv_size = config.num_attention_heads * H, config.num_key_value_heads * H
+    return {
+        "q_proj": (q_size, D), "k_proj": (kv_size, D), "v_proj": (kv_size, D),
+        "o_proj": (D, q_size), "gate_proj": (F, D), "up_proj": (F, D), "down_proj": (D, F),
+    }  # fmt: skip
+
+
 def param_names(target: str) -> tuple[str, str]:
     """The layer parameters that hold `target`'s slots: (A, B)."""
     return f"lora_a_{target}", f"lora_b_{target}"
@@ -70,6 +81,36 @@ class LoRAAdapter:
         return padded
 
 
+def adapter_from_weights(name: str, weights, alpha: float | None, config) -> LoRAAdapter:
+    """An adapter handed over in memory: {target: (A [L, r, in], B [L, out, r])} (jax or
+    numpy arrays, PEFT's layout stacked over layers), scaled by alpha / r (alpha None: r),
+    for a model of `config`."""
+    where = f"LoRA adapter {name!r}"
+    if not weights:
+        raise ValueError(f"{where} has no weights")
+    ranks = set()
+    scaled = {}
+    sizes, layers = projection_sizes(config), config.num_hidden_layers
+    for target, pair in weights.items():
+        if target not in TARGETS:
+            raise ValueError(f"{where}: {target!r} is not a target (one of {sorted(TARGETS)})")
+        a, b = (np.asarray(x, np.float32) for x in pair)
+        out, inputs = sizes[target]
+        rank = a.shape[1] if a.ndim == 3 else -1
+        if a.shape != (layers, rank, inputs) or b.shape != (layers, out, rank):
+            raise ValueError(
+                f"{where}: {target} wants A [{layers}, r, {inputs}] and B [{layers}, {out}, "
+                f"r], got {a.shape} and {b.shape}"
+            )
+        ranks.add(rank)
+        scaled[target] = (a, b)
+    if len(ranks) != 1:
+        raise ValueError(f"{where}: its targets have different ranks {sorted(ranks)}")
+    (rank,) = ranks
+    scale = np.float32((alpha if alpha is not None else rank) / rank)
+    return LoRAAdapter(name, rank, {t: (a, b * scale) for t, (a, b) in scaled.items()})
+
+
 def read_peft_adapter(path: str, config, name: str | None = None) -> LoRAAdapter:
     """A PEFT LoRA folder (`adapter_config.json` + `adapter_model.safetensors`) for a model
     of `config`."""
@@ -94,6 +135,11 @@ def read_peft_adapter(path: str, config, name: str | None = None) -> LoRAAdapter
         if not match or match.group(2) not in TARGETS:
             raise ValueError(f"{where}: tensor {tensor} is not a LoRA weight jengine applies")
         layer, target, which = int(match.group(1)), TARGETS[match.group(2)], match.group(3)
+        if layer >= config.num_hidden_layers:
+            raise ValueError(
+                f"{where}: tensor {tensor} is for layer {layer}; the model has "
+                f"{config.num_hidden_layers}"
+            )
         layers = found.setdefault(target, {}).setdefault(which, [None] * config.num_hidden_layers)
         layers[layer] = np.asarray(array, np.float32)
     weights = {}
@@ -111,6 +157,36 @@ def _adapter_tensors(path: str) -> dict[str, np.ndarray]:
     if not os.path.isfile(file):
         raise ValueError(f"LoRA adapter {path!r} has no adapter_model.safetensors")
     return read_safetensors(file)
+
+
+def with_lora_slots(model, num_slots: int, rank: int):
+    """`model` (any family of models/decoder.py) rebuilt with `num_slots` adapter slots of
+    `rank` on every projection an adapter may target (attention only where the MLP is a
+    mixture of experts), all zero: outputs unchanged until an adapter is written in."""
+    from flax import nnx
+
+    from jengine.models.loader import model_from_params  # the loader imports the models
+
+    targets = tuple(
+        t
+        for t in TARGETS
+        if not (model.config.num_experts and t in ("gate_proj", "up_proj", "down_proj"))
+    )
+    config = dataclasses.replace(
+        model.config, lora_slots=num_slots, lora_rank=rank, lora_targets=targets
+    )
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    shapes = nnx.to_pure_dict(
+        nnx.state(
+            nnx.eval_shape(lambda: type(model)(config, dtype=model.dtype, rngs=nnx.Rngs(0))),
+            nnx.Param,
+        )
+    )["layers"]
+    layers = dict(params["layers"])
+    for target in targets:
+        for name in param_names(target):
+            layers[name] = jnp.zeros(shapes[name].shape, model.dtype)
+    return model_from_params(type(model), config, {**params, "layers": layers}, model.dtype)
 
 
 def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> jax.Array:

@@ -78,7 +78,15 @@ class KVCacheManager:
 
     def _update_block_hashes(self, request: Request) -> None:
         if self.enable_caching:
-            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+            # An adapter changes every block's K/V: its id is part of each hash, so the
+            # same prompt under two adapters (or none) shares nothing.
+            lora = request.lora_request
+            extend_block_hashes(
+                request.block_hashes,
+                request.all_token_ids,
+                self.block_size,
+                None if lora is None else (lora.lora_int_id,),
+            )
 
     def _may_hit(self, request: Request) -> bool:
         # Prompt logprobs need the logits of every prompt position, so nothing may be skipped.

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jengine.lora_request import LoRARequest
 from jengine.sampling_params import SamplingParams
 
 
@@ -44,6 +45,7 @@ class NewRequestData:
     # they stopped. Empty for a fresh request.
     output_token_ids: list[int] = field(default_factory=list)
     eos_token_id: int | None = None  # the sampler masks it (and stop ids) before min_tokens
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
 
 
 @dataclass(slots=True)

@@ -74,8 +74,12 @@ class Scheduler(StepResults, Preemption):
         log_stats: bool = True,
         structured_output_manager: StructuredOutputManager | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        max_loras: int = 0,
     ) -> None:
         self.config = scheduler_config
+        # LoRA: at most this many distinct adapters among running requests, so in a step
+        # (the runner's slots; 0: LoRA off).
+        self.max_loras = max_loras
         self.structured_output_manager = structured_output_manager
         self.speculative_config = speculative_config
         self.proposer = None
@@ -299,13 +303,26 @@ class Scheduler(StepResults, Preemption):
 
     def _schedule_waiting(self, step: _StepPlan) -> None:
         """Waiting requests from the head of the queue while budget, blocks and
-        max_num_seqs allow; a prefix-cache hit starts a request past its cached blocks."""
+        max_num_seqs allow; a prefix-cache hit starts a request past its cached blocks.
+        A request whose LoRA adapter would be one more than `max_loras` among the running
+        ones is passed over (it keeps its place) for those behind it."""
+        loras = self._running_loras() if self.max_loras else None
+        passed_over: list[Request] = []
         while (
             len(self.waiting) > 0
             and step.budget > 0
             and len(self.running) + step.num_drafts < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
+            lora = request.lora_request
+            if (
+                lora is not None
+                and loras is not None
+                and lora.lora_int_id not in loras
+                and len(loras) >= self.max_loras
+            ):
+                passed_over.append(self.waiting.pop())
+                continue
             hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
             n = self._num_new_tokens(request, step.budget, num_hit)
             if n == 0:
@@ -327,6 +344,13 @@ class Scheduler(StepResults, Preemption):
             step.new.append(request)
             step.num_scheduled[request.request_id] = n
             step.budget -= n
+            if lora is not None and loras is not None:
+                loras.add(lora.lora_int_id)
+        for request in reversed(passed_over):  # back at the front, in their order
+            self.waiting.add_preempted(request)
+
+    def _running_loras(self) -> set[int]:
+        return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
 
     def _make_scheduler_output(self, step: _StepPlan) -> SchedulerOutput:
         """Describe the step, then advance the new requests' computed counters past it
@@ -340,6 +364,7 @@ class Scheduler(StepResults, Preemption):
                 num_computed_tokens=r.num_computed_tokens,
                 output_token_ids=list(r.output_token_ids),
                 eos_token_id=r.eos_token_id,
+                lora_request=r.lora_request,
             )
             for r in step.new
         ]

@@ -17,6 +17,7 @@ from jengine.config import (
     CacheConfig,
     CompilationConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -59,6 +60,10 @@ class EngineArgs:
     host_rank: int = ParallelConfig.host_rank
     # vLLM's --speculative-config: a dict, or JSON text on the command line.
     speculative_config: dict | str | None = None
+    enable_lora: bool = False
+    max_loras: int = LoRAConfig.max_loras
+    max_lora_rank: int = LoRAConfig.max_lora_rank
+    max_cpu_loras: int | None = LoRAConfig.max_cpu_loras
 
     def create_engine_config(self) -> EngineConfig:
         """Validate and build; `model` may be None only for an in-memory model (then
@@ -80,6 +85,7 @@ class EngineArgs:
             self.max_num_seqs,
             min(SchedulerConfig.max_num_batched_tokens, self.max_num_seqs * max_model_len),
         )
+        speculative = SpeculativeConfig.from_value(self.speculative_config)
         return EngineConfig(
             model=ModelConfig(
                 model=model,
@@ -116,8 +122,20 @@ class EngineArgs:
                 num_hosts=self.num_hosts,
                 host_rank=self.host_rank,
             ),
-            speculative=SpeculativeConfig.from_value(self.speculative_config),
+            speculative=speculative,
+            lora=self._lora_config(speculative),
         )
+
+    def _lora_config(self, speculative) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        # Refused rather than half-done: a draft model would propose without the adapter,
+        # and a follower host would not have the adapters the leader reads.
+        if speculative is not None:
+            raise ValueError("enable_lora does not combine with speculative decoding yet")
+        if self.num_hosts > 1:
+            raise ValueError("enable_lora does not combine with multi-host serving yet")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, *, model_flag: bool = True) -> None:
@@ -201,6 +219,18 @@ class EngineArgs:
             "--speculative-config",
             help='speculative decoding as JSON, e.g. {"method": "ngram", '
             '"num_speculative_tokens": 3, "prompt_lookup_max": 3}',
+        )
+        add(
+            "--enable-lora",
+            action="store_true",
+            help="serve LoRA adapters (PEFT folders) beside the base model",
+        )
+        add("--max-loras", type=int, help="LoRA adapters on the device at once (in one step)")
+        add("--max-lora-rank", type=int, help="the highest LoRA rank served")
+        add(
+            "--max-cpu-loras",
+            type=int,
+            help="LoRA adapters kept read in host memory (default: max-loras)",
         )
         add(
             "--warmup",

@@ -33,6 +33,7 @@ from jengine.engine.output_processor import OutputProcessor, RequestError, Reque
 from jengine.engine.stats import LoggingStatLogger, StatLoggerBase, StatsTracker
 from jengine.engine.tokenizer import load_tokenizer
 from jengine.fault_injection import FaultInjector
+from jengine.lora_request import LoRARequest
 from jengine.outputs import RequestOutput
 from jengine.sampling_params import SamplingParams
 
@@ -115,13 +116,16 @@ class AsyncLLM:
         *,
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutputCollector:
         """Validate, register and send one request; returns where its outputs land.
         Raises ValueError for bad input and EngineDeadError if the engine is gone."""
         if self.errored:
             raise self.dead_error()
         self._ensure_background_tasks()
-        text, request = self.input_processor.process(request_id, prompt, params, priority)
+        text, request = self.input_processor.process(
+            request_id, prompt, params, priority, lora_request=lora_request
+        )
         # Raises ValueError, before anything is sent, if the id is in use.
         sequences = self.output_processor.add_request(request, text, output_kind)
         collector = RequestOutputCollector(output_kind)
@@ -141,6 +145,7 @@ class AsyncLLM:
         *,
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the RequestOutputs of one request until it finishes.
 
@@ -149,7 +154,12 @@ class AsyncLLM:
         collector = None
         try:
             collector = await self.add_request(
-                request_id, prompt, sampling_params, priority=priority, output_kind=output_kind
+                request_id,
+                prompt,
+                sampling_params,
+                priority=priority,
+                output_kind=output_kind,
+                lora_request=lora_request,
             )
             finished = False
             while not finished:
@@ -166,6 +176,13 @@ class AsyncLLM:
             if collector is not None and not self.errored:
                 await self.abort(request_id)
             raise
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Have every engine core read (and check) a LoRA adapter's folder now."""
+        return await self.engine_core.call_utility_async("add_lora", lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await self.engine_core.call_utility_async("remove_lora", lora_int_id)
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Forget requests (by the id given to generate) and stop them in the engine core."""

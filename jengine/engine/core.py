@@ -41,7 +41,9 @@ from jengine.core.scheduler import Scheduler
 from jengine.core.structured_output import StructuredOutputManager
 from jengine.engine.tokenizer import grammar_tokenizer
 from jengine.fault_injection import FaultInjector
+from jengine.lora_request import LoRARequest
 from jengine.models import load_model, resolve_model
+from jengine.models.lora import LoRAAdapter
 from jengine.pallas_kernels import prepare as prepare_kernels
 from jengine.protocol import (
     EngineCoreOutputs,
@@ -93,6 +95,7 @@ class EngineCore:
             devices=devices,
             draft_model=draft_model,
             num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
+            lora_config=config.lora,
         )
         logger.info(
             "model %s: %s, %s, %.1fM parameters; attention: %s",
@@ -114,6 +117,7 @@ class EngineCore:
                 partial(grammar_tokenizer, config, vocab_size), vocab_size
             ),
             speculative_config=config.speculative,
+            max_loras=config.lora.max_loras if config.lora else 0,
         )
         self.num_preemptions = 0  # since start, for tests and metrics
         self.num_requests_added = 0
@@ -149,6 +153,8 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.num_requests_added += 1
+        if request.lora_request is not None:  # read (and checked) the first time it is named
+            self.add_lora(request.lora_request)
         self.scheduler.add_request(
             Request(
                 request.request_id,
@@ -157,8 +163,36 @@ class EngineCore:
                 eos_token_id=request.eos_token_id,
                 arrival_time=request.arrival_time or None,
                 priority=request.priority,
+                lora_request=request.lora_request,
             )
         )
+
+    # -- LoRA adapters ----------------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest, adapter: LoRAAdapter | None = None) -> bool:
+        """Register an adapter, read from `lora_request.lora_path` unless `adapter` (in
+        memory) is given; False if that folder's adapter is registered already."""
+        if not isinstance(lora_request, LoRARequest):  # a utility call's: its fields
+            lora_request = LoRARequest(*lora_request)
+        if self.runner.lora is None:
+            raise ValueError(
+                "this engine does not serve LoRA adapters (start it with --enable-lora)"
+            )
+        return self.runner.lora.add(lora_request, adapter)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; a ValueError while a request still uses it."""
+        if self.runner.lora is None:
+            return False
+        if any(
+            r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id
+            for r in self.scheduler.requests.values()
+        ):
+            raise ValueError(f"LoRA adapter {lora_int_id} is in use by a request")
+        return self.runner.lora.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.runner.lora is None else self.runner.lora.list()
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

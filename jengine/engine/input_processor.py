@@ -13,6 +13,7 @@ import time
 from jengine.config import EngineConfig
 from jengine.core import structured_output
 from jengine.engine.tokenizer import eos_token_ids_of
+from jengine.lora_request import LoRARequest
 from jengine.protocol import EngineCoreRequest
 from jengine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
@@ -27,10 +28,16 @@ class InputProcessor:
             config.scheduler.max_model_len,
             vocab_size,
             eos_token_ids=eos_token_ids_of(config.model.model, tokenizer),
+            serves_lora=config.lora is not None,
         )
 
     def __init__(
-        self, tokenizer, max_model_len: int, vocab_size: int, eos_token_ids: list[int] = ()
+        self,
+        tokenizer,
+        max_model_len: int,
+        vocab_size: int,
+        eos_token_ids: list[int] = (),
+        serves_lora: bool = False,
     ):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -41,6 +48,7 @@ class InputProcessor:
         # Further EOS ids end a request like stop tokens do (unless ignore_eos).
         self.extra_eos_ids = list(eos_token_ids[1:])
         self._valid_specs: set[tuple] = set()
+        self.serves_lora = serves_lora
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) for a string, token-id list or vLLM-style dict."""
@@ -128,7 +136,13 @@ class InputProcessor:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[str | None, EngineCoreRequest]:
+        if lora_request is not None and not self.serves_lora:
+            raise ValueError(
+                f"LoRA adapter {lora_request.lora_name!r} asked of an engine that does not "
+                "serve LoRA adapters (start it with --enable-lora / enable_lora=True)"
+            )
         text, token_ids = self.tokenize(prompt)
         self.validate(token_ids, params)
         missing = [t for t in self.extra_eos_ids if t not in params.stop_token_ids]
@@ -142,6 +156,7 @@ class InputProcessor:
             eos_token_id=self.eos_token_id,
             arrival_time=arrival_time or time.time(),
             priority=priority,
+            lora_request=lora_request,
         )
 
 

@@ -110,7 +110,7 @@ def combine_utility_results(method: str, results: list):
     """One answer from the live replicas' answers to the utility `method`."""
     if len(results) == 1:
         return results[0]
-    if method == "has_unfinished_requests":
+    if method in ("has_unfinished_requests", "add_lora", "remove_lora"):
         return any(results)
     if method == "reset_prefix_cache":
         return all(results)

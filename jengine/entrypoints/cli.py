@@ -22,6 +22,7 @@ from dataclasses import fields
 
 from jengine.engine.arg_utils import EngineArgs
 from jengine.logger import init_logging
+from jengine.lora_request import parse_lora_modules
 from jengine.models.default import default_model, describe_default
 from jengine.torch_free import keep_torch_out
 
@@ -30,7 +31,7 @@ logger = logging.getLogger("jengine")
 # `jengine bench NAME`: vLLM's names where vLLM has one.
 BENCHMARKS = (
     "throughput", "latency", "serve", "prefix", "overhead", "startup", "parallel", "structured",
-    "spec_decode", "moe",
+    "spec_decode", "moe", "lora",
 )  # fmt: skip
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
@@ -109,6 +110,19 @@ def make_parser() -> argparse.ArgumentParser:
         choices=["deepseek_r1", "qwen3"],
         help="move the text between <think> and </think> into reasoning_content",
     )
+    serve.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) served by name, as name=path or JSON "
+        '{"name": ..., "path": ...} (with --enable-lora)',
+    )
+    serve.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter change the adapters",
+    )
     _add_chat_template_arg(serve)
     EngineArgs.add_cli_args(serve)
 
@@ -156,6 +170,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
     args.model = args.model_tag or args.model
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("error: --enable-auto-tool-choice needs --tool-call-parser")
+    try:
+        args.lora_modules = parse_lora_modules(args.lora_modules)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if (args.lora_modules or args.allow_runtime_lora_updating) and not args.enable_lora:
+        raise SystemExit("error: LoRA adapters need --enable-lora")
     if args.host_rank > 0:
         # Not a server: this host runs host 0's steps on its devices (it imports jax).
         from jengine.engine.core import EngineCore

@@ -24,6 +24,7 @@ from jengine.engine.core import EngineCore
 from jengine.engine.llm_engine import LLMEngine
 from jengine.engine.output_processor import RequestOutputKind
 from jengine.engine.tokenizer import load_tokenizer
+from jengine.lora_request import LoRARequest
 from jengine.models import (
     model_from_params,
     quantized_params,
@@ -33,10 +34,14 @@ from jengine.models import (
     resolve_model,
 )
 from jengine.models.default import default_model, describe_default
+from jengine.models.lora import adapter_from_weights
 from jengine.outputs import RequestOutput
 from jengine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# Adapters added in memory get ids from here up, apart from the ids users give folders.
+IN_MEMORY_LORA_IDS = 1 << 30
 
 PROGRESS_BAR_MIN_PROMPTS = 8
 
@@ -67,6 +72,7 @@ class LLM:
         if module is None and path is None:
             path = default_model()
             logger.info(describe_default(path))
+        self._lora_ids: dict[str, int] = {}  # adapters added in memory: name -> id
         if engine_kwargs.get("data_parallel_size", 1) > 1:
             if module is not None or params is not None:
                 raise ValueError(
@@ -108,10 +114,13 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list; returns one RequestOutput per prompt, in order.
 
         A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]}.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model); an engine made with `enable_lora=True` reads each folder the first time.
         """
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -128,15 +137,25 @@ class LLM:
             )
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise ValueError(f"got {len(lora_request)} LoRA requests for {len(prompts)} prompts")
         # Tokenize and validate every prompt (once) before sending any, so a bad prompt
         # leaves nothing half-queued.
         engine = self.llm_engine
         requests = [
             engine.input_processor.process(
-                engine.next_request_id(), prompt, params, priority[i] if priority else 0
+                engine.next_request_id(),
+                prompt,
+                params,
+                priority[i] if priority else 0,
+                lora_request=lora_request[i],
             )
             for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True))
         ]
+        for lora in dict.fromkeys(r for r in lora_request if r is not None):
+            self.add_lora(lora)  # each adapter read and checked before anything is sent
         for text, request in requests:
             engine.add_processed_request(request, text, RequestOutputKind.FINAL_ONLY)
         ids = [request.request_id for _, request in requests]
@@ -195,6 +214,46 @@ class LLM:
                 "update_weights needs the engine in this process (data_parallel_size 1)"
             )
         self.engine_core.update_weights(params)
+
+    def add_lora(self, lora: LoRARequest | str, weights=None, alpha: float | None = None):
+        """Register a LoRA adapter with the engine (made with `enable_lora=True`); returns
+        the `LoRARequest` that selects it.
+
+        `lora`: a LoRARequest naming a PEFT folder (read now, once: registering it again
+        changes nothing), or a name for an adapter handed
+        over in memory as `weights`: {target: (A [layers, r, in], B [layers, out, r])}
+        (jax or numpy arrays; targets among q/k/v/o_proj and gate/up/down_proj), as a
+        training loop holds it, scaled by `alpha / r` (default alpha: r). Adding a name
+        again replaces its weights (a new id, so no cached prefix of the old weights is
+        reused). No recompile either way."""
+        if weights is None:
+            if not isinstance(lora, LoRARequest):
+                raise ValueError("add_lora(name, weights): weights are needed for a name")
+            self.llm_engine.client.call_utility("add_lora", lora)
+            return lora
+        if self.engine_core is None:
+            raise ValueError("adapters in memory need the engine in this process")
+        slots = self.engine_core.runner.lora
+        if slots is None:
+            raise ValueError("this engine does not serve LoRA adapters (enable_lora=True)")
+        adapter = adapter_from_weights(lora, weights, alpha, slots.model_config)
+        previous = self._lora_ids.get(lora)
+        self._lora_ids[lora] = lora_id = max(self._lora_ids.values(), default=0) + 1
+        request = LoRARequest(lora, IN_MEMORY_LORA_IDS + lora_id)
+        self.engine_core.add_lora(request, adapter)
+        if previous is not None:
+            self.engine_core.remove_lora(IN_MEMORY_LORA_IDS + previous)
+        return request
+
+    def remove_lora(self, lora: LoRARequest | str) -> bool:
+        """Forget an adapter (by its LoRARequest, or the name it was added under in
+        memory); a ValueError while a request still uses it."""
+        if isinstance(lora, str):
+            lora_id = self._lora_ids.pop(lora, None)
+            if lora_id is None:
+                return False
+            return self.llm_engine.client.call_utility("remove_lora", IN_MEMORY_LORA_IDS + lora_id)
+        return self.llm_engine.client.call_utility("remove_lora", lora.lora_int_id)
 
     def shutdown(self) -> None:
         """Stop the engine processes, if any (data parallelism); idempotent."""

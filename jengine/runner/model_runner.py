@@ -40,8 +40,10 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import SingleDeviceSharding
 
+from jengine.config import LoRAConfig
 from jengine.core.outputs import ModelRunnerOutput
 from jengine.core.sched_output import SchedulerOutput
+from jengine.models.lora import with_lora_slots
 from jengine.pallas_kernels.ragged_paged_attention import resolve_impl
 from jengine.runner.buckets import BucketSpec
 from jengine.runner.compilation import CompileCounter, StaticJit, compile_ahead_of_time
@@ -49,6 +51,7 @@ from jengine.runner.draft_model import DraftModel, check_draft_model
 from jengine.runner.grammar_mask import place_grammar_rows
 from jengine.runner.input_batch import CachedRequestState, InputBatch
 from jengine.runner.kv_cache_sizing import KVCacheSizing, default_kv_budget, weights_report
+from jengine.runner.lora_slots import LoRASlots
 from jengine.runner.prepared_step import PreparedStep
 from jengine.runner.sampler import SamplingMetadata, SamplingState, write_slot_history
 from jengine.runner.sharding import TensorParallel
@@ -84,12 +87,17 @@ class ModelRunner:
         devices: Sequence[jax.Device] | None = None,
         draft_model: nnx.Module | None = None,
         num_speculative_tokens: int = 0,
+        lora_config: LoRAConfig | None = None,
     ):
         """`devices`: where to run (default: the first of `jax.devices()`), e.g. the
         devices of the mesh a user's params live on. `draft_model`: speculative decoding's
-        draft (`draft_model.py`), proposing `num_speculative_tokens` per step."""
+        draft (`draft_model.py`), proposing `num_speculative_tokens` per step.
+        `lora_config`: serve LoRA adapters (`lora_slots.py`)."""
         if draft_model is not None:
             check_draft_model(draft_model, model, tensor_parallel_size)
+        if lora_config is not None:
+            model = with_lora_slots(model, lora_config.max_loras, lora_config.max_lora_rank)
+        checkpoint_config = model.config  # before tensor parallelism repeats any KV head
         self.tensor_parallel = None
         if tensor_parallel_size > 1:
             self.tensor_parallel = TensorParallel.create(
@@ -98,6 +106,7 @@ class ModelRunner:
             model = self.tensor_parallel.fit_model(model)
         self.config = model.config
         self.dtype = model.dtype
+        tp = self.tensor_parallel
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.buckets = BucketSpec.create(
@@ -109,13 +118,13 @@ class ModelRunner:
             sample_rows_fixed=draft_model is not None,
         )
         self.input_batch = InputBatch(self.buckets, block_size, seed)
+        self.lora = None if lora_config is None else LoRASlots(lora_config, checkpoint_config, tp)
         self.graphdef, params = nnx.split(model)
         # Committed to the device(s) from the start, like the weights update_weights puts
         # there later: committed and uncommitted inputs would be different jit cache keys.
         # Tensor parallel: weights and cache split over the mesh, the rest replicated.
         # (jax.devices() spans every host; the local ones are this process's)
         self.device = devices[0] if devices is not None else jax.local_devices()[0]
-        tp = self.tensor_parallel
         self.replicated = tp.replicated() if tp else self.device
         self.params = jax.device_put(params, tp.param_shardings(params) if tp else self.device)
         self.kv_sizing = KVCacheSizing.create(
@@ -208,6 +217,7 @@ class ModelRunner:
         only load them.
         """
         shapes = self.buckets.all_shapes()
+        lora = self.lora is not None
         token_counts = sorted({s.num_tokens for s in shapes})
         hidden_size = self.config.hidden_size
         hidden = {
@@ -223,7 +233,7 @@ class ModelRunner:
                 ForwardInputs.from_prepared(dummy),
                 self.sampling_state.last_token,
             )
-            for dummy in map(PreparedStep.padding, shapes)
+            for dummy in (PreparedStep.padding(shape, lora) for shape in shapes)
         ]
         # The dummy steps sample S = R rows; the selections of fewer rows run alone.
         selections = [
@@ -240,7 +250,9 @@ class ModelRunner:
         if self.draft is not None:
             programs += self.draft.programs(map(PreparedStep.padding, shapes), self.replicated)
         compile_ahead_of_time(programs)
-        outputs = [self._run(PreparedStep.padding(shape)) for shape in shapes]
+        outputs = [self._run(PreparedStep.padding(shape, lora)) for shape in shapes]
+        if lora:  # the slot writer (slots are empty: writing zeros changes nothing)
+            self.params = self.lora.write(self.params, 1, None)
         if self.draft is not None:
             dummies = map(PreparedStep.padding, shapes)
             outputs += [
@@ -361,7 +373,12 @@ class ModelRunner:
                 )
         if scheduler_output.total_num_scheduled_tokens == 0:
             return InFlightStep(None, None, None, None, batch.num_removals)
-        prepared = batch.prepare(scheduler_output)
+        lora_slot_of = None
+        if self.lora is not None:
+            self.params, lora_slot_of = self.lora.assign(
+                self.params, batch.lora_ids_in(scheduler_output)
+            )
+        prepared = batch.prepare(scheduler_output, lora_slot_of)
         if scheduler_output.grammar_bitmask is not None:
             prepared.grammar_bitmask = place_grammar_rows(prepared, scheduler_output)
         outputs, prompt_logprobs = self._run(prepared)

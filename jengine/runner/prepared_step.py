@@ -43,6 +43,8 @@ class PreparedStep:
     # Speculative decoding: each request's drafts; then the sampling rows (logits_indices,
     # sampling, num_logprobs) are one per verified position, a request's rows in a run.
     spec_drafts: list[list[int]] | None = None
+    # [T] each token's LoRA slot (0: the base model); None in an engine without LoRA.
+    lora_slots: np.ndarray | None = None
 
     @property
     def sample_mask(self) -> np.ndarray:
@@ -55,9 +57,10 @@ class PreparedStep:
         return len(self.logits_indices)
 
     @classmethod
-    def padding(cls, shape: StepShape) -> "PreparedStep":
+    def padding(cls, shape: StepShape, lora: bool = False) -> "PreparedStep":
         """A step of `shape` with no request in it (warmup runs these): every token writes
-        the null page, every row samples nothing."""
+        the null page, every row samples nothing. `lora`: as an engine serving LoRA runs
+        it (every token on slot 0)."""
         T, R, P = shape.num_tokens, shape.num_reqs, shape.num_pages
         zeros_t = np.zeros(T, np.int32)
         return cls(
@@ -73,6 +76,7 @@ class PreparedStep:
             logits_indices=np.zeros(R, np.int32),
             sampling=neutral_sampling_arrays(R),
             num_logprobs=[],
+            lora_slots=np.zeros(T, np.int32) if lora else None,
         )
 
 

@@ -50,6 +50,11 @@ _LAYER_SPLIT = {
     # (with expert parallelism instead, `_EXPERT_SPLIT`); a shared expert likewise.
     "expert_gate": 1, "expert_up": 1, "expert_down": 2,  # [E, F, D], [E, D, F]
     "shared_gate_proj": 0, "shared_up_proj": 0, "shared_down_proj": 1,
+    # LoRA slots (models/lora.py), A [S, r, in] and B [S, out, r]: split as their base
+    # weight is, B's outputs of a column-parallel one, A's inputs of a row-parallel one.
+    "lora_b_q_proj": 1, "lora_b_k_proj": 1, "lora_b_v_proj": 1,
+    "lora_b_gate_proj": 1, "lora_b_up_proj": 1,
+    "lora_a_o_proj": 2, "lora_a_down_proj": 2,
 }  # fmt: skip
 _EXPERT_SPLIT = {"expert_gate": 0, "expert_up": 0, "expert_down": 0}  # whole experts
 _TOP_SPLIT = {"embed_tokens": 0, "lm_head": 0}  # [V, D]: vocab-parallel
@@ -143,12 +148,23 @@ class TensorParallel:
         # k/v weights are [L, K * H, D], their biases [L, K * H].
         if self.kv_repeats == 1 or _rows(layers["k_proj"], 1) == self.size * head_dim:
             return params  # nothing to repeat, or repeated already
-        for name in ("k_proj", "v_proj", "k_bias", "v_bias"):
+        # (LoRA slots' B of k/v: [L, S, K * H, r].)
+        heads_axis = {"lora_b_k_proj": 2, "lora_b_v_proj": 2}
+        for name in ("k_proj", "v_proj", "k_bias", "v_bias", *heads_axis):
             if name in layers:
+                axis = heads_axis.get(name, 1)
                 layers[name] = jax.tree.map(
-                    lambda w: _repeat_heads(w, head_dim, self.kv_repeats, axis=1), layers[name]
+                    lambda w, axis=axis: _repeat_heads(w, head_dim, self.kv_repeats, axis),
+                    layers[name],
                 )
         return {**params, "layers": layers}
+
+    def fit_lora_b(self, target: str, b, config):
+        """One adapter's B [L, out, r] of `target` in the engine's layout: a k/v
+        projection's heads repeated as `fit_params` repeats the base weight's."""
+        if self.kv_repeats == 1 or target not in ("k_proj", "v_proj"):
+            return b
+        return np.asarray(_repeat_heads(b, config.head_dim, self.kv_repeats, axis=1))
 
     # -- placement --------------------------------------------------------------------------
 

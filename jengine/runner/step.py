@@ -55,6 +55,7 @@ class ForwardInputs:
     positions: jax.Array  # [T]
     attention: AttentionMetadata
     logits_indices: jax.Array  # [R] the token each sampling row reads, padded to R
+    lora_slots: jax.Array | None  # [T] each token's LoRA slot (None: no LoRA)
 
     @classmethod
     def from_prepared(cls, prepared: PreparedStep) -> "ForwardInputs":
@@ -70,6 +71,7 @@ class ForwardInputs:
                 q_block_size=prepared.shape.q_block_size,
             ),
             logits_indices=padded(prepared.logits_indices, prepared.shape.num_reqs),
+            lora_slots=prepared.lora_slots,
         )
 
 
@@ -95,6 +97,7 @@ def forward_step(
     rows of the sampling rows)."""
     model = nnx.merge(graphdef, params)
     from_device = last_token[jnp.maximum(inputs.from_slot, 0)]
+    lora = {} if inputs.lora_slots is None else {"lora_slots": inputs.lora_slots}
     hidden, kv_cache = model(
         jnp.where(inputs.from_slot >= 0, from_device, inputs.input_ids),
         inputs.positions,
@@ -102,6 +105,7 @@ def forward_step(
         inputs.attention,
         attention_impl=attention_impl,
         mesh=mesh,
+        **lora,
     )
     return kv_cache, hidden, hidden[inputs.logits_indices]
 

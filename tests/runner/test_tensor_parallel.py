@@ -19,6 +19,7 @@ from jengine.runner.sharding import TensorParallel
 from tests.engine.engine_helpers import hf_greedy_logprobs
 from tests.models.checkpoints import make_checkpoint
 from tests.models.gguf_files import write_llama_gguf
+from tests.models.lora_files import write_base_and_adapters
 from tests.runner.tp_check import MAX_TOKENS, PROMPTS
 
 # family -> its vocabulary: 417 divides by neither 2 nor 4.
@@ -174,3 +175,19 @@ def test_quantized_weights_give_the_same_outputs_at_every_size(tmp_path, quantiz
     for name in ("q_proj", "gate_proj", "o_proj", "down_proj"):
         assert any(f"'{name}']['values']" in leaf for leaf in split), (name, split)
     assert any("'q_proj']['scales']" in leaf for leaf in split)
+
+
+def test_lora_adapters_give_the_same_outputs_at_every_size(tmp_path):
+    """Two PEFT adapters (ranks 4 and 16, attention and MLP targets) and the base model in
+    one batch at sizes 1, 2 and 4: each adapter split as its base weights are (B's
+    outputs of a column-parallel projection, A's inputs of a row-parallel one), at 4 its
+    k/v B repeated with the KV heads."""
+    base, paths = write_base_and_adapters(tmp_path)
+    results = _tp_check(base, "lora", paths["attn-r4"], paths["all-r16"])
+    one = results["1"]
+    for tp in ("2", "4"):
+        assert results[tp]["tokens"] == one["tokens"], tp
+        for ours, theirs in zip(results[tp]["logprobs"], one["logprobs"], strict=True):
+            np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+        assert results[tp]["compiles_after_warmup"] == 0
+        assert results[tp]["cached_tokens"][3] > 0  # the same adapter's prefix hit

@@ -6,6 +6,8 @@ compiles. Prints one JSON object.
     ... PATH.gguf gguf | PATH int8: the same with quantized weights (sizes 1, 2, 4 only)
     ... PATH experts: a mixture-of-experts model at size 1 and at 4, each expert split and
         whole experts spread (expert parallelism)
+    ... PATH lora A B: LoRA adapters A and B (PEFT folders) and the base model mixed, at
+        sizes 1, 2 and 4 (4: each KV head repeated, and the adapters' k/v with it)
 """
 
 import json
@@ -20,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jengine import LLM, SamplingParams
+from jengine.lora_request import LoRARequest
 from jengine.models import load_model
 from jengine.pallas_kernels.ragged_paged_attention import cpu
 from jengine.runner.prepared_step import PreparedStep
@@ -45,19 +48,24 @@ ENGINE = dict(
 )
 
 
-def generate(llm: LLM, logprobs: int | None = None):
+def generate(llm: LLM, logprobs: int | None = None, lora_request=None):
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=logprobs)
-    return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS],
+        params,
+        use_tqdm=False,
+        lora_request=lora_request,
+    )
 
 
 def token_ids(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def run(path: str, tp: int, **kwargs) -> tuple[dict, LLM]:
+def run(path: str, tp: int, lora_request=None, **kwargs) -> tuple[dict, LLM]:
     llm = LLM(path, tensor_parallel_size=tp, **ENGINE, **kwargs)
     # The shared prefix the second prompt computes is a cache hit for the fourth.
-    outputs = generate(llm, logprobs=2)
+    outputs = generate(llm, logprobs=2, lora_request=lora_request)
     core = llm.engine_core
     completions = [o.outputs[0] for o in outputs]
     return (
@@ -202,8 +210,20 @@ def experts(path: str) -> dict:
     return results
 
 
+def lora(path: str, adapters: list[str]) -> dict:
+    """Two adapters and the base model mixed, at sizes 1, 2 and 4."""
+    loras = [LoRARequest(f"adapter{i}", i, p) for i, p in enumerate(adapters, start=1)]
+    # The 2nd and 4th prompts share a prefix: under one adapter, a cache hit.
+    per_prompt = [loras[0], loras[1], None, loras[1]]
+    options = dict(enable_lora=True, max_loras=2, max_lora_rank=16)
+    return {tp: run(path, tp, per_prompt, **options)[0] for tp in (1, 2, 4)}
+
+
 def main() -> None:
     path = sys.argv[1]
+    if len(sys.argv) > 2 and sys.argv[2] == "lora":
+        print(json.dumps(lora(path, sys.argv[3:])))
+        return
     if len(sys.argv) > 2 and sys.argv[2] == "experts":
         print(json.dumps(experts(path)))
         return

@@ -47,6 +47,7 @@ from jengine.entrypoints.openai.protocol import OpenAIError
 from jengine.entrypoints.openai.routes import router, version
 from jengine.entrypoints.openai.serving_chat import OpenAIServingChat
 from jengine.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jengine.entrypoints.openai.serving_models import ServingModels
 from jengine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from jengine.entrypoints.openai.shutdown import DrainingServer
 
@@ -68,17 +69,21 @@ def build_app(
     allowed_methods: list[str] | None = None,
     allowed_headers: list[str] | None = None,
     allow_credentials: bool = False,
+    lora_modules: dict[str, str] | None = None,
+    allow_runtime_lora_updating: bool = False,
 ) -> FastAPI:
     """The app. CORS headers are sent only with `allowed_origins` (none by default: a web
-    page on another origin cannot use the server from its visitors' browsers)."""
+    page on another origin cannot use the server from its visitors' browsers).
+    `lora_modules`: LoRA adapters served by name (name -> PEFT folder);
+    `allow_runtime_lora_updating`: the load/unload endpoints answer (else 404)."""
     model_path = engine.config.model.model
     names = list(served_model_names or [model_path])
     prometheus = PrometheusStatLogger(names[0], engine.num_blocks)
     engine.stat_loggers.append(prometheus)
+    models = ServingModels(names, model_path, engine.max_model_len, lora_modules)
     chat = OpenAIServingChat(
         engine,
-        names,
-        model_path,
+        models,
         enable_auto_tool_choice=enable_auto_tool_choice,
         tool_call_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
@@ -88,9 +93,11 @@ def build_app(
     app = FastAPI(title="jengine", version=version())
     app.state.engine = engine
     app.state.prometheus = prometheus
-    app.state.serving_completion = OpenAIServingCompletion(engine, names, model_path)
+    app.state.models = models
+    app.state.allow_runtime_lora_updating = allow_runtime_lora_updating
+    app.state.serving_completion = OpenAIServingCompletion(engine, models)
     app.state.serving_chat = chat
-    app.state.serving_tokenization = OpenAIServingTokenization(engine, names, model_path, chat)
+    app.state.serving_tokenization = OpenAIServingTokenization(engine, models, chat)
     parallel = engine.config.parallel
     app.state.admission = Admission(
         engine.config.scheduler.max_num_seqs * parallel.data_parallel_size, max_queued_requests
@@ -198,6 +205,8 @@ async def serve_http(
         app = build_app(
             engine,
             names,
+            lora_modules=args.lora_modules,
+            allow_runtime_lora_updating=args.allow_runtime_lora_updating,
             api_key=args.api_key,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
@@ -210,6 +219,11 @@ async def serve_http(
             allowed_headers=args.allowed_headers,
             allow_credentials=args.allow_credentials,
         )
+        for lora in app.state.models.loras.values():  # --lora-modules read (checked) now
+            try:
+                await engine.add_lora(lora)
+            except Exception as e:
+                raise SystemExit(f"error: --lora-modules {lora.lora_name}: {e}") from None
         config = uvicorn.Config(
             app,
             log_level=args.uvicorn_log_level,

@@ -360,12 +360,23 @@ class ModelCard(OpenAIBaseModel):
     created: int = Field(default_factory=now)
     owned_by: str = "jengine"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 
 class ModelList(OpenAIBaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard] = Field(default_factory=list)
+
+
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's field; the name decides
 
 
 class TokenizeRequest(OpenAIBaseModel):

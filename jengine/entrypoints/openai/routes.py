@@ -9,7 +9,8 @@ first, which aborts its requests and answers 499. Every route documents its erro
 responses (OpenAI's error body) in /openapi.json.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
-POST /detokenize, GET /health, GET /version, GET /metrics (Prometheus).
+POST /detokenize, GET /health, GET /version, GET /metrics (Prometheus), and with
+--allow-runtime-lora-updating POST /v1/load_lora_adapter and /v1/unload_lora_adapter.
 """
 
 import asyncio
@@ -33,10 +34,13 @@ from jengine.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    LoadLoRAAdapterRequest,
     ModelList,
+    OpenAIError,
     SamplingRequest,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
 )
 from jengine.entrypoints.openai.serving_engine import OpenAIServing
 
@@ -163,7 +167,30 @@ async def run_unless_disconnected(request: Request, coro):
 
 @router.get("/v1/models")
 async def show_models(raw_request: Request) -> ModelList:
-    return raw_request.app.state.serving_tokenization.model_list()
+    return raw_request.app.state.models.model_list()
+
+
+@router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+async def load_lora_adapter(body: LoadLoRAAdapterRequest, raw_request: Request):
+    state = _lora_updating(raw_request)
+    await state.models.load(state.engine, body.lora_name, body.lora_path)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, raw_request: Request):
+    state = _lora_updating(raw_request)
+    await state.models.unload(state.engine, body.lora_name)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
+def _lora_updating(raw_request: Request):
+    """The app's state, where runtime LoRA updates are allowed (else a 404, as though the
+    routes were not there: vLLM adds them only then)."""
+    state = raw_request.app.state
+    if not state.allow_runtime_lora_updating:
+        raise OpenAIError("Not Found (start with --allow-runtime-lora-updating)", 404)
+    return state
 
 
 @router.post("/tokenize")

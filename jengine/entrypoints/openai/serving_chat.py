@@ -50,6 +50,7 @@ from jengine.entrypoints.openai.serving_engine import (
     clamp_logprob,
     usage,
 )
+from jengine.entrypoints.openai.serving_models import ServingModels
 from jengine.entrypoints.openai.structured_outputs import tool_choice_constraint, tool_choice_of
 from jengine.entrypoints.openai.tool_parsers import (
     NamedToolCallParser,
@@ -70,8 +71,7 @@ class OpenAIServingChat(OpenAIServing):
     def __init__(
         self,
         engine,
-        served_model_names: list[str],
-        model_path: str | None,
+        models: ServingModels,
         *,
         enable_auto_tool_choice: bool = False,
         tool_call_parser: str | None = None,
@@ -82,7 +82,7 @@ class OpenAIServingChat(OpenAIServing):
         finds calls in a reply; `reasoning_parser`: how the reasoning is split off;
         `chat_template` (--chat-template): the Jinja template to use instead of the
         model's (a request's own `chat_template` wins over both)."""
-        super().__init__(engine, served_model_names, model_path)
+        super().__init__(engine, models)
         self.chat_template = chat_template
         if enable_auto_tool_choice and tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
@@ -146,7 +146,7 @@ class OpenAIServingChat(OpenAIServing):
             raise
         request_id = self.response_id(request)
         prompt = EnginePrompt(text, token_ids, params, request_id)
-        return PreparedRequest(request_id, [prompt], messages)
+        return self.prepared(request, request_id, [prompt], messages)
 
     # -- the template ---------------------------------------------------------------------
 
@@ -209,7 +209,7 @@ class OpenAIServingChat(OpenAIServing):
         num_logprobs = prepared.prompts[0].params.logprobs
         return ChatCompletionResponse(
             id=prepared.request_id,
-            model=self.model_name,
+            model=prepared.model,
             choices=[
                 self.response_choice(request, seq, role, echo, num_logprobs)
                 for seq in final.outputs
@@ -320,7 +320,7 @@ class OpenAIServingChat(OpenAIServing):
     ) -> ChatCompletionStreamResponse:
         return ChatCompletionStreamResponse(
             id=prepared.request_id,
-            model=self.model_name,
+            model=prepared.model,
             choices=[
                 ChatCompletionResponseStreamChoice(
                     index=index,

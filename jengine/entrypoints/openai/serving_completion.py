@@ -59,7 +59,7 @@ class OpenAIServingCompletion(OpenAIServing):
             )
             self.validate_prompt(token_ids, params)
             prompts.append(EnginePrompt(text, token_ids, params, f"{request_id}-{index}"))
-        return PreparedRequest(request_id, prompts)
+        return self.prepared(request, request_id, prompts)
 
     def _tokenize(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
         prompt = request.prompt
@@ -120,7 +120,7 @@ class OpenAIServingCompletion(OpenAIServing):
         choices.sort(key=lambda c: c.index)
         return CompletionResponse(
             id=prepared.request_id,
-            model=self.model_name,
+            model=prepared.model,
             choices=choices,
             usage=usage(num_prompt_tokens, num_generated),
         )
@@ -153,7 +153,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     offsets[i] += sum(len(t) for t in logprobs.tokens)
                 yield CompletionStreamResponse(
                     id=prepared.request_id,
-                    model=self.model_name,
+                    model=prepared.model,
                     choices=[self._choice(i, seq, body, logprobs)],
                 )
 

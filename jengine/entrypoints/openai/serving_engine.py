@@ -29,15 +29,15 @@ from jengine.entrypoints.openai.errors import engine_dead_error, param_of, to_op
 from jengine.entrypoints.openai.protocol import (
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
-    ModelCard,
-    ModelList,
     OpenAIError,
     SamplingRequest,
     UsageInfo,
     random_id,
 )
+from jengine.entrypoints.openai.serving_models import ServingModels
 from jengine.entrypoints.openai.structured_outputs import structured_outputs_of
 from jengine.fault_injection import FaultInjector
+from jengine.lora_request import LoRARequest
 from jengine.outputs import Logprob, RequestOutput
 from jengine.sampling_params import SamplingParams
 
@@ -65,6 +65,8 @@ class PreparedRequest:
     request_id: str  # the response's `id`
     prompts: list[EnginePrompt]
     messages: list[dict] | None = None  # chat: the conversation, as the template got it
+    model: str = ""  # the response's `model`: the adapter's name, or the served model's
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -84,25 +86,16 @@ class OpenAIServing:
     chunk_type: type[BaseModel]
     request_id_prefix: str
 
-    def __init__(self, engine, served_model_names: list[str], model_path: str | None):
+    def __init__(self, engine, models: ServingModels):
         self.engine = engine
-        self.served_model_names = served_model_names
-        self.model_path = model_path
+        self.models = models
         self.max_model_len = engine.max_model_len
         self.tokenizer = engine.get_tokenizer()
         self.faults = FaultInjector.from_env()
 
     @property
     def model_name(self) -> str:
-        return self.served_model_names[0]
-
-    def model_list(self) -> ModelList:
-        return ModelList(
-            data=[
-                ModelCard(id=name, root=self.model_path, max_model_len=self.max_model_len)
-                for name in self.served_model_names
-            ]
-        )
+        return self.models.base_name
 
     # -- opening checks -------------------------------------------------------------------
 
@@ -125,8 +118,17 @@ class OpenAIServing:
             )
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
-            raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
+        self.models.lora_request(model)  # a 404 for a name neither served nor loaded
+
+    def prepared(self, request: SamplingRequest, request_id: str, prompts, messages=None):
+        """The checked request, with the adapter its `model` names."""
+        return PreparedRequest(
+            request_id,
+            prompts,
+            messages,
+            model=self.models.response_name(request.model),
+            lora_request=self.models.lora_request(request.model),
+        )
 
     def check_engine(self) -> None:
         if self.engine.errored:
@@ -221,6 +223,7 @@ class OpenAIServing:
                 prompt.request_id,
                 priority=request.priority,
                 output_kind=kind,
+                lora_request=prepared.lora_request,
             )
             for prompt in prepared.prompts
         ]
@@ -269,7 +272,7 @@ class OpenAIServing:
                     yield sse(chunk.model_dump_json())
             if include_usage:
                 final = self.chunk_type(
-                    id=prepared.request_id, model=self.model_name, choices=[], usage=counts.info()
+                    id=prepared.request_id, model=prepared.model, choices=[], usage=counts.info()
                 )
                 yield sse(final.model_dump_json())
         except Exception as e:

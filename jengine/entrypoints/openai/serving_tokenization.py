@@ -17,17 +17,17 @@ from jengine.entrypoints.openai.protocol import (
 )
 from jengine.entrypoints.openai.serving_chat import OpenAIServingChat
 from jengine.entrypoints.openai.serving_engine import OpenAIServing
+from jengine.entrypoints.openai.serving_models import ServingModels
 
 
 class OpenAIServingTokenization(OpenAIServing):
     def __init__(
         self,
         engine,
-        served_model_names: list[str],
-        model_path: str | None,
+        models: ServingModels,
         chat: OpenAIServingChat,
     ):
-        super().__init__(engine, served_model_names, model_path)
+        super().__init__(engine, models)
         self.chat = chat
 
     def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
