@@ -7,7 +7,7 @@ every `execute` in `counter.counting()`; `ModelRunner.warmup` hands its programs
 
 Promises:
 - `enable_compilation_cache(path)` is process-wide (jax has one setting) and caches every
-  executable, however small or fast to compile; processes sharing the folder lock it;
+  executable, however small or fast to compile; processes may share the folder;
 - `CompileCounter.count` is the number of XLA compiles that happened inside `counting()`
   (after warmup, that should stay 0); compiles elsewhere in the process are not counted.
   jax keeps its listeners forever, so the listener holds the counter weakly: a dropped
@@ -34,20 +34,15 @@ logger = logging.getLogger(__name__)
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
-# A size limit turns on jax's file lock around cache reads and writes. Without it an entry
-# is written in place, and a process reading it meanwhile (two engines, or two test
-# workers, compiling the same program) deserializes half a file: a segfault, seen in a
-# cold CI run. Large enough that eviction is rare.
-CACHE_MAX_BYTES = 16 * 2**30
-
-
 def enable_compilation_cache(path: str) -> str:
     """Persist compiled executables on disk so a second start is fast. Process-wide (jax
-    has one setting), so the engine calls it only when its config asks for it. Safe to
-    share between processes (`CACHE_MAX_BYTES`)."""
+    has one setting), so the engine calls it only when its config asks for it. Processes
+    may share the folder: an entry another process is still writing fails jax's check
+    when read (a warning, and a compile), never loads half an executable. (No size
+    limit: with one, jax reads every entry's access time at each write, and fails every
+    write while any entry lacks one, as those written without a limit do.)"""
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path

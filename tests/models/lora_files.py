@@ -33,7 +33,7 @@ def write_adapter(base_path: str, path: str, rank, alpha, targets, rslora, seed)
     with torch.no_grad():  # weights large enough to move the logits
         for name, param in model.named_parameters():
             if "lora_" in name:
-                param.copy_(0.3 * torch.randn_like(param))
+                param.copy_(0.1 * torch.randn_like(param))
     model.save_pretrained(path)
 
 

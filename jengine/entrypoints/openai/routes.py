@@ -170,14 +170,18 @@ async def show_models(raw_request: Request) -> ModelList:
     return raw_request.app.state.models.model_list()
 
 
-@router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+# Plain text on success, as vLLM answers; errors are OpenAI's JSON body like every route's.
+_PLAIN_SUCCESS = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
+
+
+@router.post("/v1/load_lora_adapter", responses=_PLAIN_SUCCESS)
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, raw_request: Request):
     state = _lora_updating(raw_request)
     await state.models.load(state.engine, body.lora_name, body.lora_path)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
-@router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+@router.post("/v1/unload_lora_adapter", responses=_PLAIN_SUCCESS)
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, raw_request: Request):
     state = _lora_updating(raw_request)
     await state.models.unload(state.engine, body.lora_name)
