@@ -5,8 +5,10 @@ Where it sits: a model built with `DecoderConfig.lora_slots` > 0 holds, for each
 projection `name` of `lora_targets`, two layer-stacked parameters: `lora_a_<name>`
 [L, S, r, in] and `lora_b_<name>` [L, S, out, r], S = lora_slots + 1 slots of rank
 r = lora_rank; slot 0 stays zero (no adapter). `read_peft_adapter` turns a PEFT folder
-into one slot's arrays (`LoRAAdapter.slot_arrays`), which the caller writes into the
-params: loading an adapter changes values, never a shape, so nothing recompiles. The
+into one slot's arrays (`LoRAAdapter.slot_arrays`), `adapter_from_weights` takes one
+from a training loop's arrays, and the engine's `runner/lora_slots.py` writes them into
+the params of a model `with_lora_slots` made: loading an adapter changes values, never a
+shape, so nothing recompiles. The
 forward pass takes each token's slot (`lora_slots` [T]) and adds, to every targeted
 projection, `lora_delta`.
 

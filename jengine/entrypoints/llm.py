@@ -11,6 +11,7 @@ before anything runs (bad prompts and sampling values are checked up front), so 
 entry in a batch never leaves work half-done in the engine.
 """
 
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import fields
@@ -73,6 +74,7 @@ class LLM:
             path = default_model()
             logger.info(describe_default(path))
         self._lora_ids: dict[str, int] = {}  # adapters added in memory: name -> id
+        self._next_lora_ids = itertools.count(IN_MEMORY_LORA_IDS)  # never reused
         if engine_kwargs.get("data_parallel_size", 1) > 1:
             if module is not None or params is not None:
                 raise ValueError(
@@ -220,12 +222,12 @@ class LLM:
         the `LoRARequest` that selects it.
 
         `lora`: a LoRARequest naming a PEFT folder (read now, once: registering it again
-        changes nothing), or a name for an adapter handed
-        over in memory as `weights`: {target: (A [layers, r, in], B [layers, out, r])}
-        (jax or numpy arrays; targets among q/k/v/o_proj and gate/up/down_proj), as a
-        training loop holds it, scaled by `alpha / r` (default alpha: r). Adding a name
-        again replaces its weights (a new id, so no cached prefix of the old weights is
-        reused). No recompile either way."""
+        changes nothing), or a name for an adapter handed over in memory as `weights`:
+        {target: (A [layers, r, in], B [layers, out, r])} (jax or numpy arrays; targets
+        among q/k/v/o_proj and gate/up/down_proj), as a training loop holds it, scaled by
+        `alpha / r` (default alpha: r). Adding a name again replaces its weights under a
+        new id (ids are never reused, so no cached prefix of other weights is matched).
+        No recompile either way."""
         if weights is None:
             if not isinstance(lora, LoRARequest):
                 raise ValueError("add_lora(name, weights): weights are needed for a name")
@@ -237,23 +239,27 @@ class LLM:
         if slots is None:
             raise ValueError("this engine does not serve LoRA adapters (enable_lora=True)")
         adapter = adapter_from_weights(lora, weights, alpha, slots.model_config)
-        previous = self._lora_ids.get(lora)
-        self._lora_ids[lora] = lora_id = max(self._lora_ids.values(), default=0) + 1
-        request = LoRARequest(lora, IN_MEMORY_LORA_IDS + lora_id)
+        request = LoRARequest(lora, next(self._next_lora_ids))
         self.engine_core.add_lora(request, adapter)
+        previous = self._lora_ids.get(lora)
+        self._lora_ids[lora] = request.lora_int_id
         if previous is not None:
-            self.engine_core.remove_lora(IN_MEMORY_LORA_IDS + previous)
+            self.engine_core.remove_lora(previous)
         return request
 
     def remove_lora(self, lora: LoRARequest | str) -> bool:
         """Forget an adapter (by its LoRARequest, or the name it was added under in
         memory); a ValueError while a request still uses it."""
         if isinstance(lora, str):
-            lora_id = self._lora_ids.pop(lora, None)
-            if lora_id is None:
-                return False
-            return self.llm_engine.client.call_utility("remove_lora", IN_MEMORY_LORA_IDS + lora_id)
-        return self.llm_engine.client.call_utility("remove_lora", lora.lora_int_id)
+            name, lora_id = lora, self._lora_ids.get(lora)
+        else:
+            name, lora_id = lora.lora_name, lora.lora_int_id
+        if lora_id is None:
+            return False
+        removed = self.llm_engine.client.call_utility("remove_lora", lora_id)
+        if self._lora_ids.get(name) == lora_id:  # an in-memory adapter's name is free again
+            del self._lora_ids[name]
+        return removed
 
     def shutdown(self) -> None:
         """Stop the engine processes, if any (data parallelism); idempotent."""
