@@ -191,9 +191,6 @@ class EngineCore:
             raise ValueError(f"LoRA adapter {lora_int_id} is in use by a request")
         return self.runner.lora.remove(lora_int_id)
 
-    def list_loras(self) -> list[LoRARequest]:
-        return [] if self.runner.lora is None else self.runner.lora.list()
-
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 

@@ -93,9 +93,6 @@ class LoRASlots:
             self.free_slots.append(slot)
         return True
 
-    def list(self) -> list[LoRARequest]:
-        return list(self.requests.values())
-
     def _check(self, adapter: LoRAAdapter) -> None:
         targets = set(self.model_config.lora_targets)
         if adapter.rank > self.rank:
