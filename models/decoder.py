@@ -117,7 +117,7 @@ class DecoderLayers(nnx.Module):
             if c.num_experts and set(c.lora_targets) & {"gate_proj", "up_proj", "down_proj"}:
                 raise ValueError("LoRA on a mixture of experts' MLP is not supported")
             sizes = lora_projection_sizes(c)
-            slots, rank = c.lora_slots + 1, c.lora_rank
+            slots, rank = c.lora_slots, c.lora_rank  # slot 0 (no adapter) is not stored
             for target in c.lora_targets:
                 out, inputs = sizes[target]
                 a_name, b_name = lora_param_names(target)

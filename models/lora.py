@@ -3,8 +3,9 @@ a batch in which every token may use a different adapter.
 
 Where it sits: a model built with `DecoderConfig.lora_slots` > 0 holds, for each targeted
 projection `name` of `lora_targets`, two layer-stacked parameters: `lora_a_<name>`
-[L, S, r, in] and `lora_b_<name>` [L, S, out, r], S = lora_slots + 1 slots of rank
-r = lora_rank; slot 0 stays zero (no adapter). `read_peft_adapter` turns a PEFT folder
+[L, S, r, in] and `lora_b_<name>` [L, S, out, r]: slots 1..S (S = lora_slots, slot s
+at index s - 1) of rank r = lora_rank; slot 0, the base model, is not stored (a token on
+it adds nothing, and costs nothing). `read_peft_adapter` turns a PEFT folder
 into one slot's arrays (`LoRAAdapter.slot_arrays`), `adapter_from_weights` takes one
 from a training loop's arrays, and the engine's `runner/lora_slots.py` writes them into
 the params of a model `with_lora_slots` made: loading an adapter changes values, never a
@@ -193,9 +194,11 @@ def with_lora_slots(model, num_slots: int, rank: int):
 
 def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> jax.Array:
     """sum over slots s of [slots[t] == s] * (x[t] A_s^T) B_s^T: [T, in] -> [T, out], for one
-    layer's a [S, r, in], b [S, out, r]. Every slot's low-rank product for every token,
-    masked to its own (S r (in + out) per token: small beside the projection's in x out,
-    with no per-token copy of adapter weights)."""
+    layer's a [S, r, in], b [S, out, r] holding slots 1..S (a token on slot 0 gets zero).
+    Every slot's low-rank product for every token, masked to its own (S r (in + out) per
+    token: small beside the projection's in x out, with no per-token copy of adapter
+    weights)."""
     h = jnp.einsum("ti,sri->tsr", x, a)  # [T, S, r]
-    mine = (slots[:, None] == jnp.arange(a.shape[0], dtype=slots.dtype)[None, :]).astype(x.dtype)
+    held = jnp.arange(1, a.shape[0] + 1, dtype=slots.dtype)
+    mine = (slots[:, None] == held[None, :]).astype(x.dtype)
     return jnp.einsum("tsr,sor->to", h * mine[:, :, None], b)

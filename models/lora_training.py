@@ -52,8 +52,8 @@ def lora_loss_fn(model, rank: int, batch: int, seq_len: int, alpha: float | None
         layers = dict(base["layers"])
         for target, (a, b) in weights.items():
             a_name, b_name = param_names(target)
-            layers[a_name] = layers[a_name].at[:, 1].set(a)
-            layers[b_name] = layers[b_name].at[:, 1].set(b * scale)
+            layers[a_name] = layers[a_name].at[:, 0].set(a)  # slot 1, the only one
+            layers[b_name] = layers[b_name].at[:, 0].set(b * scale)
         adapted_state = jax.tree.map(lambda x: x, state)  # a copy to fill
         nnx.replace_by_pure_dict(adapted_state, {**base, "layers": layers})
         adapted = nnx.merge(graphdef, adapted_state)

@@ -7,11 +7,12 @@ its id, or an adapter handed over in memory by `LLM.add_lora`) and drops them wi
 `remove`. Before each step the runner calls `assign(params, ids)` with the adapters the
 step's requests use; it returns the params with any missing adapter written into a slot,
 and each adapter's slot, from which the input batch makes every token's slot index
-(`PreparedStep.lora_slots`; slot 0 is the base model). The model adds each token's own
-low-rank product to every targeted projection (`models/lora.py`).
+(`PreparedStep.lora_slots`; slot 0 is the base model, slot s lives at index s - 1).
+The model adds each token's own low-rank product to every targeted projection
+(`models/lora.py`).
 
 Promises:
-- loading an adapter writes values into slots of fixed shape (max_loras + 1 slots of
+- loading an adapter writes values into slots of fixed shape (max_loras slots of
   max_lora_rank on every target): nothing recompiles, whatever the adapters' ranks and
   targets; the writer is compiled at warmup;
 - a step never holds more adapters than slots (the scheduler admits no more distinct
@@ -190,8 +191,8 @@ class LoRASlots:
 
 
 def _write_slot(lora_params: dict, slot, arrays: dict) -> dict:
-    """Each [L, S, ...] slot array with `arrays[name]` [L, ...] at slot `slot`."""
+    """Each [L, S, ...] slot array with `arrays[name]` [L, ...] at slot `slot` (>= 1)."""
     return {
-        name: value.at[:, slot].set(arrays[name].astype(value.dtype))
+        name: value.at[:, slot - 1].set(arrays[name].astype(value.dtype))
         for name, value in lora_params.items()
     }

@@ -35,9 +35,9 @@ def _model_with_slots(base, adapters):
         for target, arrays in adapter.slot_arrays(16).items():
             for name, array in zip(param_names(target), arrays, strict=True):
                 layers[name] = np.asarray(layers[name]).copy()
-                layers[name][:, slot] = array
+                layers[name][:, slot - 1] = array
     params = {**nnx.to_pure_dict(nnx.state(model, nnx.Param)), "layers": layers}
-    assert layers[param_names("q_proj")[0]].shape[:2] == (3, len(adapters) + 1)
+    assert layers[param_names("q_proj")[0]].shape[:2] == (3, len(adapters))
     return model_from_params(type(model), model.config, params, model.dtype)
 
 
