@@ -192,12 +192,24 @@ def with_lora_slots(model, num_slots: int, rank: int):
     return model_from_params(type(model), config, {**params, "layers": layers}, model.dtype)
 
 
+# Up to this many tokens a step gathers each token's own slot (reading one adapter's
+# weights a token); past it every slot's product is computed and masked (one matmul per
+# slot set, no per-token copy of weights). On this 2-core CPU, for 4 slots of rank 16 on a
+# 512 x 1408 projection: 1 token 22.6 vs 75.4 us, 8 tokens 74.5 vs 124.0, 64 tokens 409.6
+# vs 248.6 (gathered vs masked, jitted alone).
+GATHER_MAX_TOKENS = 16
+
+
 def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> jax.Array:
     """sum over slots s of [slots[t] == s] * (x[t] A_s^T) B_s^T: [T, in] -> [T, out], for one
     layer's a [S, r, in], b [S, out, r] holding slots 1..S (a token on slot 0 gets zero).
-    Every slot's low-rank product for every token, masked to its own (S r (in + out) per
-    token: small beside the projection's in x out, with no per-token copy of adapter
-    weights)."""
+    Few tokens (a decode step): each token's slot gathered. More: every slot's product for
+    every token, masked to its own (S r (in + out) per token, small beside the
+    projection's in x out, with no per-token copy of adapter weights)."""
+    if x.shape[0] <= GATHER_MAX_TOKENS:
+        index = jnp.maximum(slots - 1, 0)
+        h = jnp.einsum("ti,tri->tr", x, a[index]) * (slots > 0)[:, None].astype(x.dtype)
+        return jnp.einsum("tr,tor->to", h, b[index])
     h = jnp.einsum("ti,sri->tsr", x, a)  # [T, S, r]
     held = jnp.arange(1, a.shape[0] + 1, dtype=slots.dtype)
     mine = (slots[:, None] == held[None, :]).astype(x.dtype)
