@@ -145,15 +145,22 @@ def test_what_cannot_be_served_is_named(llm, base_and_adapters, tmp_path):
     prompt = [[5, 6, 7]]
     with pytest.raises(ValueError, match="no adapter_config.json"):
         _generate(llm, prompt, [LoRARequest("nowhere", 99, str(tmp_path))])
+    llm.add_lora(loras["attn-r4"])  # id 1 is attn-r4's
     with pytest.raises(ValueError, match="is adapter 'attn-r4'"):
         _generate(llm, prompt, [LoRARequest("other", 1, paths["mlp-r8"])])
     with pytest.raises(ValueError, match="A \\[3, r, 64\\]"):
         llm.add_lora("wrong", {"q_proj": (np.zeros((3, 4, 32)), np.zeros((3, 64, 4)))})
     with pytest.raises(ValueError, match="lora_int_id must be an int >= 1"):
         LoRARequest("zero", 0, paths["mlp-r8"])
-    small = LLM(base, **{**ENGINE, "max_lora_rank": 8})
+    small = LLM(base, **{**ENGINE, "max_lora_rank": 8, "max_loras": 1, "max_cpu_loras": 1})
     with pytest.raises(ValueError, match="rank 16, above max_lora_rank=8"):
         _generate(small, prompt, [loras["all-r16"]])
+    # One slot, one adapter kept read on the host: the first adapter is dropped for the
+    # second, read again from its folder, and generates what it did.
+    first, _, _ = _generate(small, prompt, [loras["attn-r4"]])
+    _generate(small, prompt, [loras["mlp-r8"]])
+    assert list(small.engine_core.runner.lora.adapters) == [loras["mlp-r8"].lora_int_id]
+    assert _generate(small, prompt, [loras["attn-r4"]])[0] == first
     plain = LLM(base, **{k: v for k, v in ENGINE.items() if "lora" not in k})
     with pytest.raises(ValueError, match="does not serve LoRA adapters"):
         _generate(plain, prompt, [loras["attn-r4"]])

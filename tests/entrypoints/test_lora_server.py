@@ -97,3 +97,12 @@ def test_adapters_selected_by_model_loaded_and_unloaded(tiny_model, adapters):
         assert gone.status_code == 404 and gone.json()["error"]["type"] == "NotFoundError"
         # The adapter still loaded serves on.
         assert _texts(client, "attn-r4") == expected["attn-r4"]
+
+
+def test_lora_modules_flag_forms():
+    from jengine.lora_request import parse_lora_modules
+
+    assert parse_lora_modules(["a=/x", '{"name": "b", "path": "/y"}']) == {"a": "/x", "b": "/y"}
+    for bad in ("a", "=/x", '{"name": "b"}'):
+        with pytest.raises(ValueError, match="--lora-modules"):
+            parse_lora_modules([bad])
