@@ -93,10 +93,6 @@ class OpenAIServing:
         self.tokenizer = engine.get_tokenizer()
         self.faults = FaultInjector.from_env()
 
-    @property
-    def model_name(self) -> str:
-        return self.models.base_name
-
     # -- opening checks -------------------------------------------------------------------
 
     def check_request(self, request: SamplingRequest) -> None:
