@@ -2,9 +2,10 @@
 
 Public API (importing it loads jax through the offline engine; the API-server process
 imports only `jengine.entrypoints.openai`, which does not):
-    LLM, SamplingParams, RequestOutput, CompletionOutput
+    LLM, SamplingParams, RequestOutput, CompletionOutput, LoRARequest
 """
 
+from jengine.lora_request import LoRARequest
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput
 from jengine.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -23,6 +24,7 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "Logprob",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",
