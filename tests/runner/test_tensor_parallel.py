@@ -47,6 +47,18 @@ def _tp_check(*args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _assert_runs_agree(results: dict, keys=("2", "4")) -> None:
+    """Each run of `keys` gives run "1"'s tokens, logprobs within 1e-4, and compiled
+    nothing after warmup."""
+    one = results["1"]
+    for key in keys:
+        run = results[key]
+        assert run["tokens"] == one["tokens"], key
+        for ours, theirs in zip(run["logprobs"], one["logprobs"], strict=True):
+            np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+        assert run["compiles_after_warmup"] == 0, key
+
+
 @pytest.fixture(scope="module")
 def results(checkpoint):
     return _tp_check(checkpoint[0])
@@ -139,14 +151,8 @@ def test_experts_split_or_spread_give_the_same_outputs(tmp_path):
     path = str(tmp_path / "qwen2-moe")
     make_checkpoint("qwen2-moe", path, config_overrides=dict(num_key_value_heads=2))
     results = _tp_check(path, "experts")
-    one = results["1"]
-    for key in ("tp4", "ep4"):
-        run = results[key]
-        assert run["tokens"] == one["tokens"], key
-        for ours, theirs in zip(run["logprobs"], one["logprobs"], strict=True):
-            np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
-        assert run["compiles_after_warmup"] == 0, key
-        assert run["preemptions"] > 0, key
+    _assert_runs_agree(results, ("tp4", "ep4"))
+    assert all(results[key]["preemptions"] > 0 for key in ("tp4", "ep4"))
     # [L, E, F, D] per device: experts whole (E / n) or each expert's features split (F / n).
     layers, num_experts, width = 3, 4, 48
     assert results["ep4"]["expert_gate_shard"][:3] == [layers, num_experts // 4, width]
@@ -165,12 +171,7 @@ def test_quantized_weights_give_the_same_outputs_at_every_size(tmp_path, quantiz
     else:
         gguf = write_llama_gguf(path, str(tmp_path / "model.gguf"), quantization)
         results = _tp_check(gguf, "gguf")
-    one = results["1"]
-    for tp in ("2", "4"):
-        assert results[tp]["tokens"] == one["tokens"], tp
-        for ours, theirs in zip(results[tp]["logprobs"], one["logprobs"], strict=True):
-            np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
-        assert results[tp]["compiles_after_warmup"] == 0
+    _assert_runs_agree(results)
     split = results["split"]
     for name in ("q_proj", "gate_proj", "o_proj", "down_proj"):
         assert any(f"'{name}']['values']" in leaf for leaf in split), (name, split)
@@ -184,10 +185,5 @@ def test_lora_adapters_give_the_same_outputs_at_every_size(tmp_path):
     k/v B repeated with the KV heads."""
     base, paths = write_base_and_adapters(tmp_path)
     results = _tp_check(base, "lora", paths["attn-r4"], paths["all-r16"])
-    one = results["1"]
-    for tp in ("2", "4"):
-        assert results[tp]["tokens"] == one["tokens"], tp
-        for ours, theirs in zip(results[tp]["logprobs"], one["logprobs"], strict=True):
-            np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
-        assert results[tp]["compiles_after_warmup"] == 0
-        assert results[tp]["cached_tokens"][3] > 0  # the same adapter's prefix hit
+    _assert_runs_agree(results)
+    assert all(results[tp]["cached_tokens"][3] > 0 for tp in ("2", "4"))  # the adapter's hit
