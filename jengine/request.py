@@ -113,6 +113,11 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.error: str | None = None  # why it ended with FINISHED_ERROR
 
+    @property
+    def lora_id(self) -> int:
+        """Its LoRA adapter's id (0: the base model)."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
+
     def fail(self, error: str) -> None:
         """End with FINISHED_ERROR: the engine cannot serve it (`error` goes to the client)."""
         self.status = RequestStatus.FINISHED_ERROR

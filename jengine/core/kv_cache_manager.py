@@ -80,12 +80,12 @@ class KVCacheManager:
         if self.enable_caching:
             # An adapter changes every block's K/V: its id is part of each hash, so the
             # same prompt under two adapters (or none) shares nothing.
-            lora = request.lora_request
+            lora_id = request.lora_id
             extend_block_hashes(
                 request.block_hashes,
                 request.all_token_ids,
                 self.block_size,
-                None if lora is None else (lora.lora_int_id,),
+                (lora_id,) if lora_id else None,
             )
 
     def _may_hit(self, request: Request) -> bool:

@@ -306,7 +306,7 @@ class Scheduler(StepResults, Preemption):
         max_num_seqs allow; a prefix-cache hit starts a request past its cached blocks.
         A request whose LoRA adapter would be one more than `max_loras` among the running
         ones is passed over (it keeps its place) for those behind it."""
-        loras = self._running_loras() if self.max_loras else None
+        loras = {r.lora_id for r in self.running} - {0} if self.max_loras else set()
         passed_over: list[Request] = []
         while (
             len(self.waiting) > 0
@@ -314,13 +314,8 @@ class Scheduler(StepResults, Preemption):
             and len(self.running) + step.num_drafts < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
-            lora = request.lora_request
-            if (
-                lora is not None
-                and loras is not None
-                and lora.lora_int_id not in loras
-                and len(loras) >= self.max_loras
-            ):
+            lora_id = request.lora_id
+            if lora_id and lora_id not in loras and len(loras) >= self.max_loras:
                 passed_over.append(self.waiting.pop())
                 continue
             hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
@@ -344,13 +339,10 @@ class Scheduler(StepResults, Preemption):
             step.new.append(request)
             step.num_scheduled[request.request_id] = n
             step.budget -= n
-            if lora is not None and loras is not None:
-                loras.add(lora.lora_int_id)
+            if lora_id:
+                loras.add(lora_id)
         for request in reversed(passed_over):  # back at the front, in their order
             self.waiting.add_preempted(request)
-
-    def _running_loras(self) -> set[int]:
-        return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
 
     def _make_scheduler_output(self, step: _StepPlan) -> SchedulerOutput:
         """Describe the step, then advance the new requests' computed counters past it

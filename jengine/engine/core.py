@@ -184,10 +184,7 @@ class EngineCore:
         """Forget an adapter; a ValueError while a request still uses it."""
         if self.runner.lora is None:
             return False
-        if any(
-            r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id
-            for r in self.scheduler.requests.values()
-        ):
+        if any(r.lora_id == lora_int_id for r in self.scheduler.requests.values()):
             raise ValueError(f"LoRA adapter {lora_int_id} is in use by a request")
         return self.runner.lora.remove(lora_int_id)
 

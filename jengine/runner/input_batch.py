@@ -56,6 +56,7 @@ class CachedRequestState:
     slot: int
     seed: int
     suppressed_ids: list[int]  # EOS + stop ids, masked until min_tokens
+    lora_id: int = 0  # its LoRA adapter's id (0: the base model)
 
     @property
     def uses_history(self) -> bool:
@@ -103,7 +104,6 @@ class InputBatch:
         self.min_tokens = np.zeros(S, np.int32)
         self.num_logprobs = np.full(S, -1, np.int32)  # -1: no logprobs
         self.wants_prompt_logprobs = np.zeros(S, bool)
-        self.lora_ids = np.zeros(S, np.int64)  # each slot's LoRA adapter id, 0: none
         # What the last step's request order allowed to precompute: steady decoding
         # repeats the order. Reset whenever membership changes.
         self._order: _Order | None = None
@@ -143,6 +143,7 @@ class InputBatch:
             slot=self.free_slots.pop(),
             seed=self._seed_for(new.req_id, params.seed),
             suppressed_ids=suppressed[:MAX_SUPPRESSED_IDS],
+            lora_id=0 if new.lora_request is None else new.lora_request.lora_int_id,
         )
         self.requests[new.req_id] = state
         slot = state.slot
@@ -169,7 +170,6 @@ class InputBatch:
         self.min_tokens[slot] = params.min_tokens
         self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
         self.wants_prompt_logprobs[slot] = params.prompt_logprobs is not None
-        self.lora_ids[slot] = 0 if new.lora_request is None else new.lora_request.lora_int_id
         return state
 
     def _append_blocks(self, slot: int, block_ids: list[int]) -> None:
@@ -245,17 +245,7 @@ class InputBatch:
             )
         return order
 
-    def lora_ids_in(self, scheduler_output: SchedulerOutput) -> list[int]:
-        """The LoRA adapter ids the step's requests use (after `update`)."""
-        requests = self.requests
-        slots = [requests[r].slot for r in scheduler_output.num_scheduled_tokens]
-        return [i for i in np.unique(self.lora_ids[slots]).tolist() if i]
-
-    def prepare(
-        self, scheduler_output: SchedulerOutput, lora_slot_of: dict[int, int] | None = None
-    ) -> PreparedStep:
-        """The step's padded arrays. `lora_slot_of` (an engine serving LoRA): each adapter
-        id's device slot, from which every token gets its slot index (0: no adapter)."""
+    def prepare(self, scheduler_output: SchedulerOutput) -> PreparedStep:
         num_scheduled = scheduler_output.num_scheduled_tokens
         req_ids = list(num_scheduled)
         order = self._order_of(req_ids)
@@ -326,12 +316,6 @@ class InputBatch:
             prompt_logprob_rows=prompt_logprob_rows,
             prompt_targets=prompt_targets,
         )
-        if lora_slot_of is not None:
-            token_lora_ids = self.lora_ids[token_slots]
-            lora_slots = np.zeros(T, np.int32)
-            for lora_id, lora_slot in lora_slot_of.items():
-                lora_slots[: len(token_lora_ids)][token_lora_ids == lora_id] = lora_slot
-            prepared.lora_slots = lora_slots
         if spec:
             self._add_verification_rows(prepared, spec, order, query_start_loc)
         return prepared

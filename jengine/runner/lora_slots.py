@@ -5,9 +5,9 @@ Where it sits: `ModelRunner` owns one when the engine serves LoRA (`LoRAConfig`)
 engine core registers adapters with `add` (a PEFT folder the first time a request names
 its id, or an adapter handed over in memory by `LLM.add_lora`) and drops them with
 `remove`. Before each step the runner calls `assign(params, ids)` with the adapters the
-step's requests use; it returns the params with any missing adapter written into a slot,
-and each adapter's slot, from which the input batch makes every token's slot index
-(`PreparedStep.lora_slots`; slot 0 is the base model, slot s lives at index s - 1).
+step's requests use, which returns the params with any missing adapter written into a
+slot, then `token_slots` for every token's slot index (`PreparedStep.lora_slots`; slot 0
+is the base model, slot s lives at index s - 1).
 The model adds each token's own low-rank product to every targeted projection
 (`models/lora.py`).
 
@@ -33,6 +33,7 @@ import numpy as np
 from jengine.config import LoRAConfig
 from jengine.lora_request import LoRARequest
 from jengine.models.lora import LoRAAdapter, param_names, projection_sizes, read_peft_adapter
+from jengine.runner.prepared_step import PreparedStep, padded
 
 
 class LoRASlots:
@@ -135,9 +136,10 @@ class LoRASlots:
 
     # -- slots ---------------------------------------------------------------------------
 
-    def assign(self, params, lora_ids) -> tuple[object, dict[int, int]]:
-        """Put the adapters `lora_ids` (at most `max_loras`) in slots, writing the missing
-        ones into `params`; returns (params, id -> slot)."""
+    def assign(self, params, lora_ids):
+        """Put the adapters `lora_ids` (at most `max_loras` distinct ones besides 0, the
+        base model) in slots, writing the missing ones into `params`; returns the params."""
+        lora_ids = set(lora_ids) - {0}
         needed = [i for i in lora_ids if i not in self.slot_of]
         for lora_id in lora_ids:
             if lora_id in self.slot_of:
@@ -152,7 +154,14 @@ class LoRASlots:
             params = self.write(params, slot, self._adapter(lora_id))
             self.slot_of[lora_id] = slot
             self.num_loads += 1
-        return params, {i: self.slot_of[i] for i in lora_ids}
+        return params
+
+    def token_slots(self, prepared: PreparedStep, lora_ids: list[int]) -> np.ndarray:
+        """[T] each token's slot in `prepared`, whose request i uses adapter `lora_ids[i]`
+        (assigned; 0: the base model, slot 0)."""
+        slots = np.array([self.slot_of.get(i, 0) for i in lora_ids], np.int32)
+        counts = np.diff(prepared.query_start_loc[: len(lora_ids) + 1])
+        return padded(np.repeat(slots, counts), prepared.shape.num_tokens)
 
     def write(self, params, slot: int, adapter: LoRAAdapter | None):
         """`params` with `adapter`'s weights (zeros for None) in `slot`: every target

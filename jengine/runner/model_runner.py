@@ -49,11 +49,16 @@ from jengine.runner.buckets import BucketSpec
 from jengine.runner.compilation import CompileCounter, StaticJit, compile_ahead_of_time
 from jengine.runner.draft_model import DraftModel, check_draft_model
 from jengine.runner.grammar_mask import place_grammar_rows
-from jengine.runner.input_batch import CachedRequestState, InputBatch
+from jengine.runner.input_batch import InputBatch
 from jengine.runner.kv_cache_sizing import KVCacheSizing, default_kv_budget, weights_report
 from jengine.runner.lora_slots import LoRASlots
 from jengine.runner.prepared_step import PreparedStep
-from jengine.runner.sampler import SamplingMetadata, SamplingState, write_slot_history
+from jengine.runner.sampler import (
+    SamplingMetadata,
+    SamplingState,
+    slot_history_args,
+    write_slot_history,
+)
 from jengine.runner.sharding import TensorParallel
 from jengine.runner.step import (
     ForwardInputs,
@@ -262,7 +267,8 @@ class ModelRunner:
             self._prompt_logprobs_fn(self.params, hidden[t], targets[t]) for t in token_counts
         ]
         outputs += [self._first_rows(*args) for args in selections]
-        self.sampling_state = self._write_history(self.sampling_state, *self._history_args(None))
+        history = slot_history_args(self.max_model_len)  # compiles the slot-history writer
+        self.sampling_state = self._write_history(self.sampling_state, *history)
         # Wait for every warmup program, not only the last cache update: dispatch is
         # asynchronous, and a queue of unfinished warmup work (the prompt-logprob programs
         # take seconds) would otherwise delay the first request.
@@ -336,25 +342,6 @@ class ModelRunner:
             self._allow_all_masks[num_rows] = mask
         return mask
 
-    def _history_args(self, state: CachedRequestState | None):
-        """Fixed-length (-1 padded) arguments of `write_slot_history` for one request."""
-        length = self.max_model_len
-        prompt = np.full(length, -1, np.int32)
-        output = np.full(length, -1, np.int32)
-        bias_ids = np.full(length, -1, np.int32)
-        bias_values = np.zeros(length, np.float32)
-        slot = np.int32(0)
-        if state is not None:
-            slot = np.int32(state.slot)
-            tokens = self.input_batch.all_token_ids(state.req_id)
-            prompt[: state.num_prompt_tokens] = tokens[: state.num_prompt_tokens]
-            generated = tokens[state.num_prompt_tokens :]
-            output[: len(generated)] = generated
-            bias = list((state.sampling_params.logit_bias or {}).items())[:length]
-            bias_ids[: len(bias)] = [int(token) for token, _ in bias]
-            bias_values[: len(bias)] = [value for _, value in bias]
-        return slot, prompt, output, bias_ids, bias_values
-
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for its results."""
         return self.collect(self.dispatch(scheduler_output))
@@ -368,17 +355,16 @@ class ModelRunner:
         batch = self.input_batch
         for state in batch.update(scheduler_output):
             if state.uses_history:
-                self.sampling_state = self._write_history(
-                    self.sampling_state, *self._history_args(state)
-                )
+                tokens = batch.all_token_ids(state.req_id)
+                history = slot_history_args(self.max_model_len, state, tokens)
+                self.sampling_state = self._write_history(self.sampling_state, *history)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return InFlightStep(None, None, None, None, batch.num_removals)
-        lora_slot_of = None
+        prepared = batch.prepare(scheduler_output)
         if self.lora is not None:
-            self.params, lora_slot_of = self.lora.assign(
-                self.params, batch.lora_ids_in(scheduler_output)
-            )
-        prepared = batch.prepare(scheduler_output, lora_slot_of)
+            lora_ids = [batch.requests[r].lora_id for r in prepared.req_ids]
+            self.params = self.lora.assign(self.params, lora_ids)
+            prepared.lora_slots = self.lora.token_slots(prepared, lora_ids)
         if scheduler_output.grammar_bitmask is not None:
             prepared.grammar_bitmask = place_grammar_rows(prepared, scheduler_output)
         outputs, prompt_logprobs = self._run(prepared)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jengine.core.kv_cache_utils import cdiv
 from jengine.sampling_params import GREEDY_TEMPERATURE_EPS
@@ -244,6 +245,27 @@ def top_logprobs(
     ids = jnp.concatenate([token_ids[:, None], top_ids], axis=-1).astype(jnp.int32)
     values = jnp.concatenate([chosen, top_values], axis=-1)
     return ids, values, ranks.astype(jnp.int32)
+
+
+def slot_history_args(length: int, request=None, tokens=()) -> tuple:
+    """`write_slot_history`'s arguments after the state, -1 padded to `length`, for
+    `request` (the input batch's `CachedRequestState`; None: warmup's call) whose prompt +
+    outputs are `tokens`."""
+    slot, num_prompt_tokens, logit_bias = 0, 0, None
+    if request is not None:
+        slot, num_prompt_tokens = request.slot, request.num_prompt_tokens
+        logit_bias = request.sampling_params.logit_bias
+    prompt = np.full(length, -1, np.int32)
+    output = np.full(length, -1, np.int32)
+    bias_ids = np.full(length, -1, np.int32)
+    bias_values = np.zeros(length, np.float32)
+    prompt[:num_prompt_tokens] = tokens[:num_prompt_tokens]
+    generated = tokens[num_prompt_tokens:]
+    output[: len(generated)] = generated
+    bias = list((logit_bias or {}).items())[:length]
+    bias_ids[: len(bias)] = [int(token) for token, _ in bias]
+    bias_values[: len(bias)] = [value for _, value in bias]
+    return np.int32(slot), prompt, output, bias_ids, bias_values
 
 
 def write_slot_history(

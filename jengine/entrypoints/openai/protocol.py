@@ -369,16 +369,6 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard] = Field(default_factory=list)
 
 
-class LoadLoRAAdapterRequest(OpenAIBaseModel):
-    lora_name: str = Field(min_length=1)
-    lora_path: str = Field(min_length=1)
-
-
-class UnloadLoRAAdapterRequest(OpenAIBaseModel):
-    lora_name: str = Field(min_length=1)
-    lora_int_id: int | None = None  # vLLM's field; the name decides
-
-
 class TokenizeRequest(OpenAIBaseModel):
     """Either `prompt` (a completion prompt) or `messages` (run through the chat template)."""
 

@@ -34,15 +34,17 @@ from jengine.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
-    LoadLoRAAdapterRequest,
     ModelList,
     OpenAIError,
     SamplingRequest,
     TokenizeRequest,
     TokenizeResponse,
-    UnloadLoRAAdapterRequest,
 )
 from jengine.entrypoints.openai.serving_engine import OpenAIServing
+from jengine.entrypoints.openai.serving_models import (
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,20 @@ and the adapters'.
 
 import itertools
 
-from jengine.entrypoints.openai.protocol import ModelCard, ModelList, OpenAIError
+from pydantic import Field
+
+from jengine.entrypoints.openai.protocol import ModelCard, ModelList, OpenAIBaseModel, OpenAIError
 from jengine.lora_request import LoRARequest
+
+
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's field; the name decides
 
 
 class ServingModels:
