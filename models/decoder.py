@@ -40,7 +40,7 @@ from jengine.models.decoder_config import (  # noqa: F401 (re-exported for the f
     sizes_from_hf,
     sliding_windows_from_hf,
 )
-from jengine.models.layers import apply_rope, gated_mlp, rms_norm, rope_cos_sin
+from jengine.models.layers import apply_rope, float32_matmuls, gated_mlp, rms_norm, rope_cos_sin
 from jengine.models.lora import lora_delta
 from jengine.models.lora import param_names as lora_param_names
 from jengine.models.lora import projection_sizes as lora_projection_sizes
@@ -172,6 +172,7 @@ class DecoderForCausalLM(nnx.Module):
         c = self.config
         return (c.num_hidden_layers, 2, c.num_key_value_heads, num_blocks, block_size, c.head_dim)
 
+    @float32_matmuls
     def __call__(
         self,
         input_ids: jax.Array,
@@ -299,6 +300,7 @@ class DecoderForCausalLM(nnx.Module):
         (hidden, kv_cache), _ = jax.lax.scan(layer, (hidden, kv_cache), xs)
         return norm(hidden, self.norm.value), kv_cache
 
+    @float32_matmuls
     def compute_logits(self, hidden: jax.Array, *, mesh: Mesh | None = None) -> jax.Array:
         """[R, D] final hidden states -> [R, V] f32 logits (computed in the model dtype, as HF;
         a padded vocabulary's rows cut off). `mesh`: the head is split over it."""

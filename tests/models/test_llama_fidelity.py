@@ -5,10 +5,15 @@ its own position, over shuffled pages of a NaN-filled cache; the same sequence f
 chunk and in several chunks gives the same logits.
 """
 
+import re
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from jengine.models import load_model
+from jengine.models import AttentionMetadata, load_model
 from tests.models.checkpoints import FAMILIES, VOCAB, hf_logits, make_checkpoint
 from tests.models.paged_batch import PagedSequences
 
@@ -79,3 +84,34 @@ def test_greedy_argmax_identical(family_checkpoint):
     seq = _sequences(4, [11])[0]
     logits = PagedSequences(model, [seq]).step({0: 11})[0]
     assert (logits.argmax(-1) == hf_logits(hf_model, seq).numpy().argmax(-1)).all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_float32_models_ask_for_float32_matmuls(tmp_path, dtype):
+    """jax runs float32 matmuls as TF32 on a GPU unless told otherwise (on an H100 a
+    float32 engine's logprobs were 1.9e-3 off transformers'): every matmul of a float32
+    model's forward and logits asks for HIGHEST precision; a bfloat16 model's keep the
+    default. (Lowered with the XLA reference attention: on this CPU the layers' matmuls
+    are kernels' custom calls, and what the test reads is the dots XLA would run.)"""
+    make_checkpoint("llama3", str(tmp_path))
+    graphdef, state = nnx.split(load_model(str(tmp_path), dtype=dtype))
+    model = nnx.merge(graphdef, state)
+    cache = jnp.zeros(model.kv_cache_shape(4, 4), model.dtype)
+    metadata = AttentionMetadata(
+        slot_mapping=jnp.arange(8, dtype=jnp.int32),
+        kv_lens=jnp.asarray([8, 0], jnp.int32),
+        block_tables=jnp.asarray([[1, 2], [0, 0]], jnp.int32),
+        query_start_loc=jnp.asarray([0, 8, 8], jnp.int32),
+        q_block_size=4,
+    )
+
+    def step(state, ids):
+        model = nnx.merge(graphdef, state)
+        hidden, _ = model(ids, ids, cache, metadata, attention_impl="reference")
+        return model.compute_logits(hidden)
+
+    text = jax.jit(step).lower(state, jnp.arange(8, dtype=jnp.int32)).as_text()
+    dots = re.findall(r"stablehlo\.dot_general[^\n]*", text)
+    assert dots
+    highest = [d for d in dots if "precision = [HIGHEST, HIGHEST]" in d]
+    assert len(highest) == (len(dots) if dtype == "float32" else 0), dots
