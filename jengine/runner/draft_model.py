@@ -40,7 +40,6 @@ from jengine.models import AttentionMetadata
 from jengine.pallas_kernels.ragged_paged_attention import resolve_impl
 from jengine.runner.buckets import next_power_of_two
 from jengine.runner.compilation import StaticJit
-from jengine.runner.huge_pages import back_with_huge_pages
 from jengine.runner.kv_cache_sizing import KVCacheSizing
 from jengine.runner.prepared_step import PreparedStep
 from jengine.runner.step import ForwardInputs
@@ -188,7 +187,6 @@ class DraftModel:
         self.num_speculative_tokens = num_speculative_tokens
         graphdef, params = nnx.split(model)
         self.params = jax.device_put(params, device)
-        back_with_huge_pages(self.params)
         cache_shape = model.kv_cache_shape(num_blocks, block_size)
         self.kv_cache = jax.device_put(jnp.zeros(cache_shape, model.dtype), device)
         q = jax.ShapeDtypeStruct(

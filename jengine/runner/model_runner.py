@@ -49,7 +49,6 @@ from jengine.runner.buckets import BucketSpec
 from jengine.runner.compilation import CompileCounter, StaticJit, compile_ahead_of_time
 from jengine.runner.draft_model import DraftModel, check_draft_model
 from jengine.runner.grammar_mask import place_grammar_rows
-from jengine.runner.huge_pages import back_with_huge_pages
 from jengine.runner.input_batch import InputBatch
 from jengine.runner.kv_cache_sizing import KVCacheSizing, default_kv_budget, weights_report
 from jengine.runner.lora_slots import LoRASlots
@@ -133,7 +132,6 @@ class ModelRunner:
         self.device = devices[0] if devices is not None else jax.local_devices()[0]
         self.replicated = tp.replicated() if tp else self.device
         self.params = jax.device_put(params, tp.param_shardings(params) if tp else self.device)
-        back_with_huge_pages(self.params)
         self.kv_sizing = KVCacheSizing.create(
             model.kv_cache_shape,
             self.dtype,

@@ -14,8 +14,6 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jengine.runner.huge_pages import back_with_huge_pages
-
 
 def updated_params(current, params, tensor_parallel, config):
     """`params` (a State, pure dict or model) in the layout of `current`; `config`: the
@@ -66,6 +64,4 @@ def updated_params(current, params, tensor_parallel, config):
         )(list(moves.values()))
         for index, array in zip(moves, moved):
             leaves[index] = array
-    updated = jax.tree.unflatten(old_tree, leaves)
-    back_with_huge_pages(updated)  # as the weights it replaces were (runner/huge_pages.py)
-    return updated
+    return jax.tree.unflatten(old_tree, leaves)
