@@ -481,6 +481,7 @@ def test_errors_have_openai_shape_and_status(server, http):
         assert anonymous.get("/health").status_code == 200
         assert anonymous.get("/version").status_code == 200
     _assert_error(http.get("/v1/nothing-here"), 404)
+    assert "Method Not Allowed" in _assert_error(http.get("/v1/completions"), 405)["message"]
     # Model names are looked up, never opened as paths.
     for name in ("../../etc/passwd", "/etc", os.path.dirname(__file__)):
         response = http.post("/v1/completions", json={"model": name, "prompt": PROMPT})
