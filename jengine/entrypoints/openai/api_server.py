@@ -2,11 +2,12 @@
 `jengine serve`.
 
 Where it sits: the top of the serving path, in the API process (which never imports jax):
-middleware.py -> routes.py -> serving_completion / serving_chat / serving_tokenization ->
-AsyncLLM -> (ZMQ) -> engine-core process. `build_app` only wires: the serving objects,
-the engine and the admission control on `app.state`, the middleware (draining, CORS with
---allowed-origins, API key, body size), the exception handlers, and routes.py's
-router. `serve_http` runs it under shutdown.py's `DrainingServer`.
+middleware.py -> routes.py -> serving_completion / serving_chat (and serving_responses over
+it) / serving_tokenization -> AsyncLLM -> (ZMQ) -> engine-core process. `build_app` only
+wires: the serving objects, the engine and the admission control on `app.state`, the
+middleware (draining, CORS with --allowed-origins, API key, body size), the exception
+handlers, and routes.py's router. `serve_http` runs it under shutdown.py's
+`DrainingServer`.
 
 Errors always have OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: bad
 or missing fields and malformed JSON -> 400, unknown model -> 404, missing or wrong API key
@@ -48,6 +49,7 @@ from jengine.entrypoints.openai.routes import router, version
 from jengine.entrypoints.openai.serving_chat import OpenAIServingChat
 from jengine.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jengine.entrypoints.openai.serving_models import ServingModels
+from jengine.entrypoints.openai.serving_responses import OpenAIServingResponses
 from jengine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from jengine.entrypoints.openai.shutdown import DrainingServer
 
@@ -97,6 +99,7 @@ def build_app(
     app.state.allow_runtime_lora_updating = allow_runtime_lora_updating
     app.state.serving_completion = OpenAIServingCompletion(engine, models)
     app.state.serving_chat = chat
+    app.state.serving_responses = OpenAIServingResponses(chat)
     app.state.serving_tokenization = OpenAIServingTokenization(engine, models, chat)
     parallel = engine.config.parallel
     app.state.admission = Admission(

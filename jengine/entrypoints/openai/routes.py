@@ -8,8 +8,8 @@ a `text/event-stream` response; a full response is awaited unless the client han
 first, which aborts its requests and answers 499. Every route documents its error
 responses (OpenAI's error body) in /openapi.json.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
-POST /detokenize, GET /health, GET /version, GET /metrics (Prometheus), and with
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models,
+POST /tokenize, POST /detokenize, GET /health, GET /version, GET /metrics (Prometheus), and with
 --allow-runtime-lora-updating POST /v1/load_lora_adapter and /v1/unload_lora_adapter.
 """
 
@@ -40,6 +40,7 @@ from jengine.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from jengine.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest
 from jengine.entrypoints.openai.serving_engine import OpenAIServing
 from jengine.entrypoints.openai.serving_models import (
     LoadLoRAAdapterRequest,
@@ -137,6 +138,12 @@ async def create_completion(body: CompletionRequest, raw_request: Request):
 @router.post("/v1/chat/completions", responses=_full_or_streamed(ChatCompletionResponse))
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request):
     serving = raw_request.app.state.serving_chat
+    return await generation_response(serving, body, raw_request)
+
+
+@router.post("/v1/responses", responses=_full_or_streamed(ResponseObject))
+async def create_response(body: ResponsesRequest, raw_request: Request):
+    serving = raw_request.app.state.serving_responses
     return await generation_response(serving, body, raw_request)
 
 

@@ -1,0 +1,274 @@
+"""The Responses API's items: input items as chat messages, and a chat reply (whole, or as
+its stream's deltas) as output items and their server-sent events.
+
+Where it sits: serving_responses.py calls `chat_messages` on the way in and
+`output_items` / `StreamedItems` on the way out; nothing here runs the engine.
+"""
+
+import json
+from dataclasses import dataclass, field
+
+import pydantic
+
+from jengine.entrypoints.openai.protocol import ChatMessage, OpenAIError, random_id
+from jengine.entrypoints.openai.protocol_responses import ResponsesRequest
+
+_TEXT_PART_TYPES = {"input_text", "output_text", "text"}
+
+
+# -- items ------------------------------------------------------------------------------------
+
+
+def output_items(message: ChatMessage) -> list[dict]:
+    """A chat reply as Responses output items, in the order the model wrote them."""
+    items = []
+    if message.reasoning_content:
+        items.append(_reasoning_item(message.reasoning_content))
+    if message.content:
+        items.append(_message_item(message.content))
+    for call in message.tool_calls or []:
+        items.append(_function_call_item(call.id, call.function.name, call.function.arguments))
+    return items
+
+
+def _reasoning_item(text: str | None, status: str = "completed") -> dict:
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {
+        "type": "reasoning",
+        "id": random_id("rs"),
+        "summary": [],
+        "content": content,
+        "status": status,
+    }
+
+
+def _output_text(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message_item(text: str | None, status: str = "completed") -> dict:
+    content = [] if text is None else [_output_text(text)]
+    return {
+        "type": "message",
+        "id": random_id("msg"),
+        "status": status,
+        "role": "assistant",
+        "content": content,
+    }
+
+
+def _function_call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
+    return {
+        "type": "function_call",
+        "id": random_id("fc"),
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+class Events:
+    """Server-sent events of the Responses API, numbered in order."""
+
+    def __init__(self):
+        self.sequence_number = 0
+
+    def __call__(self, event_type: str, **fields) -> str:
+        body = {"type": event_type, "sequence_number": self.sequence_number}
+        for name, value in fields.items():
+            body[name] = (
+                value.model_dump(mode="json", by_alias=True)
+                if isinstance(value, pydantic.BaseModel)
+                else value
+            )
+        self.sequence_number += 1
+        return f"event: {event_type}\ndata: {json.dumps(body)}\n\n"
+
+
+@dataclass
+class StreamedItems:
+    """The output items of a stream as its deltas arrive: reasoning, then the message
+    text, then the function calls (whose arguments arrive whole from the chat stream's
+    parsers at the end of each call, and are sent when the reply is done)."""
+
+    events: Events
+    output: list[dict] = field(default_factory=list)
+    texts: dict[str, list[str]] = field(default_factory=dict)  # item id -> its pieces
+    calls: dict[int, dict] = field(default_factory=dict)
+
+    def _open(self, item: dict) -> str:
+        self.output.append(item)
+        self.texts[item["id"]] = []
+        return self.events(
+            "response.output_item.added", output_index=len(self.output) - 1, item=item
+        )
+
+    def _current(self, item_type: str) -> dict | None:
+        last = self.output[-1] if self.output else None
+        return last if last is not None and last["type"] == item_type else None
+
+    def feed(self, reasoning: str | None, content: str | None) -> list[str]:
+        events = []
+        if reasoning:
+            item = self._current("reasoning")
+            if item is None:
+                item = _reasoning_item(None, status="in_progress")
+                events.append(self._open(item))
+            self.texts[item["id"]].append(reasoning)
+            events.append(self._delta("response.reasoning_text.delta", item, reasoning))
+        if content:
+            item = self._current("message")
+            if item is None:
+                item = _message_item(None, status="in_progress")
+                events.append(self._open(item))
+                events.append(self._part("response.content_part.added", item, _output_text("")))
+            self.texts[item["id"]].append(content)
+            events.append(self._delta("response.output_text.delta", item, content, logprobs=[]))
+        return events
+
+    def add_call_delta(self, call) -> None:
+        entry = self.calls.setdefault(call.index, {"id": None, "name": "", "arguments": ""})
+        entry["id"] = call.id or entry["id"]
+        if call.function is not None:
+            entry["name"] += call.function.name or ""
+            entry["arguments"] += call.function.arguments or ""
+
+    def finish(self) -> list[str]:
+        events = []
+        for item in list(self.output):
+            text = "".join(self.texts[item["id"]])
+            item["status"] = "completed"
+            if item["type"] == "reasoning":
+                item["content"] = [{"type": "reasoning_text", "text": text}]
+                events.append(self._delta("response.reasoning_text.done", item, None, text=text))
+            else:
+                part = _output_text(text)
+                item["content"] = [part]
+                events.append(
+                    self._delta("response.output_text.done", item, None, text=text, logprobs=[])
+                )
+                events.append(self._part("response.content_part.done", item, part))
+            events.append(self._done(item))
+        for _, call in sorted(self.calls.items()):
+            item = _function_call_item(
+                call["id"] or random_id("call"), call["name"], "", "in_progress"
+            )
+            events.append(self._open(item))
+            index = len(self.output) - 1
+            events.append(
+                self.events(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=index,
+                    delta=call["arguments"],
+                )
+            )
+            events.append(
+                self.events(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    arguments=call["arguments"],
+                )
+            )
+            item.update(arguments=call["arguments"], status="completed")
+            events.append(self._done(item))
+        return events
+
+    def _index(self, item: dict) -> int:
+        return next(i for i, other in enumerate(self.output) if other is item)
+
+    def _delta(self, event_type: str, item: dict, delta: str | None, **fields) -> str:
+        if delta is not None:
+            fields["delta"] = delta
+        return self.events(
+            event_type,
+            item_id=item["id"],
+            output_index=self._index(item),
+            content_index=0,
+            **fields,
+        )
+
+    def _part(self, event_type: str, item: dict, part: dict) -> str:
+        return self.events(
+            event_type,
+            item_id=item["id"],
+            output_index=self._index(item),
+            content_index=0,
+            part=part,
+        )
+
+    def _done(self, item: dict) -> str:
+        return self.events("response.output_item.done", output_index=self._index(item), item=item)
+
+
+# -- input ------------------------------------------------------------------------------------
+
+
+def chat_messages(request: ResponsesRequest) -> list[dict]:
+    """`instructions` and `input` as chat messages (a 400 naming the item it cannot take)."""
+    messages = [{"role": "system", "content": request.instructions}] if request.instructions else []
+    if isinstance(request.input, str):
+        return [*messages, {"role": "user", "content": request.input}]
+    for i, item in enumerate(request.input):
+        param = f"input.{i}"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise OpenAIError(f"unknown message role {role!r}", param=f"{param}.role")
+            role = "system" if role == "developer" else role
+            messages.append(
+                {"role": role, "content": _text(item.get("content"), f"{param}.content")}
+            )
+        elif kind == "function_call":
+            call = {
+                "id": _field(item, "call_id", param),
+                "type": "function",
+                "function": {
+                    "name": _field(item, "name", param),
+                    "arguments": item.get("arguments", ""),
+                },
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+                last["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = _text(_field(item, "output", param), f"{param}.output")
+            messages.append(
+                {"role": "tool", "tool_call_id": _field(item, "call_id", param), "content": output}
+            )
+        elif kind == "reasoning":
+            continue  # the model's own earlier reasoning: chat templates leave it out
+        else:
+            raise OpenAIError(
+                f"input items of type {kind!r} are not supported", param=f"{param}.type"
+            )
+    return messages
+
+
+def _field(item: dict, name: str, param: str):
+    if name not in item:
+        raise OpenAIError(f"a {item.get('type')} item needs {name!r}", param=f"{param}.{name}")
+    return item[name]
+
+
+def _text(content, param: str) -> str:
+    """A message's content as text: a string, or text parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise OpenAIError("content must be a string or a list of text parts", param=param)
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PART_TYPES:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise OpenAIError(
+                f"content parts of type {kind!r} are not supported (text only)",
+                param=f"{param}.{j}",
+            )
+        texts.append(str(part.get("text", "")))
+    return "".join(texts)

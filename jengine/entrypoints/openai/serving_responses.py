@@ -1,0 +1,209 @@
+"""`POST /v1/responses`: OpenAI's Responses API, served through the chat path.
+
+Where it sits: routes.py hands a `ResponsesRequest` to `prepare`; this class turns it into
+a `ChatCompletionRequest` (`instructions` as the system message, input items as messages,
+function tools and `text.format` as the chat's tools and response_format) and lets the
+server's chat serving (serving_chat.py) render, constrain, run and parse it: one copy of
+templating, tools, structured outputs and streaming. The chat reply then becomes a
+response object: reasoning (with --reasoning-parser) as a "reasoning" item, the text as a
+"message" item with one output_text part, each tool call as a "function_call" item whose
+`call_id` the client sends back in a "function_call_output" item; usage as input and
+output tokens; status "incomplete" when max_output_tokens cut the reply.
+
+A stream is the Responses event sequence, each event `event: <type>` + its JSON with a
+`sequence_number`: response.created, response.in_progress; per item in order,
+response.output_item.added, then its deltas (response.reasoning_text.delta,
+response.content_part.added + response.output_text.delta, or
+response.function_call_arguments.delta), their .done events and response.output_item.done;
+last response.completed (or response.incomplete). An error mid-stream is an "error" event
+naming the cause.
+
+Decided: jengine keeps no responses, so `store: true`, `previous_response_id` and
+`background: true` are 400s naming the field (a client sends the conversation as input
+items instead, as with `store: false`).
+"""
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import pydantic
+
+from jengine.entrypoints.openai.errors import to_openai_error
+from jengine.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError, now
+from jengine.entrypoints.openai.protocol_responses import (
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+)
+from jengine.entrypoints.openai.responses_items import (
+    Events,
+    StreamedItems,
+    chat_messages,
+    output_items,
+)
+from jengine.entrypoints.openai.serving_chat import OpenAIServingChat
+from jengine.entrypoints.openai.serving_engine import OpenAIServing, PreparedRequest, StreamUsage
+from jengine.outputs import RequestOutput
+
+
+@dataclass
+class PreparedResponse(PreparedRequest):
+    chat_request: ChatCompletionRequest | None = None
+
+
+class OpenAIServingResponses(OpenAIServing):
+    request_id_prefix = "resp"
+
+    def __init__(self, chat: OpenAIServingChat):
+        super().__init__(chat.engine, chat.models)
+        self.chat = chat
+
+    def prepare(self, request: ResponsesRequest) -> PreparedResponse:
+        for name, refused in (
+            ("store", request.store),
+            ("previous_response_id", request.previous_response_id),
+            ("background", request.background),
+        ):
+            if refused:
+                raise OpenAIError(
+                    f"{name} is not supported: jengine keeps no responses; send the whole "
+                    "conversation as input items (store=false)",
+                    param=name,
+                )
+        chat_request = self.chat_request(request)
+        prepared = self.chat.prepare(chat_request)
+        return PreparedResponse(**vars(prepared), chat_request=chat_request)
+
+    def chat_request(self, request: ResponsesRequest) -> ChatCompletionRequest:
+        fmt = request.text.format if request.text else None
+        response_format = None
+        if fmt is not None and fmt.type == "json_object":
+            response_format = {"type": "json_object"}
+        elif fmt is not None and fmt.type == "json_schema":
+            schema = dict(name=fmt.name, description=fmt.description, strict=fmt.strict)
+            response_format = {
+                "type": "json_schema",
+                "json_schema": {**schema, "schema": fmt.schema_},
+            }
+        tool_choice = request.tool_choice
+        if tool_choice is not None and not isinstance(tool_choice, str):
+            tool_choice = {"type": "function", "function": {"name": tool_choice.name}}
+        body = dict(
+            model=request.model,
+            messages=chat_messages(request),
+            max_completion_tokens=request.max_output_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            stream=request.stream,
+            tools=[
+                {
+                    "type": "function",
+                    "function": tool.model_dump(exclude={"type"}, exclude_none=True),
+                }
+                for tool in request.tools or []
+            ]
+            or None,
+            tool_choice=tool_choice,
+            parallel_tool_calls=request.parallel_tool_calls,
+            response_format=response_format,
+            user=request.user,
+            priority=request.priority,
+            request_id=self.response_id(request),
+        )
+        try:
+            return ChatCompletionRequest.model_validate(body)
+        except pydantic.ValidationError as e:
+            error = e.errors()[0]
+            where = ".".join(str(part) for part in error.get("loc", ()))
+            raise OpenAIError(f"{where}: {error.get('msg')}", param="input") from None
+
+    # -- full response --------------------------------------------------------------------
+
+    def response(
+        self, request: ResponsesRequest, prepared: PreparedResponse, finals: list[RequestOutput]
+    ) -> ResponseObject:
+        chat = self.chat.response(prepared.chat_request, prepared, finals)
+        [choice] = chat.choices
+        output = output_items(choice.message)
+        return self.response_object(
+            request, prepared, output, choice.finish_reason, chat.usage.prompt_tokens,
+            chat.usage.completion_tokens,
+        )  # fmt: skip
+
+    def response_object(
+        self,
+        request: ResponsesRequest,
+        prepared: PreparedResponse,
+        output: list[dict],
+        finish_reason: str | None,
+        input_tokens: int,
+        output_tokens: int,
+    ) -> ResponseObject:
+        """The response with `output`; in progress while `finish_reason` is None."""
+        status, incomplete = "completed", None
+        if finish_reason is None:
+            status = "in_progress"
+        elif finish_reason == "length":
+            status, incomplete = "incomplete", {"reason": "max_output_tokens"}
+        return ResponseObject(
+            id=prepared.request_id,
+            created_at=now(),
+            status=status,
+            model=prepared.model,
+            output=output,
+            instructions=request.instructions,
+            max_output_tokens=request.max_output_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            tools=request.tools or [],
+            tool_choice=request.tool_choice or "auto",
+            parallel_tool_calls=request.parallel_tool_calls is not False,
+            text=request.text or {},
+            usage=None
+            if finish_reason is None
+            else ResponseUsage(
+                input_tokens=input_tokens,
+                output_tokens=output_tokens,
+                total_tokens=input_tokens + output_tokens,
+            ),
+            incomplete_details=incomplete,
+            metadata=request.metadata,
+        )
+
+    # -- streaming ------------------------------------------------------------------------
+
+    async def stream(
+        self, request: ResponsesRequest, prepared: PreparedResponse
+    ) -> AsyncIterator[str]:
+        events = Events()
+        counts = StreamUsage(len(prepared.prompts[0].token_ids))
+        started = self.response_object(request, prepared, [], None, counts.prompt_tokens, 0)
+        yield events("response.created", response=started)
+        yield events("response.in_progress", response=started)
+        items = StreamedItems(events)
+        finish_reason = None
+        try:
+            chunks = self.chat.stream_chunks(prepared.chat_request, prepared, counts)
+            async with aclosing(chunks) as chunks:
+                async for chunk in chunks:
+                    [choice] = chunk.choices
+                    delta = choice.delta
+                    for event in items.feed(delta.reasoning_content, delta.content):
+                        yield event
+                    for call in delta.tool_calls or []:
+                        items.add_call_delta(call)
+                    finish_reason = choice.finish_reason or finish_reason
+            for event in items.finish():
+                yield event
+            final = self.response_object(
+                request, prepared, items.output, finish_reason, counts.prompt_tokens,
+                counts.completion_tokens,
+            )  # fmt: skip
+            done = "response.incomplete" if final.status == "incomplete" else "response.completed"
+            yield events(done, response=final)
+        except Exception as e:
+            error = to_openai_error(e)
+            yield events(
+                "error", code=str(error.status_code), message=error.message, param=error.param
+            )

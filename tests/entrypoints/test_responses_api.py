@@ -1,0 +1,180 @@
+"""OpenAI's Responses API on a real model: `jengine serve smollm2` driven by the official
+`openai` client's `responses.create`: a plain answer equal to the chat route's, a streamed
+one whose events come in order and whose deltas join to the full text, a function tool
+round trip (the call, then its output sent back as an input item), a JSON-schema text
+format, and the clear 400s for what jengine does not keep (stored responses)."""
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from tests.entrypoints.remote_server import RemoteServer
+from tests.entrypoints.test_smollm2_chat import LIMITS, QUESTION
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Get the current weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def client():
+    with RemoteServer("smollm2", [*LIMITS, "--disable-uvicorn-access-log"]) as server:
+        yield openai.OpenAI(base_url=server.url_for("v1"), api_key="unused", max_retries=0)
+
+
+def respond(client, **kwargs):
+    return client.responses.create(model="smollm2", **{"temperature": 0, **kwargs})
+
+
+def test_a_plain_response_is_the_chat_answer(client):
+    response = respond(client, input=QUESTION, max_output_tokens=32)
+    assert response.id.startswith("resp") and response.status == "completed"
+    [message] = response.output
+    assert message.type == "message" and message.role == "assistant"
+    assert "Paris" in response.output_text
+    chat = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": QUESTION}],
+        temperature=0,
+        max_tokens=32,
+    )
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    assert response.usage.total_tokens == chat.usage.total_tokens
+
+
+def test_instructions_and_message_items_are_the_chat_messages(client):
+    blue = [{"type": "output_text", "text": "Blue."}]
+    items = [
+        {"role": "user", "content": "Name a colour."},
+        {"type": "message", "role": "assistant", "content": blue},
+        {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]},
+    ]
+    response = respond(client, instructions="Answer in one sentence.", input=items,
+                       max_output_tokens=24)  # fmt: skip
+    chat = client.chat.completions.create(
+        model="smollm2",
+        messages=[
+            {"role": "system", "content": "Answer in one sentence."},
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": QUESTION},
+        ],
+        temperature=0,
+        max_tokens=24,
+    )
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_a_cut_off_response_is_incomplete(client):
+    response = respond(client, input=QUESTION, max_output_tokens=3)
+    assert response.status == "incomplete"
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.output_tokens == 3
+
+
+def test_streamed_events_come_in_order_and_join_to_the_text(client):
+    whole = respond(client, input=QUESTION, max_output_tokens=32)
+    events = list(respond(client, input=QUESTION, max_output_tokens=32, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    types = [e.type for e in events]
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 1
+    assert types == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * len(deltas),
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    text = "".join(e.delta for e in deltas)
+    assert text == whole.output_text == events[-4].text
+    final = events[-1].response
+    assert final.status == "completed" and final.output_text == text
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    item_id = events[2].item.id
+    assert all(e.item_id == item_id for e in deltas) and final.output[0].id == item_id
+
+
+def test_a_function_tool_round_trip(client):
+    question = "What is the weather like in Tokyo today?"
+    response = respond(client, input=question, tools=[WEATHER], tool_choice="required",
+                       max_output_tokens=60)  # fmt: skip
+    [call] = response.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert json.loads(call.arguments)["city"] == "Tokyo"
+    assert response.tools[0].name == "get_weather" and response.tool_choice == "required"
+
+    streamed = list(respond(client, input=question, tools=[WEATHER], tool_choice="required",
+                            max_output_tokens=60, stream=True))  # fmt: skip
+    [added] = [e for e in streamed if e.type == "response.output_item.added"]
+    assert added.item.type == "function_call"
+    [done] = [e for e in streamed if e.type == "response.function_call_arguments.done"]
+    assert done.arguments == call.arguments
+    assert streamed[-1].response.output[0].arguments == call.arguments
+
+    result = {"temperature_c": 21, "sky": "clear"}
+    follow_up = [
+        {"role": "user", "content": question},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name,
+         "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": json.dumps(result)},
+    ]  # fmt: skip
+    answer = respond(client, input=follow_up, tools=[WEATHER], tool_choice="none",
+                     max_output_tokens=40)  # fmt: skip
+    [message] = answer.output
+    assert message.type == "message" and answer.output_text
+    # The call and its result reached the prompt.
+    assert answer.usage.input_tokens > response.usage.input_tokens + 10
+
+
+def test_a_json_schema_text_format_validates(client):
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    }
+    text = {"format": {"type": "json_schema", "name": "capital", "schema": schema, "strict": True}}
+    response = respond(client, input="Give the capital of France as JSON.", text=text,
+                       max_output_tokens=60)  # fmt: skip
+    answer = json.loads(response.output_text)
+    jsonschema.validate(answer, schema)
+    assert "Paris" in answer["city"]
+    assert response.text.format.type == "json_schema"
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        (dict(input=QUESTION, store=True), "store"),
+        (dict(input=QUESTION, previous_response_id="resp-123"), "previous_response_id"),
+        (dict(input=[{"type": "file_search_call", "id": "x"}]), "input.0.type"),
+        (
+            dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
+            "input.0.content.0",
+        ),  # fmt: skip
+        (dict(input=[{"type": "function_call_output", "output": "{}"}]), "input.0.call_id"),
+        (dict(input=QUESTION, tools=[WEATHER], tool_choice="auto"), "tool_choice"),
+    ],
+)
+def test_what_is_not_served_is_a_400_naming_it(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        respond(client, **kwargs)
+    assert caught.value.body["param"] == param
