@@ -20,6 +20,10 @@
 #include <string>
 #include <thread>
 
+#ifdef __FMA__
+#include <immintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -39,6 +43,17 @@ inline v8 Load(const float* p) {
   v8 x;
   std::memcpy(&x, p, sizeof(x));
   return x;
+}
+
+// acc + u * w, fused into one rounding where the CPU can: every loop below sums through it,
+// so an output's bits do not depend on which loop ran (GCC fuses `a += u * w` in some
+// loops and not in others when left to itself).
+inline v8 MulAdd(v8 acc, v8 u, v8 w) {
+#ifdef __FMA__
+  return v8(_mm256_fmadd_ps(__m256(u), __m256(w), __m256(acc)));
+#else
+  return acc + u * w;
+#endif
 }
 
 inline float Sum(v8 v) {
@@ -71,8 +86,8 @@ void Outputs(const Work& p, int64_t j) {
       const v8 u = Load(xa + d), v = Load(xb + d);
       for (int r = 0; r < R; ++r) {
         const v8 row = Load(w[r] + d);
-        a[r] += u * row;
-        b[r] += v * row;
+        a[r] = MulAdd(a[r], u, row);
+        b[r] = MulAdd(b[r], v, row);
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -85,39 +100,20 @@ void Outputs(const Work& p, int64_t j) {
     v8 a[R] = {};
     for (int64_t d = 0; d < D; d += kLanes) {
       const v8 u = Load(xa + d);
-      for (int r = 0; r < R; ++r) a[r] += u * Load(w[r] + d);
+      for (int r = 0; r < R; ++r) a[r] = MulAdd(a[r], u, Load(w[r] + d));
     }
     for (int r = 0; r < R; ++r) p.out[t * F + j + r] = Sum(a[r]);
   }
 }
 
-// One row of x (a single-stream decode step): each weight row is read as one sequential
-// stream, with four accumulators so the adds' latency hides behind the loads. Reading four
-// rows side by side instead (`Outputs<4>`, which shares each load of x between rows) gives
-// the hardware prefetcher four interleaved streams, and measured 16-26 GB/s against 25-40
-// for this on the same weights (bench/README.md).
-void OneRowOutputs(const Work& p, int64_t begin, int64_t end) {
-  const int64_t D = p.dim;
-  const float* x = p.x;
-  for (int64_t j = begin; j < end; ++j) {
-    const float* w = p.w + j * D;
-    v8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
-    int64_t d = 0;
-    for (; d + 4 * kLanes <= D; d += 4 * kLanes) {
-      a0 += Load(x + d) * Load(w + d);
-      a1 += Load(x + d + kLanes) * Load(w + d + kLanes);
-      a2 += Load(x + d + 2 * kLanes) * Load(w + d + 2 * kLanes);
-      a3 += Load(x + d + 3 * kLanes) * Load(w + d + 3 * kLanes);
-    }
-    for (; d < D; d += kLanes) a0 += Load(x + d) * Load(w + d);
-    p.out[j] = Sum((a0 + a1) + (a2 + a3));
-  }
-}
-
-// Several rows of x: still one weight row at a time (one sequential stream), each piece of
-// it multiplied with TR rows of x starting at t0 (x stays in L1). Up to kStreamRows rows
-// this beats `Outputs<4>` (2-8 rows of a 1408 x 512 layer: 90-144 us against 140-201);
-// past it the arithmetic dominates and sharing loads between weight rows wins again.
+// Up to kStreamRows rows of x (a single-stream decode step has one): one weight row at a
+// time, read as one sequential stream, each piece of it multiplied with TR rows of x from
+// t0 on (x stays in L1). `Outputs<4>` reads four weight rows side by side instead, which
+// hands the hardware prefetcher four interleaved streams: for one row of x it read 16-26
+// GB/s where this reads 25-40 on the same weights, and 2-8 rows of a 1408 x 512 layer take
+// 90-144 us here against 140-201 (bench/README.md). Past kStreamRows the arithmetic
+// dominates and sharing each load between weight rows wins again. Both sum each output in
+// the same order, so results do not depend on which loop ran.
 template <int TR>
 void RowsOutputs(const Work& p, int64_t begin, int64_t end, int64_t t0) {
   const int64_t D = p.dim, F = p.num_outputs;
@@ -127,7 +123,7 @@ void RowsOutputs(const Work& p, int64_t begin, int64_t end, int64_t t0) {
     v8 acc[TR] = {};
     for (int64_t d = 0; d < D; d += kLanes) {
       const v8 row = Load(w + d);
-      for (int t = 0; t < TR; ++t) acc[t] += Load(x + t * D + d) * row;
+      for (int t = 0; t < TR; ++t) acc[t] = MulAdd(acc[t], Load(x + t * D + d), row);
     }
     for (int t = 0; t < TR; ++t) p.out[(t0 + t) * F + j] = Sum(acc[t]);
   }
@@ -149,9 +145,7 @@ void Drain(Work& p) {
     if (item >= p.num_items) return;
     const int64_t begin = item * p.outputs_per_item;
     const int64_t end = std::min(p.num_outputs, begin + p.outputs_per_item);
-    if (p.num_rows == 1) {
-      OneRowOutputs(p, begin, end);
-    } else if (p.num_rows <= kStreamRows) {
+    if (p.num_rows <= kStreamRows) {
       ManyRows(p, begin, end);
     } else {
       int64_t j = begin;

@@ -37,6 +37,15 @@ def test_kernel_matches_reference_and_float64(rows, dim, outputs):
     np.testing.assert_allclose(ours, stacked_matmul_reference(x, w, 1), rtol=1e-5, atol=1e-4)
 
 
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+    """1-8 rows stream each weight row alone, 9-16 read four side by side: both sum in the
+    same order, so a request's logits are the same bits alone or in a batch."""
+    x, w = operands(16, 136, 40)
+    whole = np.asarray(kernel(x, w, 1))
+    for rows in (1, 2, 5, 8, 9, 13):
+        np.testing.assert_array_equal(np.asarray(kernel(x[:rows], w, 1)), whole[:rows])
+
+
 def test_every_layer_and_a_traced_index():
     x, w = operands(2, 32, 12, layers=4, layer=0)
     w = np.random.default_rng(1).standard_normal(w.shape).astype(np.float32)
