@@ -111,7 +111,7 @@ void Outputs(const Work& p, int64_t j) {
 // t0 on (x stays in L1). `Outputs<4>` reads four weight rows side by side instead, which
 // hands the hardware prefetcher four interleaved streams: for one row of x it read 16-26
 // GB/s where this reads 25-40 on the same weights, and 2-8 rows of a 1408 x 512 layer take
-// 90-144 us here against 140-201 (bench/README.md). Past kStreamRows the arithmetic
+// 88-143 us here against 140-201 (bench/README.md). Past kStreamRows the arithmetic
 // dominates and sharing each load between weight rows wins again. Both sum each output in
 // the same order, so results do not depend on which loop ran.
 template <int TR>
