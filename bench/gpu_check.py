@@ -37,19 +37,18 @@ from .common import package_versions, token_match
 from .latency import single_stream
 from .roofline import weight_bytes, workload_flops
 from .tokenizer import write_bench_tokenizer
-from .workloads import workload_a, workload_c
+from .workloads import BENCH_MODEL, workload_a, workload_c
 
-# About Llama-3.2-1B's shape with the benchmark tokenizer's vocabulary: 1.10B parameters.
+# About Llama-3.2-1B's shape with the benchmark model's vocabulary and tokenizer: 1.10B
+# parameters.
 SPEED_MODEL = dict(
-    vocab_size=32000,
+    BENCH_MODEL,
     hidden_size=2048,
     num_hidden_layers=16,
     num_attention_heads=32,
     num_key_value_heads=8,
     intermediate_size=8192,
     max_position_embeddings=4096,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
 )
 PREFILL_TOKENS = 2048
 KV_CACHE_BYTES = 16 << 30
@@ -92,26 +91,14 @@ def section_kernel(args) -> dict:
 
     from jengine.pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
     from jengine.pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
-    from tests.kernels.conftest import build_batch, naive_attention
-    from tests.kernels.test_pallas_interpret import BATCHES, CASES
+    from tests.kernels.conftest import naive_attention
+    from tests.kernels.test_pallas_interpret import CASES, case_batch
 
     rows = []
     for dtype in (np.float32, jnp.bfloat16):
         for case in CASES:
-            batch_name, num_q_heads, num_kv_heads, head_dim, block_size, q_block, window = case
-            q_lens, kv_lens, pad_tokens = BATCHES[batch_name]
-            batch = build_batch(
-                sum(q_lens),
-                q_lens,
-                kv_lens,
-                num_q_heads=num_q_heads,
-                num_kv_heads=num_kv_heads,
-                head_dim=head_dim,
-                block_size=block_size,
-                pad_tokens=pad_tokens,
-                dtype=dtype,
-            )
-            kwargs = dict(sm_scale=head_dim**-0.5, q_block_size=q_block, sliding_window=window)
+            batch, kwargs = case_batch(*case, dtype=dtype)
+            window = kwargs["sliding_window"]
             oracle = naive_attention(batch, kwargs["sm_scale"], window)
             num_real = int(batch.query_start_loc[-1])
             row = dict(case="-".join(map(str, case)), dtype=np.dtype(dtype).name)

@@ -11,18 +11,9 @@ import openai
 import pytest
 
 from tests.entrypoints.remote_server import RemoteServer
-from tests.entrypoints.test_smollm2_chat import LIMITS, QUESTION
+from tests.entrypoints.test_smollm2_chat import GET_WEATHER, LIMITS, QUESTION
 
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "Get the current weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-    },
-}
+WEATHER = {"type": "function", **GET_WEATHER}  # the Responses API's flat form
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,16 @@ import pytest
 from tests.entrypoints.remote_server import RemoteServer
 
 QUESTION = "What is the capital of France?"
+# The function the tool tests force a call of (test_responses_api.py too).
+GET_WEATHER = {
+    "name": "get_weather",
+    "description": "Get the current weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
 # A few shapes: one request at a time, short prompts.
 LIMITS = ["--max-model-len", "256", "--max-num-seqs", "2", "--max-num-batched-tokens", "128"]
 
@@ -106,18 +116,7 @@ def test_capital_as_json(client):
 
 
 def test_required_tool_call_names_the_city(client):
-    weather = {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Get the current weather in a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    }
+    weather = {"type": "function", "function": GET_WEATHER}
     reply = client.chat.completions.create(
         model="smollm2",
         messages=[{"role": "user", "content": "What is the weather like in Tokyo today?"}],

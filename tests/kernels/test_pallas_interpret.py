@@ -23,6 +23,7 @@ from jengine.pallas_kernels.ragged_paged_attention import (
 )
 from jengine.pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 from jengine.pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
+from tests.kernels.conftest import build_batch
 
 KERNELS = {
     "gpu": functools.partial(ragged_paged_attention_gpu, interpret=True),
@@ -58,8 +59,7 @@ CASES = [
 ]
 
 
-def _run_case(
-    impl,
+def case_batch(
     batch_name,
     num_q_heads,
     num_kv_heads,
@@ -67,11 +67,12 @@ def _run_case(
     block_size,
     q_block_size,
     sliding_window,
-    make_batch,
     dtype=np.float32,
 ):
+    """One case of the grid (a CASES row): its batch and the kernels' keyword arguments.
+    (bench/gpu_check.py runs the same grid on a real GPU.)"""
     q_lens, kv_lens, pad_tokens = BATCHES[batch_name]
-    batch = make_batch(
+    batch = build_batch(
         sum(q_lens),
         q_lens,
         kv_lens,
@@ -83,6 +84,11 @@ def _run_case(
         dtype=dtype,
     )
     kwargs = dict(sm_scale=head_dim**-0.5, q_block_size=q_block_size, sliding_window=sliding_window)
+    return batch, kwargs
+
+
+def _run_case(impl, *case, dtype=np.float32):
+    batch, kwargs = case_batch(*case, dtype=dtype)
     out = KERNELS[impl](*batch.args, **kwargs)
     expected = reference(*batch.args, **kwargs)
     return batch, out, expected
@@ -90,8 +96,8 @@ def _run_case(
 
 @pytest.mark.parametrize("impl", sorted(KERNELS))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_kernel_matches_reference(make_batch, impl, case):
-    batch, out, expected = _run_case(impl, *case, make_batch)
+def test_kernel_matches_reference(impl, case):
+    batch, out, expected = _run_case(impl, *case)
     assert out.shape == expected.shape and out.dtype == expected.dtype
     out = np.asarray(out)
     assert np.isfinite(out).all(), "a kernel read a NaN slot it should have skipped"
@@ -125,10 +131,8 @@ def test_a_layers_own_window_traced_and_soft_capping(make_batch, impl, window, s
 
 
 @pytest.mark.parametrize("impl", sorted(KERNELS))
-def test_kernel_bf16(make_batch, impl):
-    _, out, expected = _run_case(
-        impl, "mixed", 8, 2, 128, 16, 16, None, make_batch, dtype=jnp.bfloat16
-    )
+def test_kernel_bf16(impl):
+    _, out, expected = _run_case(impl, "mixed", 8, 2, 128, 16, 16, None, dtype=jnp.bfloat16)
     assert out.dtype == jnp.bfloat16
     # The kernels feed bf16 probabilities to the PV dot like flash attention; the reference
     # stays in float32 throughout.

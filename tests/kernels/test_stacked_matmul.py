@@ -26,8 +26,17 @@ def operands(rows: int, dim: int, outputs: int, layers: int = 3, layer: int = 1,
 
 @pytest.mark.parametrize(
     "rows, dim, outputs",
-    [(1, 576, 1536), (1, 8, 1), (1, 72, 5), (2, 64, 17), (3, 128, 7), (5, 72, 33), (8, 64, 9),
-     (9, 64, 9), (16, 256, 100)],  # fmt: skip
+    [
+        (1, 576, 1536),
+        (1, 8, 1),
+        (1, 72, 5),
+        (2, 64, 17),
+        (3, 128, 7),
+        (5, 72, 33),
+        (8, 64, 9),
+        (9, 64, 9),
+        (16, 256, 100),
+    ],
 )
 def test_kernel_matches_reference_and_float64(rows, dim, outputs):
     x, w = operands(rows, dim, outputs)

@@ -116,15 +116,21 @@ class StreamedItems:
                 item = _reasoning_item(None, status="in_progress")
                 events.append(self._open(item))
             self.texts[item["id"]].append(reasoning)
-            events.append(self._delta("response.reasoning_text.delta", item, reasoning))
+            events.append(
+                self._content_event("response.reasoning_text.delta", item, delta=reasoning)
+            )
         if content:
             item = self._current("message")
             if item is None:
                 item = _message_item(None, status="in_progress")
                 events.append(self._open(item))
-                events.append(self._part("response.content_part.added", item, _output_text("")))
+                events.append(
+                    self._content_event("response.content_part.added", item, part=_output_text(""))
+                )
             self.texts[item["id"]].append(content)
-            events.append(self._delta("response.output_text.delta", item, content, logprobs=[]))
+            events.append(
+                self._content_event("response.output_text.delta", item, delta=content, logprobs=[])
+            )
         return events
 
     def add_call_delta(self, call) -> None:
@@ -141,14 +147,14 @@ class StreamedItems:
             item["status"] = "completed"
             if item["type"] == "reasoning":
                 item["content"] = [{"type": "reasoning_text", "text": text}]
-                events.append(self._delta("response.reasoning_text.done", item, None, text=text))
+                events.append(self._content_event("response.reasoning_text.done", item, text=text))
             else:
                 part = _output_text(text)
                 item["content"] = [part]
                 events.append(
-                    self._delta("response.output_text.done", item, None, text=text, logprobs=[])
+                    self._content_event("response.output_text.done", item, text=text, logprobs=[])
                 )
-                events.append(self._part("response.content_part.done", item, part))
+                events.append(self._content_event("response.content_part.done", item, part=part))
             events.append(self._done(item))
         for _, call in sorted(self.calls.items()):
             item = _function_call_item(
@@ -156,22 +162,15 @@ class StreamedItems:
             )
             events.append(self._open(item))
             index = len(self.output) - 1
-            events.append(
-                self.events(
-                    "response.function_call_arguments.delta",
-                    item_id=item["id"],
-                    output_index=index,
-                    delta=call["arguments"],
+            for event_type, key in (("delta", "delta"), ("done", "arguments")):
+                events.append(
+                    self.events(
+                        f"response.function_call_arguments.{event_type}",
+                        item_id=item["id"],
+                        output_index=index,
+                        **{key: call["arguments"]},
+                    )
                 )
-            )
-            events.append(
-                self.events(
-                    "response.function_call_arguments.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    arguments=call["arguments"],
-                )
-            )
             item.update(arguments=call["arguments"], status="completed")
             events.append(self._done(item))
         return events
@@ -179,24 +178,14 @@ class StreamedItems:
     def _index(self, item: dict) -> int:
         return next(i for i, other in enumerate(self.output) if other is item)
 
-    def _delta(self, event_type: str, item: dict, delta: str | None, **fields) -> str:
-        if delta is not None:
-            fields["delta"] = delta
+    def _content_event(self, event_type: str, item: dict, **fields) -> str:
+        """An event about `item`'s one content part (reasoning text or output text)."""
         return self.events(
             event_type,
             item_id=item["id"],
             output_index=self._index(item),
             content_index=0,
             **fields,
-        )
-
-    def _part(self, event_type: str, item: dict, part: dict) -> str:
-        return self.events(
-            event_type,
-            item_id=item["id"],
-            output_index=self._index(item),
-            content_index=0,
-            part=part,
         )
 
     def _done(self, item: dict) -> str:
