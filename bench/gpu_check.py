@@ -15,7 +15,10 @@ section, each timed and its failure recorded rather than raised, the results wri
   the XLA reference attention;
 - speed: a ~1.1B-parameter bfloat16 random Llama: single-stream decode (workload C)
   against the HBM roofline, prefill MFU of one 2048-token step, workload A throughput;
-  with the Pallas kernel and with the XLA reference attention, in one run.
+  with the Pallas kernel and with the XLA reference attention, in one run;
+- quant: that model's weights as bf16, int8 and fp8 (weight-only) through XLA's
+  dequantizing matmuls on the GPU: resident bytes, single-stream decode, TTFT, greedy
+  agreement with bf16.
 
 It needs the repository on PYTHONPATH (the tests' fixtures) and jengine installed, run
 from outside the repository so the installed package is the one imported:
@@ -313,7 +316,68 @@ def section_speed(args) -> dict:
     return results
 
 
-SECTIONS = dict(env=section_env, kernel=section_kernel, engine=section_engine, speed=section_speed)
+# -- quant ----------------------------------------------------------------------------------
+
+
+def section_quant(args) -> dict:
+    """The 1.1B model's weights as bf16, int8 and fp8 (weight-only, per output channel),
+    their matmuls through XLA's dequantization on the GPU: resident bytes, single-stream
+    decode and TTFT, and greedy agreement with bf16, in one run. A small batch shape keeps
+    each engine's warmup short; the attention is the Pallas kernel in all three."""
+    from flax import nnx
+
+    from jengine import LLM, SamplingParams
+    from jengine.runner.kv_cache_sizing import weight_bytes as resident_bytes
+
+    path = _build_speed_model(os.path.join(args.workdir, "llama-1b"))
+    prompts, max_tokens = workload_c()
+    results = dict(model=SPEED_MODEL)
+    tokens = {}
+    for method in ("none", "int8", "fp8"):
+        try:
+            started = time.perf_counter()
+            llm = LLM(
+                path,
+                dtype="bfloat16",
+                quantization=method,
+                max_model_len=1024,
+                max_num_seqs=4,
+                max_num_batched_tokens=256,
+                kv_cache_memory_bytes=1 << 30,
+            )
+            runner = llm.engine_core.runner
+            row = dict(start_s=round(time.perf_counter() - started, 1))
+            params = nnx.to_pure_dict(runner.params)
+            row["weight_bytes"] = resident_bytes(params, runner.dtype)[0]
+            latency = single_stream(llm, prompts[0], max_tokens, args.repeats)
+            row.update(
+                ttft_ms=latency["ttft_s"] * 1e3,
+                decode_tok_per_s=latency["decode_tok_per_s"],
+                compiles_after_warmup=runner.compiles_after_warmup,
+            )
+            greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+            requests = [{"prompt_token_ids": p} for p in prompts[:1]]
+            outputs = llm.generate(requests, greedy, use_tqdm=False)
+            tokens[method] = [list(o.outputs[0].token_ids) for o in outputs]
+            del llm
+        except Exception as exc:
+            row = dict(error=_error(exc))
+        gc.collect()
+        results[method] = row
+        print(method, json.dumps(row), flush=True)
+    for method in ("int8", "fp8"):
+        if "none" in tokens and method in tokens:
+            results[method]["greedy_vs_bf16"] = token_match(tokens["none"], tokens[method])
+    return results
+
+
+SECTIONS = dict(
+    env=section_env,
+    kernel=section_kernel,
+    engine=section_engine,
+    speed=section_speed,
+    quant=section_quant,
+)
 
 
 def main(argv: list[str] | None = None) -> None:
