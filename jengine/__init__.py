@@ -2,11 +2,19 @@
 
 Public API (importing it loads jax through the offline engine; the API-server process
 imports only `jengine.entrypoints.openai`, which does not):
-    LLM, SamplingParams, RequestOutput, CompletionOutput, LoRARequest
+    LLM, SamplingParams, RequestOutput, CompletionOutput, LoRARequest,
+    PoolingParams, EmbeddingRequestOutput (an embedding engine: `LLM(runner="pooling")`)
 """
 
 from jengine.lora_request import LoRARequest
-from jengine.outputs import CompletionOutput, Logprob, RequestOutput
+from jengine.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestOutput,
+)
+from jengine.pooling import PoolingParams
 from jengine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -23,8 +31,11 @@ def __getattr__(name):
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "Logprob",
     "LoRARequest",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",

@@ -20,6 +20,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
+from jengine.pooling import PoolerConfig
+
 # vLLM's `--quantization` values jengine takes (None: what the checkpoint holds; the
 # methods are models/quantize.METHODS).
 QUANTIZATION_CHOICES = (None, "none", "gguf", "compressed-tensors", "int8", "fp8")
@@ -152,6 +154,9 @@ class ModelConfig:
     max_model_len: None -> the model's max_position_embeddings.
     seed: seeds the engine's sampling of requests that bring no seed.
     attention_impl: force "reference" / "cpu" / "gpu" / "tpu" attention (None: by backend).
+    runner: vLLM's `--runner`: "generate", or "pooling" for an embedding engine, which
+        pools each prompt as `pooler` says (jengine/pooling.py) and generates nothing.
+    pooler: the pooling of a "pooling" runner (None otherwise).
     """
 
     model: str | None = None
@@ -161,8 +166,22 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     attention_impl: str | None = None
+    runner: str = "generate"
+    pooler: PoolerConfig | None = None
 
     def __post_init__(self) -> None:
+        _require(
+            self.runner in ("generate", "pooling"),
+            "runner",
+            "must be generate or pooling",
+            self.runner,
+        )
+        _require(
+            (self.pooler is not None) == (self.runner == "pooling"),
+            "pooler",
+            "is set for the pooling runner and only for it",
+            self.pooler,
+        )
         _require(
             self.dtype in ("auto", "float32", "bfloat16", "float16", "float", "half"),
             "dtype",

@@ -1,8 +1,9 @@
-"""What users get back: RequestOutput and CompletionOutput, with vLLM's names and meanings.
+"""What users get back: RequestOutput and CompletionOutput, with vLLM's names and meanings;
+EmbeddingRequestOutput from an embedding engine.
 
 Where it sits: the output processor (jengine/engine/output_processor.py) builds these from
-the engine core's token ids; `LLM.generate`, `LLMEngine.step` and `AsyncLLM.generate`
-return them.
+the engine core's token ids (or pooled vectors); `LLM.generate`, `LLM.embed`,
+`LLMEngine.step` and `AsyncLLM.generate` / `encode` return them.
 """
 
 from __future__ import annotations
@@ -56,3 +57,23 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """One prompt's embedding (vLLM's name); `finished` is always true: it comes once."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0

@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 
 from jengine.lora_request import LoRARequest
+from jengine.pooling import PoolingParams
 from jengine.sampling_params import SamplingParams
 
 # -- front end -> engine core ---------------------------------------------------------------
@@ -44,6 +45,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     arrival_time: float = 0.0
     priority: int = 0
     lora_request: LoRARequest | None = None
+    # An embedding request (the engine runs `--runner pooling`): its sampling_params are
+    # the engine's own one greedy token, never shown.
+    pooling_params: PoolingParams | None = None
 
 
 class EngineCoreOutputType(enum.IntEnum):
@@ -148,6 +152,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # with FinishReason.ERROR: what went wrong, for the client
+    pooled: bytes | None = None  # an embedding engine's pooled float32 vector, at the end
 
     @property
     def finished(self) -> bool:

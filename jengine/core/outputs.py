@@ -60,6 +60,8 @@ class ModelRunnerOutput:
     prompt_logprobs_dict: dict[str, LogprobsArrays | None] = field(default_factory=dict)
     # Draft-model speculation: each request's drafts for its next step (None: not drafted).
     draft_token_ids: list[list[int]] | None = None
+    # An embedding engine: the pooled float32 vector of each request the step finished.
+    pooler_output: dict[str, bytes] = field(default_factory=dict)
 
     def logprob_row_starts(self) -> dict[str, int]:
         """Each request's first row in ``logprobs`` (empty when there are none)."""

@@ -151,9 +151,14 @@ class StepResults:
                 )
                 if new_prompt_logprobs is not None:
                     new_prompt_logprobs = _unsent_prompt_rows(request, new_prompt_logprobs)
+            pooled = None
             if stopped:
                 any_stopped = True
                 self._free_request(request)
+                # An embedding request ends with its prompt: the vector instead of a token.
+                pooled = runner_output.pooler_output.get(req_id)
+                if pooled is not None:
+                    new_token_ids = []
             if new_token_ids or stopped or new_prompt_logprobs is not None:
                 outputs.append(
                     EngineCoreOutput(
@@ -165,6 +170,7 @@ class StepResults:
                         request.stop_reason,
                         request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
                         request.error,
+                        pooled,
                     )
                 )
         if any_stopped:

@@ -25,6 +25,7 @@ from jengine.config import (
     default_compilation_cache_dir,
 )
 from jengine.models.checkpoint import read_hf_config, resolve_model
+from jengine.pooling import PoolerConfig
 
 
 @dataclass
@@ -64,20 +65,23 @@ class EngineArgs:
     max_loras: int = LoRAConfig.max_loras
     max_lora_rank: int = LoRAConfig.max_lora_rank
     max_cpu_loras: int | None = LoRAConfig.max_cpu_loras
+    runner: str = ModelConfig.runner
+    # vLLM's --pooler-config: {"pooling_type": ..., "normalize": ...}, or JSON text.
+    pooler_config: dict | str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Validate and build; `model` may be None only for an in-memory model (then
         `max_model_len` must be given)."""
         max_model_len = self.max_model_len
         model = None if self.model is None else resolve_model(self.model)
+        hf_config = {}
         if model is None:
             if max_model_len is None:
                 raise ValueError("EngineArgs.model must name a checkpoint folder")
-        elif max_model_len is None:
-            hf_config = read_hf_config(model)
-            max_model_len = hf_config.get("max_position_embeddings", SchedulerConfig.max_model_len)
         else:
-            read_hf_config(model)  # fail here, not in the engine process
+            hf_config = read_hf_config(model)  # fail here, not in the engine process
+        if max_model_len is None:
+            max_model_len = hf_config.get("max_position_embeddings", SchedulerConfig.max_model_len)
         # The default budget, raised to max_num_seqs (one token each) and capped at what
         # max_num_seqs requests of max_model_len can use: a larger budget only adds
         # step shapes to compile.
@@ -86,6 +90,7 @@ class EngineArgs:
             min(SchedulerConfig.max_num_batched_tokens, self.max_num_seqs * max_model_len),
         )
         speculative = SpeculativeConfig.from_value(self.speculative_config)
+        pooler = self._pooler_config(model, hf_config, speculative)
         return EngineConfig(
             model=ModelConfig(
                 model=model,
@@ -95,10 +100,15 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 seed=self.seed,
                 attention_impl=self.attention_impl,
+                runner=self.runner,
+                pooler=pooler,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
-                enable_prefix_caching=self.enable_prefix_caching,
+                # Mean and first-token pooling read every prompt token's hidden state, which
+                # a prefix hit would skip computing (vLLM turns the cache off for them too).
+                enable_prefix_caching=self.enable_prefix_caching
+                and (pooler is None or pooler.pooling_type == "LAST"),
                 num_gpu_blocks=self.num_gpu_blocks_override,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,
@@ -125,6 +135,15 @@ class EngineArgs:
             speculative=speculative,
             lora=self._lora_config(speculative),
         )
+
+    def _pooler_config(self, model, hf_config: dict, speculative) -> PoolerConfig | None:
+        if self.runner != "pooling":
+            if self.pooler_config is not None:
+                raise ValueError("pooler_config is for the pooling runner (--runner pooling)")
+            return None
+        if speculative is not None:
+            raise ValueError("the pooling runner does not generate: no speculative_config")
+        return PoolerConfig.from_checkpoint(model, hf_config, self.pooler_config)
 
     def _lora_config(self, speculative) -> LoRAConfig | None:
         if not self.enable_lora:
@@ -231,6 +250,18 @@ class EngineArgs:
             "--max-cpu-loras",
             type=int,
             help="LoRA adapters kept read in host memory (default: max-loras)",
+        )
+        add(
+            "--runner",
+            choices=["generate", "pooling"],
+            help="pooling: an embedding model (/v1/embeddings, LLM.embed) that pools the "
+            "prompt's hidden states instead of generating",
+        )
+        add(
+            "--pooler-config",
+            help='the pooling runner\'s pooling as JSON, e.g. {"pooling_type": "MEAN", '
+            '"normalize": true} (default: the checkpoint\'s sentence-transformers config, '
+            "else LAST, normalized)",
         )
         add(
             "--warmup",

@@ -96,6 +96,7 @@ class EngineCore:
             draft_model=draft_model,
             num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
             lora_config=config.lora,
+            pooling_type=None if config.model.pooler is None else config.model.pooler.pooling_type,
         )
         logger.info(
             "model %s: %s, %s, %.1fM parameters; attention: %s",

@@ -14,10 +14,13 @@ from jengine.config import EngineConfig
 from jengine.core import structured_output
 from jengine.engine.tokenizer import eos_token_ids_of
 from jengine.lora_request import LoRARequest
+from jengine.pooling import PoolerConfig, PoolingParams
 from jengine.protocol import EngineCoreRequest
 from jengine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 PromptType = str | list[int] | dict
+# An embedding request's sampling: the one token that ends its prompt's step, never shown.
+_POOLING_SAMPLING = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
 
 
 class InputProcessor:
@@ -29,6 +32,7 @@ class InputProcessor:
             vocab_size,
             eos_token_ids=eos_token_ids_of(config.model.model, tokenizer),
             serves_lora=config.lora is not None,
+            pooler=config.model.pooler,
         )
 
     def __init__(
@@ -38,6 +42,7 @@ class InputProcessor:
         vocab_size: int,
         eos_token_ids: list[int] = (),
         serves_lora: bool = False,
+        pooler: PoolerConfig | None = None,
     ):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -49,6 +54,7 @@ class InputProcessor:
         self.extra_eos_ids = list(eos_token_ids[1:])
         self._valid_specs: set[tuple] = set()
         self.serves_lora = serves_lora
+        self.pooler = pooler
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) for a string, token-id list or vLLM-style dict."""
@@ -133,11 +139,27 @@ class InputProcessor:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
     ) -> tuple[str | None, EngineCoreRequest]:
+        """`params`: SamplingParams to generate, PoolingParams to embed (an engine runs
+        one or the other: `--runner`)."""
+        pooling_params = None
+        if isinstance(params, PoolingParams):
+            if self.pooler is None:
+                raise ValueError(
+                    "embeddings need an embedding engine: start it with --runner pooling "
+                    "(runner='pooling')"
+                )
+            pooling_params = params.verified(self.pooler)
+            params = _POOLING_SAMPLING
+        elif self.pooler is not None:
+            raise ValueError(
+                "this engine runs --runner pooling: it embeds (LLM.embed, /v1/embeddings) "
+                "and generates nothing"
+            )
         if lora_request is not None and not self.serves_lora:
             raise ValueError(
                 f"LoRA adapter {lora_request.lora_name!r} asked of an engine that does not "
@@ -157,6 +179,7 @@ class InputProcessor:
             arrival_time=arrival_time or time.time(),
             priority=priority,
             lora_request=lora_request,
+            pooling_params=pooling_params,
         )
 
 

@@ -27,7 +27,15 @@ from dataclasses import dataclass, field
 from jengine.engine.detokenizer import IncrementalDetokenizer
 from jengine.engine.parallel_sampling import fan_out
 from jengine.fault_injection import FaultInjector
-from jengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jengine.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+)
+from jengine.pooling import PoolingParams, embedding_of
 from jengine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 
 
@@ -59,6 +67,7 @@ class ParentRequest:
     output_kind: RequestOutputKind
     children: dict[int, "RequestState"] = field(default_factory=dict)
     metrics: RequestMetrics | None = None
+    pooling_params: PoolingParams | None = None  # an embedding request
 
     def finished(self) -> bool:
         # A loop, not all(<generator>): this runs for every output of every step.
@@ -86,6 +95,7 @@ class RequestState:
     sent_tokens: int = 0
     sent_logprobs: int = 0
     eos_token_id: int | None = None
+    pooled: bytes | None = None
 
     def completion(self, delta: bool) -> CompletionOutput:
         finished = self.finish_reason is not None
@@ -148,12 +158,15 @@ class OutputProcessor:
         request_id = request.request_id
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if request.pooling_params is not None:
+            output_kind = RequestOutputKind.FINAL_ONLY  # an embedding comes whole
         parent = ParentRequest(
             request_id,
             prompt,
             request.prompt_token_ids,
             output_kind,
             metrics=RequestMetrics(arrival_time=request.arrival_time or time.time()),
+            pooling_params=request.pooling_params,
         )
         self.parents[request_id] = parent
         sequences = fan_out(request)
@@ -266,6 +279,10 @@ class OutputProcessor:
         new_token_ids = output.new_token_ids
         state.output_token_ids.extend(new_token_ids)
         state.num_cached_tokens = output.num_cached_tokens
+        if state.parent.pooling_params is not None:
+            state.pooled = output.pooled
+            if output.finish_reason is not None and output.pooled is None:
+                raise RequestFailedError("the engine finished an embedding request without one")
         if output.new_logprobs is not None and state.logprobs is not None:
             for row in self._logprob_dicts(output.new_logprobs, state.num_logprobs or 0):
                 state.logprobs.append(row)
@@ -313,9 +330,18 @@ class OutputProcessor:
             rows.append(row)
         return rows
 
-    def _make_output(self, parent: ParentRequest, children: list[RequestState]) -> RequestOutput:
+    def _make_output(
+        self, parent: ParentRequest, children: list[RequestState]
+    ) -> RequestOutput | EmbeddingRequestOutput:
         delta = parent.output_kind == RequestOutputKind.DELTA
         first = children[0]
+        if parent.pooling_params is not None:
+            return EmbeddingRequestOutput(
+                parent.request_id,
+                EmbeddingOutput(embedding_of(first.pooled, parent.pooling_params)),
+                parent.prompt_token_ids,
+                num_cached_tokens=first.num_cached_tokens,
+            )
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,

@@ -36,7 +36,8 @@ from jengine.models import (
 )
 from jengine.models.default import default_model, describe_default
 from jengine.models.lora import adapter_from_weights
-from jengine.outputs import RequestOutput
+from jengine.outputs import EmbeddingRequestOutput, RequestOutput
+from jengine.pooling import PoolingParams
 from jengine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -124,19 +125,35 @@ class LLM:
         `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
         model); an engine made with `enable_lora=True` reads each folder the first time.
         """
+        return self._run_prompts(
+            prompts, sampling_params or SamplingParams(), use_tqdm, priority, lora_request
+        )
+
+    def embed(
+        self,
+        prompts,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embed one prompt or a list with an embedding engine (`runner="pooling"`); returns
+        one EmbeddingRequestOutput per prompt, in order (`.outputs.embedding`)."""
+        return self._run_prompts(
+            prompts, pooling_params or PoolingParams(), use_tqdm, None, lora_request
+        )
+
+    def _run_prompts(self, prompts, params, use_tqdm, priority, lora_request) -> list:
+        """Validate every prompt, then send and run them all (see `generate`)."""
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(
-                f"got {len(sampling_params)} sampling params for {len(prompts)} prompts"
-            )
+        if isinstance(params, SamplingParams | PoolingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} params for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         if lora_request is None or isinstance(lora_request, LoRARequest):
@@ -154,7 +171,7 @@ class LLM:
                 priority[i] if priority else 0,
                 lora_request=lora_request[i],
             )
-            for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True))
+            for i, (prompt, params) in enumerate(zip(prompts, params, strict=True))
         ]
         for lora in dict.fromkeys(r for r in lora_request if r is not None):
             self.add_lora(lora)  # each adapter read and checked before anything is sent

@@ -52,6 +52,7 @@ from jengine.runner.grammar_mask import place_grammar_rows
 from jengine.runner.input_batch import InputBatch
 from jengine.runner.kv_cache_sizing import KVCacheSizing, default_kv_budget, weights_report
 from jengine.runner.lora_slots import LoRASlots
+from jengine.runner.pooler import Pooler, host_rows
 from jengine.runner.prepared_step import PreparedStep
 from jengine.runner.sampler import (
     SamplingMetadata,
@@ -93,11 +94,13 @@ class ModelRunner:
         draft_model: nnx.Module | None = None,
         num_speculative_tokens: int = 0,
         lora_config: LoRAConfig | None = None,
+        pooling_type: str | None = None,
     ):
         """`devices`: where to run (default: the first of `jax.devices()`), e.g. the
         devices of the mesh a user's params live on. `draft_model`: speculative decoding's
         draft (`draft_model.py`), proposing `num_speculative_tokens` per step.
-        `lora_config`: serve LoRA adapters (`lora_slots.py`)."""
+        `lora_config`: serve LoRA adapters (`lora_slots.py`). `pooling_type`: an
+        embedding engine's pooling (`pooler.py`; None: a generating engine)."""
         if draft_model is not None:
             check_draft_model(draft_model, model, tensor_parallel_size)
         if lora_config is not None:
@@ -123,6 +126,7 @@ class ModelRunner:
             sample_rows_fixed=draft_model is not None,
         )
         self.input_batch = InputBatch(self.buckets, block_size, seed)
+        self.pooler = None if pooling_type is None else Pooler(pooling_type)
         self.lora = None if lora_config is None else LoRASlots(lora_config, checkpoint_config, tp)
         self.graphdef, params = nnx.split(model)
         # Committed to the device(s) from the start, like the weights update_weights puts
@@ -255,7 +259,7 @@ class ModelRunner:
         if self.draft is not None:
             programs += self.draft.programs(map(PreparedStep.padding, shapes), self.replicated)
         compile_ahead_of_time(programs)
-        outputs = [self._run(PreparedStep.padding(shape, lora)) for shape in shapes]
+        outputs = [self._run(PreparedStep.padding(shape, lora))[:2] for shape in shapes]
         if lora:  # the slot writer (slots are empty: writing zeros changes nothing)
             self.params = self.lora.write(self.params, 1, None)
         if self.draft is not None:
@@ -307,7 +311,7 @@ class ModelRunner:
         prompt_logprobs = None
         if prepared.prompt_logprob_rows:
             prompt_logprobs = self._prompt_logprobs_fn(self.params, hidden, prepared.prompt_targets)
-        return sampled, prompt_logprobs
+        return sampled, prompt_logprobs, hidden
 
     def lower_step(self, prepared: PreparedStep) -> list:
         """The lowered forward and sampling programs of a step like `prepared` (for
@@ -367,7 +371,7 @@ class ModelRunner:
             prepared.lora_slots = self.lora.token_slots(prepared, lora_ids)
         if scheduler_output.grammar_bitmask is not None:
             prepared.grammar_bitmask = place_grammar_rows(prepared, scheduler_output)
-        outputs, prompt_logprobs = self._run(prepared)
+        outputs, prompt_logprobs, hidden = self._run(prepared)
         drafts = None
         if scheduler_output.num_lookahead_tokens and self.draft is not None:
             # Dispatched before the host waits for the step: the host's work on the
@@ -375,13 +379,19 @@ class ModelRunner:
             drafts = self.draft.propose_after(prepared, outputs.sampled)
         if prepared.spec_drafts is None:
             batch.mark_sampling(prepared)
-        return InFlightStep(prepared, outputs, prompt_logprobs, drafts, batch.num_removals)
+        if self.pooler is None:
+            hidden = None  # not kept alive: only pooling reads it on the host
+        return InFlightStep(prepared, outputs, prompt_logprobs, drafts, batch.num_removals, hidden)
 
     def collect(self, step: InFlightStep) -> ModelRunnerOutput:
         """Wait for a dispatched step's sampled tokens (the oldest not yet collected)."""
         if step.prepared is None:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
         output = collected_output(step, self.input_batch)
+        if self.pooler is not None:
+            output.pooler_output = self.pooler.pool(
+                step.prepared, host_rows(step.hidden), self.input_batch.requests
+            )
         if step.drafts is not None:
             output.draft_token_ids = step.drafts.lists()
         return output

@@ -29,6 +29,7 @@ class InFlightStep:
     prompt_logprobs: tuple | None  # on device
     drafts: Drafts | None
     num_removals: int  # InputBatch.num_removals when it was dispatched
+    hidden: object = None  # [T, D] final hidden states on device (kept for pooling only)
 
 
 def collected_output(step: InFlightStep, batch: InputBatch) -> ModelRunnerOutput:
