@@ -1,4 +1,5 @@
-"""AsyncLLM: the asyncio engine the API server drives; `generate()` streams RequestOutputs.
+"""AsyncLLM: the asyncio engine the API server drives; `generate()` streams RequestOutputs
+(`encode()`: an embedding engine's EmbeddingRequestOutput).
 
 Where it sits: OpenAI serving layer -> AsyncLLM -> AsyncMPClient -> (ZMQ) -> EngineCoreProc.
 Prompts are tokenized and validated here (InputProcessor) and outputs detokenized here
@@ -34,7 +35,8 @@ from jengine.engine.stats import LoggingStatLogger, StatLoggerBase, StatsTracker
 from jengine.engine.tokenizer import load_tokenizer
 from jengine.fault_injection import FaultInjector
 from jengine.lora_request import LoRARequest
-from jengine.outputs import RequestOutput
+from jengine.outputs import EmbeddingRequestOutput, RequestOutput
+from jengine.pooling import PoolingParams
 from jengine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -112,7 +114,7 @@ class AsyncLLM:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         *,
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
@@ -140,7 +142,7 @@ class AsyncLLM:
     async def generate(
         self,
         prompt: PromptType,
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | PoolingParams,
         request_id: str,
         *,
         priority: int = 0,
@@ -176,6 +178,26 @@ class AsyncLLM:
             if collector is not None and not self.errored:
                 await self.abort(request_id)
             raise
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncGenerator[EmbeddingRequestOutput, None]:
+        """An embedding engine's one output for `prompt` (vLLM's `AsyncLLM.encode`)."""
+        async for output in self.generate(
+            prompt,
+            pooling_params,
+            request_id,
+            priority=priority,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            lora_request=lora_request,
+        ):
+            yield output
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         """Have every engine core read (and check) a LoRA adapter's folder now."""

@@ -18,6 +18,7 @@ from jengine.engine.mp_clients import SyncMPClient
 from jengine.engine.output_processor import OutputProcessor, RequestError, RequestOutputKind
 from jengine.engine.tokenizer import load_tokenizer
 from jengine.outputs import RequestOutput
+from jengine.pooling import PoolingParams
 from jengine.protocol import EngineCoreRequest
 from jengine.sampling_params import SamplingParams
 
@@ -56,7 +57,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> None:

@@ -125,9 +125,8 @@ class LLM:
         `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
         model); an engine made with `enable_lora=True` reads each folder the first time.
         """
-        return self._run_prompts(
-            prompts, sampling_params or SamplingParams(), use_tqdm, priority, lora_request
-        )
+        params = sampling_params or SamplingParams()
+        return self._run_prompts(prompts, params, use_tqdm, priority, lora_request)
 
     def embed(
         self,
@@ -153,7 +152,8 @@ class LLM:
         if isinstance(params, SamplingParams | PoolingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} params for {len(prompts)} prompts")
+            kind = "pooling" if isinstance(params[0], PoolingParams) else "sampling"
+            raise ValueError(f"got {len(params)} {kind} params for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         if lora_request is None or isinstance(lora_request, LoRARequest):

@@ -56,7 +56,7 @@ def test_schemathesis_finds_no_5xx_and_no_schema_violation(server, tmp_path):
         cwd=tmp_path,  # its cache folder lands there, not in the checkout
     )
     assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-2000:]
-    assert "Operations:       11 selected / 11 total" in run.stdout
+    assert "Operations:       12 selected / 12 total" in run.stdout
     counts = re.search(r"(\d+) generated, (\d+) passed", run.stdout)
     assert counts and counts.group(1) == counts.group(2), run.stdout[-3000:]
     assert int(counts.group(1)) >= 100  # every case of a real run, all passed

@@ -3,10 +3,10 @@
 
 Where it sits: the top of the serving path, in the API process (which never imports jax):
 middleware.py -> routes.py -> serving_completion / serving_chat (and serving_responses over
-it) / serving_tokenization -> AsyncLLM -> (ZMQ) -> engine-core process. `build_app` only
-wires: the serving objects, the engine and the admission control on `app.state`, the
-middleware (draining, CORS with --allowed-origins, API key, body size), the exception
-handlers, and routes.py's router. `serve_http` runs it under shutdown.py's
+it) / serving_embedding / serving_tokenization -> AsyncLLM -> (ZMQ) -> engine-core process.
+`build_app` only wires: the serving objects, the engine and the admission control on
+`app.state`, the middleware (draining, CORS with --allowed-origins, API key, body size),
+the exception handlers, and routes.py's router. `serve_http` runs it under shutdown.py's
 `DrainingServer`.
 
 Errors always have OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: bad
@@ -48,6 +48,7 @@ from jengine.entrypoints.openai.protocol import OpenAIError
 from jengine.entrypoints.openai.routes import router, version
 from jengine.entrypoints.openai.serving_chat import OpenAIServingChat
 from jengine.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jengine.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from jengine.entrypoints.openai.serving_models import ServingModels
 from jengine.entrypoints.openai.serving_responses import OpenAIServingResponses
 from jengine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
@@ -101,6 +102,7 @@ def build_app(
     app.state.serving_chat = chat
     app.state.serving_responses = OpenAIServingResponses(chat)
     app.state.serving_tokenization = OpenAIServingTokenization(engine, models, chat)
+    app.state.serving_embedding = OpenAIServingEmbedding(engine, models)
     parallel = engine.config.parallel
     app.state.admission = Admission(
         engine.config.scheduler.max_num_seqs * parallel.data_parallel_size, max_queued_requests

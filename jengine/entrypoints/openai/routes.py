@@ -40,6 +40,7 @@ from jengine.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from jengine.entrypoints.openai.protocol_embeddings import EmbeddingRequest, EmbeddingResponse
 from jengine.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest
 from jengine.entrypoints.openai.serving_engine import OpenAIServing
 from jengine.entrypoints.openai.serving_models import (
@@ -145,6 +146,20 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
 async def create_response(body: ResponsesRequest, raw_request: Request):
     serving = raw_request.app.state.serving_responses
     return await generation_response(serving, body, raw_request)
+
+
+@router.post("/v1/embeddings")
+async def create_embedding(body: EmbeddingRequest, raw_request: Request) -> EmbeddingResponse:
+    serving = raw_request.app.state.serving_embedding
+    prompts, params = serving.prepare(body)
+    ticket = raw_request.app.state.admission.admit(len(prompts))
+    try:
+        response = await run_unless_disconnected(
+            raw_request, serving.create_embedding(body, prompts, params)
+        )
+    finally:
+        ticket.release()
+    return response if response is not None else Response(status_code=499)
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -100,6 +100,12 @@ class OpenAIServing:
         stream_options, the bounds on stop strings."""
         self.check_model(request.model)
         self.check_engine()
+        if self.engine.input_processor.pooler is not None:
+            raise OpenAIError(
+                "this model serves embeddings (--runner pooling): use /v1/embeddings; it "
+                "generates nothing",
+                param="model",
+            )
         if request.stream_options is not None and not request.stream:
             raise OpenAIError("stream_options needs stream=true", param="stream_options")
         stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
