@@ -31,7 +31,7 @@ logger = logging.getLogger("jengine")
 # `jengine bench NAME`: vLLM's names where vLLM has one.
 BENCHMARKS = (
     "throughput", "latency", "serve", "prefix", "overhead", "startup", "parallel", "structured",
-    "spec_decode", "moe", "lora",
+    "spec_decode", "moe", "lora", "embed",
 )  # fmt: skip
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
