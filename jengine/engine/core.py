@@ -107,6 +107,14 @@ class EngineCore:
             self.runner.attention_impl,
         )
         logger.info(self.runner.weights_report())
+        pooler = config.model.pooler
+        if pooler is not None:
+            logger.info(
+                "an embedding engine (--runner pooling): %s pooling, %s; prefix caching %s",
+                pooler.pooling_type,
+                "normalized" if pooler.normalize else "not normalized",
+                "on" if config.cache.enable_prefix_caching else "off",
+            )
         self.capacity_report = self.runner.capacity_report()
         logger.info(self.capacity_report)
         vocab_size = self.runner.config.vocab_size

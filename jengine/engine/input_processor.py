@@ -4,7 +4,9 @@ Where it sits: first thing `LLMEngine.add_request` and `AsyncLLM.generate` do, i
 front-end process (it never imports jax). Promises a clear ValueError, before anything
 reaches the engine core, for: an empty prompt, a prompt longer than `max_model_len`,
 token ids outside the vocabulary, a text prompt with no tokenizer, logprob counts above
-the engine's limit, and a structured-output constraint the grammar library rejects.
+the engine's limit, a structured-output constraint the grammar library rejects, and
+work the engine's runner does not do (PoolingParams for a generating engine, SamplingParams
+for an embedding one, `dimensions` the model does not allow).
 """
 
 import os
