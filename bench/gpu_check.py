@@ -18,7 +18,9 @@ section, each timed and its failure recorded rather than raised, the results wri
   with the Pallas kernel and with the XLA reference attention, in one run;
 - quant: that model's weights as bf16, int8 and fp8 (weight-only) through XLA's
   dequantizing matmuls on the GPU: resident bytes, single-stream decode, TTFT, greedy
-  agreement with bf16.
+  agreement with bf16;
+- overhead: that model's decode step in the engine (async and sync) beside its programs
+  run alone, at 1 and 16 running requests.
 
 It needs the repository on PYTHONPATH (the tests' fixtures) and jengine installed, run
 from outside the repository so the installed package is the one imported:
@@ -371,12 +373,31 @@ def section_quant(args) -> dict:
     return results
 
 
+# -- overhead -------------------------------------------------------------------------------
+
+
+def section_overhead(args) -> dict:
+    """Where a decode step of the 1.1B bf16 model goes on the GPU: the engine's median step
+    at 1 and 16 running requests, with async scheduling and without, beside the time of
+    the same step's programs run alone and waited for (`jengine bench overhead`'s device
+    part). The step minus that time is the host's share; that time minus the weights' read
+    time (the roofline) is the device programs' own overhead (launches, small kernels)."""
+    from .overhead import device_step_times
+
+    path = _build_speed_model(os.path.join(args.workdir, "llama-1b"))
+    rows = device_step_times(path, [1, 16], steps=64, dtype="bfloat16")
+    for row in rows:
+        print("overhead", json.dumps(row), flush=True)
+    return dict(model=SPEED_MODEL, rows=rows)
+
+
 SECTIONS = dict(
     env=section_env,
     kernel=section_kernel,
     engine=section_engine,
     speed=section_speed,
     quant=section_quant,
+    overhead=section_overhead,
 )
 
 

@@ -128,7 +128,9 @@ def _recording(prepare, into: list):
     return recording
 
 
-def device_step_times(model_dir: str, num_running: list[int], steps: int) -> list[dict]:
+def device_step_times(
+    model_dir: str, num_running: list[int], steps: int, dtype: str = "float32"
+) -> list[dict]:
     """Median engine step (steady decoding) per mode, and the device time of such a step:
     one of the steps the engine ran, prepared again and run alone, waited for."""
     import jax
@@ -139,7 +141,7 @@ def device_step_times(model_dir: str, num_running: list[int], steps: int) -> lis
     for mode in ("async", "sync"):
         llm = LLM(
             model_dir,
-            dtype="float32",
+            dtype=dtype,
             max_model_len=PROMPT_LEN + steps + 64,
             max_num_seqs=max(num_running),
             kv_cache_memory_bytes=4 << 30,  # every request's whole length: no preemption
