@@ -335,7 +335,7 @@ def section_quant(args) -> dict:
     prompts, max_tokens = workload_c()
     results = dict(model=SPEED_MODEL)
     tokens = {}
-    for method in ("none", "int8", "fp8"):
+    for method in args.quantizations.split(","):
         try:
             started = time.perf_counter()
             llm = LLM(
@@ -406,6 +406,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=".", help="folder for gpu_check.json")
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quantizations", default="none,int8,fp8", help="the quant section's")
     parser.add_argument("--workdir", default=None, help="checkpoints (default: a temp folder)")
     args = parser.parse_args(argv)
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="gpu-check-")
