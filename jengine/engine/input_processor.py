@@ -102,6 +102,11 @@ class InputProcessor:
         return text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        self.validate_tokens(token_ids)
+        self.validate_params(params)
+
+    def validate_tokens(self, token_ids: list[int]) -> None:
+        """An empty prompt, one longer than max_model_len, ids outside the vocabulary."""
         if not token_ids:
             raise ValueError("the prompt is empty")
         if len(token_ids) > self.max_model_len:
@@ -115,6 +120,8 @@ class InputProcessor:
                 f"token ids {bad[:5]} are out of vocabulary (the vocabulary has "
                 f"{self.vocab_size} tokens)"
             )
+
+    def validate_params(self, params: SamplingParams) -> None:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > MAX_LOGPROBS:

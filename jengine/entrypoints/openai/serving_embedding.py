@@ -28,7 +28,6 @@ from jengine.entrypoints.openai.protocol_embeddings import (
 from jengine.entrypoints.openai.serving_engine import OpenAIServing, merge_async_iterators
 from jengine.outputs import EmbeddingRequestOutput
 from jengine.pooling import PoolingParams
-from jengine.sampling_params import SamplingParams
 
 # OpenAI's limit on inputs per request.
 MAX_INPUTS = 2048
@@ -65,8 +64,8 @@ class OpenAIServingEmbedding(OpenAIServing):
             for item in inputs
         ]
         for token_ids in prompts:
-            try:  # emptiness, length, vocabulary
-                self.engine.input_processor.validate(token_ids, _CHECKED_AS)
+            try:
+                self.engine.input_processor.validate_tokens(token_ids)
             except ValueError as e:
                 raise OpenAIError(str(e), param="input") from None
         try:
@@ -96,8 +95,9 @@ class OpenAIServingEmbedding(OpenAIServing):
                 outputs[index] = output
         except (ValueError, RequestError) as e:
             raise to_openai_error(e) from None
+        encoding = request.encoding_format
         data = [
-            EmbeddingData(index=i, embedding=_encoded(o.outputs.embedding, request.encoding_format))
+            EmbeddingData(index=i, embedding=encode_embedding(o.outputs.embedding, encoding))
             for i, o in enumerate(outputs)
         ]
         num_tokens = sum(map(len, prompts))
@@ -109,11 +109,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         )
 
 
-# The prompt checks of the input processor (vocabulary, emptiness) need some params.
-_CHECKED_AS = SamplingParams(max_tokens=1)
-
-
-def _encoded(embedding: list[float], encoding_format: str) -> list[float] | str:
+def encode_embedding(embedding: list[float], encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":
         return base64.b64encode(np.asarray(embedding, "<f4").tobytes()).decode("ascii")
     return embedding
