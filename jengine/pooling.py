@@ -28,16 +28,15 @@ import numpy as np
 # LAST: the last prompt token's hidden state; MEAN: the mean over the prompt; CLS: the
 # first token's (vLLM's names).
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
+# sentence-transformers' pooling modes jengine runs: `pooling_mode` in its Pooling config
+# (v6 on), or one `pooling_mode_<mode>` flag set (earlier versions).
 _ST_MODES = {
-    "pooling_mode_lasttoken": "LAST",
-    "pooling_mode_mean_tokens": "MEAN",
-    "pooling_mode_cls_token": "CLS",
+    "lasttoken": "LAST",
+    "mean_tokens": "MEAN",
+    "mean": "MEAN",
+    "cls_token": "CLS",
+    "cls": "CLS",
 }
-_ST_UNSUPPORTED_MODES = (
-    "pooling_mode_max_tokens",
-    "pooling_mode_mean_sqrt_len_tokens",
-    "pooling_mode_weightedmean_tokens",
-)
 
 
 @dataclass(frozen=True)
@@ -112,23 +111,36 @@ def _sentence_transformers_pooling(path: str) -> dict:
         if kind == "Normalize":
             fields["normalize"] = True
         elif kind == "Pooling":
-            with open(os.path.join(path, module.get("path", ""), "config.json")) as f:
-                pooling = json.load(f)
-            unsupported = [m for m in _ST_UNSUPPORTED_MODES if pooling.get(m)]
-            modes = [kind for name, kind in _ST_MODES.items() if pooling.get(name)]
-            if unsupported or len(modes) != 1:
-                raise ValueError(
-                    f"{modules_path}: jengine pools with exactly one of "
-                    f"{', '.join(_ST_MODES)}; this checkpoint's Pooling module asks for "
-                    f"{[m for m in [*_ST_MODES, *_ST_UNSUPPORTED_MODES] if pooling.get(m)]}"
-                )
-            fields["pooling_type"] = modes[0]
+            config_path = os.path.join(path, module.get("path", ""), "config.json")
+            with open(config_path) as f:
+                fields["pooling_type"] = _pooling_type(json.load(f), config_path)
         else:
             raise ValueError(
                 f"{modules_path}: the sentence-transformers module {module.get('type')!r} "
                 "is not supported (jengine runs Transformer, Pooling and Normalize)"
             )
     return fields
+
+
+def _pooling_type(pooling: dict, config_path: str) -> str:
+    """LAST, MEAN or CLS from a sentence-transformers Pooling config, or a ValueError."""
+    mode = pooling.get("pooling_mode")
+    if isinstance(mode, str):
+        modes = [mode]
+    else:
+        prefix = "pooling_mode_"
+        modes = [k[len(prefix) :] for k, v in pooling.items() if k.startswith(prefix) and v]
+    if len(modes) != 1 or modes[0] not in _ST_MODES:
+        raise ValueError(
+            f"{config_path}: jengine pools by one of last-token, mean and first-token (cls); "
+            f"this Pooling module asks for {modes}"
+        )
+    if pooling.get("include_prompt", True) is False:
+        raise ValueError(
+            f"{config_path}: include_prompt=false (pooling without the instruction's tokens) "
+            "is not supported"
+        )
+    return _ST_MODES[modes[0]]
 
 
 class PoolingParams(msgspec.Struct, omit_defaults=True, kw_only=True):

@@ -90,6 +90,12 @@ def gguf_file(path: str) -> str | None:
     return os.path.join(path, found[0]) if found else None
 
 
+def is_base_model(architecture: str) -> bool:
+    """A family's decoder without an LM head (`LlamaModel`), as embedding checkpoints are
+    saved: its tensors lack the "model." prefix and the head."""
+    return architecture.endswith("Model") and not architecture.endswith("PreTrainedModel")
+
+
 def read_hf_config(path: str) -> dict:
     """The checkpoint's config as an HF config.json dict (see the module promises)."""
     gguf_path = gguf_file(path)

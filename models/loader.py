@@ -28,7 +28,7 @@ from flax import nnx
 
 from jengine.config import QUANTIZATION_CHOICES
 from jengine.models import compressed_tensors
-from jengine.models.checkpoint import gguf_file, read_hf_config
+from jengine.models.checkpoint import gguf_file, is_base_model, read_hf_config
 from jengine.models.llama import LINEAR_WEIGHTS
 from jengine.models.quantize import METHODS, method_format, quantize
 from jengine.models.registry import resolve_architecture
@@ -255,11 +255,16 @@ def load_model(path: str, dtype="auto", quantization: str | None = None) -> nnx.
         return model_from_params(type(model), config, params, model.dtype)
     hf_config = read_hf_config(path)
     model_cls, config_cls = resolve_architecture(hf_config)
+    base_model = all(map(is_base_model, hf_config.get("architectures") or ["-"]))
+    if base_model:  # no LM head: tie one to the embedding (an embedding engine's)
+        hf_config = {**hf_config, "tie_word_embeddings": True}
     try:
         config = config_cls.from_hf(hf_config)
     except KeyError as e:
         raise ValueError(f"{path}/config.json lacks the field {e.args[0]!r}") from e
     tensors = read_hf_tensors(path)
+    if base_model:  # `LlamaModel`'s tensors: "layers.0...", not "model.layers.0..."
+        tensors = {f"model.{name}": array for name, array in tensors.items()}
     packed = compressed_tensors.quantization_config(hf_config)
     formats = {}
     if packed is not None:

@@ -4,6 +4,7 @@ Where it sits: `models/loader.py` asks it which class builds a checkpoint. Promi
 clear ValueError naming the architecture and the supported list for anything else.
 """
 
+from jengine.models.checkpoint import is_base_model
 from jengine.models.gemma import GemmaConfig, GemmaForCausalLM
 from jengine.models.llama import LlamaConfig, LlamaForCausalLM
 from jengine.models.mixtral import MixtralConfig, MixtralForCausalLM
@@ -31,11 +32,15 @@ def supported_architectures() -> list[str]:
 
 
 def resolve_architecture(hf_config: dict):
-    """Return (model class, config class) for an HF config dict."""
+    """Return (model class, config class) for an HF config dict. A family's base model
+    without its LM head (`LlamaModel`, `Qwen3Model`: what embedding checkpoints hold) is
+    its causal LM's class; the loader ties the head it lacks to the embedding."""
     names = hf_config.get("architectures") or []
     for name in names:
         if name in _ARCHITECTURES:
             return _ARCHITECTURES[name]
+        if is_base_model(name) and name[: -len("Model")] + "ForCausalLM" in _ARCHITECTURES:
+            return _ARCHITECTURES[name[: -len("Model")] + "ForCausalLM"]
     raise ValueError(
         f"unsupported model architecture {names or '(none given in config.json)'}; "
         f"jengine supports {', '.join(supported_architectures())}"

@@ -146,6 +146,21 @@ def _sentence_transformers_files(path, pooling: dict, normalize: bool, extra=())
     )
 
 
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_a_base_model_checkpoint_embeds_and_cannot_generate(tmp_path, family):
+    """Embedding checkpoints are saved as the family's base model (`LlamaModel`,
+    `Qwen3Model`: no "model." prefix, no LM head)."""
+    hf_model = make_checkpoint(family, str(tmp_path / "causal"))
+    hf_model.model.save_pretrained(str(tmp_path / "base"))
+    prompts = random_prompts(3, seed=13, low=5, high=50)
+    llm = LLM(str(tmp_path / "base"), runner="pooling", **TIGHT)
+    for prompt, output in zip(prompts, llm.embed(prompts, use_tqdm=False), strict=True):
+        want = normalized(hf_pooled(hf_model, prompt, "LAST"))
+        np.testing.assert_allclose(output.outputs.embedding, want, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="base model without an LM head"):
+        LLM(str(tmp_path / "base"), **TIGHT)
+
+
 def test_a_sentence_transformers_config_says_how_to_pool(tmp_path):
     hf_config = {"hidden_size": 64}
     assert PoolerConfig.from_checkpoint(str(tmp_path), hf_config) == PoolerConfig(
@@ -162,8 +177,18 @@ def test_a_sentence_transformers_config_says_how_to_pool(tmp_path):
     assert config == PoolerConfig("LAST", False, (16, 32), 64)
     with pytest.raises(ValueError, match="must be one of"):
         PoolingParams(dimensions=8).verified(config)
-    _sentence_transformers_files(tmp_path, {"pooling_mode_max_tokens": True}, normalize=True)
-    with pytest.raises(ValueError, match="pooling_mode_max_tokens"):
+    # sentence-transformers 6 writes the mode as one string.
+    _sentence_transformers_files(tmp_path, {"pooling_mode": "cls"}, normalize=False)
+    assert PoolerConfig.from_checkpoint(str(tmp_path), hf_config).pooling_type == "CLS"
+    for refused in ({"pooling_mode_max_tokens": True}, {"pooling_mode": "weightedmean"}):
+        _sentence_transformers_files(tmp_path, refused, normalize=True)
+        with pytest.raises(
+            ValueError, match=r"this Pooling module asks for \['(max_tokens|weightedmean)'\]"
+        ):
+            PoolerConfig.from_checkpoint(str(tmp_path), hf_config)
+    without_prompt = {"pooling_mode": "mean", "include_prompt": False}
+    _sentence_transformers_files(tmp_path, without_prompt, normalize=True)
+    with pytest.raises(ValueError, match="include_prompt"):
         PoolerConfig.from_checkpoint(str(tmp_path), hf_config)
     dense = {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"}
     _sentence_transformers_files(
