@@ -18,6 +18,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import traceback
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -183,6 +184,12 @@ def write_result(name: str, args: argparse.Namespace, versions: dict, payload: d
         f.write("\n")
     print(f"wrote {args.out}")
     return report
+
+
+def error_text(exc: BaseException) -> str:
+    """The exception and the last frames that raised it, short enough for a report."""
+    lines = traceback.format_exception(exc)
+    return "".join(lines[-6:])[-3000:]
 
 
 def token_match(a: list[list[int]], b: list[list[int]]) -> dict:

@@ -48,7 +48,7 @@ from jengine.pallas_kernels.ragged_paged_attention import resolve_impl
 from jengine.runner.buckets import BucketSpec
 from jengine.runner.compilation import CompileCounter, StaticJit, compile_ahead_of_time
 from jengine.runner.draft_model import DraftModel, check_draft_model
-from jengine.runner.grammar_mask import place_grammar_rows
+from jengine.runner.grammar_mask import DeviceBitmasks, place_grammar_rows
 from jengine.runner.input_batch import InputBatch
 from jengine.runner.kv_cache_sizing import KVCacheSizing, default_kv_budget, weights_report
 from jengine.runner.lora_slots import LoRASlots
@@ -135,6 +135,7 @@ class ModelRunner:
         # (jax.devices() spans every host; the local ones are this process's)
         self.device = devices[0] if devices is not None else jax.local_devices()[0]
         self.replicated = tp.replicated() if tp else self.device
+        self.bitmasks = DeviceBitmasks(self.config.vocab_size, self.replicated)
         self.params = jax.device_put(params, tp.param_shardings(params) if tp else self.device)
         self.kv_sizing = KVCacheSizing.create(
             model.kv_cache_shape,
@@ -174,7 +175,6 @@ class ModelRunner:
         self._prompt_logprobs_fn = StaticJit(prompt_logprobs_step, self.graphdef, mesh)
         self._write_history = jax.jit(write_slot_history, donate_argnums=0)
         self._compile_counter = CompileCounter()
-        self._allow_all_masks: dict[int, jax.Array] = {}
         self.draft = None
         if draft_model is not None:
             self.draft = DraftModel(
@@ -291,14 +291,7 @@ class ModelRunner:
         if prepared.num_sample_rows < prepared.shape.num_reqs:
             rows = self._first_rows(rows, prepared.num_sample_rows)
         want_logprobs = np.bool_(any(n is not None for n in prepared.num_logprobs))
-        if prepared.grammar_bitmask is None:
-            # No constrained request: the all-ones mask already on the device, unused.
-            bitmask, use_grammar = self._allow_all(prepared.num_sample_rows), np.False_
-        else:  # placed like the all-ones masks: the same jit cache key
-            bitmask, use_grammar = (
-                jax.device_put(prepared.grammar_bitmask, self.replicated),
-                np.True_,
-            )
+        bitmask, use_grammar = self.bitmasks.for_step(prepared)
         self.sampling_state, sampled = self._sample_fn(
             self.sampling_state,
             self.params,
@@ -332,19 +325,10 @@ class ModelRunner:
             rows,
             SamplingMetadata(**prepared.sampling),
             np.False_,
-            self._allow_all(num_rows),
+            self.bitmasks.allow_all(num_rows),
             np.False_,
         )
         return [forward, sample]
-
-    def _allow_all(self, num_rows: int) -> jax.Array:
-        """An all-ones [S, ceil(V / 32)] bitmask on the device, made once per S bucket."""
-        mask = self._allow_all_masks.get(num_rows)
-        if mask is None:
-            width = (self.config.vocab_size + 31) // 32
-            mask = jax.device_put(np.full((num_rows, width), -1, np.int32), self.replicated)
-            self._allow_all_masks[num_rows] = mask
-        return mask
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for its results."""
