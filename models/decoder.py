@@ -50,6 +50,7 @@ from jengine.models.quantized_linear import (
     embedding_rows,
     leading_axis,
     matmul,
+    matmuls,
     param_value,
 )
 from jengine.pallas_kernels import ragged_paged_attention, update_kv_cache
@@ -248,17 +249,27 @@ class DecoderForCausalLM(nnx.Module):
             h, cache = carry
             p, layer_index, is_local = xs
 
-            def linear(name: str):
+            def with_lora(name: str, x, out):
                 if name not in c.lora_targets or lora_slots is None:
-                    return lambda x: matmul(x, weights[name], layer_index, impl=matmul_impl)
+                    return out
                 a_name, b_name = lora_param_names(name)
-                return lambda x: (
-                    matmul(x, weights[name], layer_index, impl=matmul_impl)
-                    + lora_delta(x, p[a_name], p[b_name], lora_slots)
-                )
+                return out + lora_delta(x, p[a_name], p[b_name], lora_slots)
+
+            def linears(*names: str):
+                """x -> the projections `names` of x: one kernel call for all of them where
+                it can, plus each one's LoRA delta."""
+
+                def project(x):
+                    outs = matmuls(x, [weights[n] for n in names], layer_index, impl=matmul_impl)
+                    return tuple(with_lora(n, x, out) for n, out in zip(names, outs, strict=True))
+
+                return project
+
+            def linear(name: str):
+                return lambda x: linears(name)(x)[0]
 
             x = norm(h, p["input_layernorm"])
-            q, k, v = linear("q_proj")(x), linear("k_proj")(x), linear("v_proj")(x)
+            q, k, v = linears("q_proj", "k_proj", "v_proj")(x)
             if c.qkv_bias:
                 q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
             q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
@@ -286,8 +297,8 @@ class DecoderForCausalLM(nnx.Module):
                     out = sharded_moe_mlp(x, moe, c, layer_index, mesh)
             else:
                 biases = (p["gate_bias"], p["up_bias"], p["down_bias"]) if c.mlp_bias else None
-                mlp = (linear("gate_proj"), linear("up_proj"), linear("down_proj"))
-                out = gated_mlp(x, *mlp, biases, activation=c.hidden_act)
+                gate_up = linears("gate_proj", "up_proj")
+                out = gated_mlp(x, gate_up, linear("down_proj"), biases, activation=c.hidden_act)
             if c.sandwich_norms:
                 out = norm(out, p["mlp_output_norm"])
             h = h + out

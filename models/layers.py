@@ -52,10 +52,10 @@ ACTIVATIONS = {
 }
 
 
-def gated_mlp(x, gate: Linear, up: Linear, down: Linear, biases=None, *, activation="silu"):
-    """down(act(gate(x)) * up(x)); `biases` = (gate, up, down) or None."""
-    g = gate(x)
-    u = up(x)
+def gated_mlp(x, gate_up, down: Linear, biases=None, *, activation="silu"):
+    """down(act(gate(x)) * up(x)), `gate_up(x)` giving (gate(x), up(x)) (one kernel call for
+    both where it can); `biases` = (gate, up, down) or None."""
+    g, u = gate_up(x)
     if biases is not None:
         g, u = g + biases[0], u + biases[1]
     out = down(ACTIVATIONS[activation](g) * u)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jengine.pallas_kernels import quantized_matmul, stacked_matmul
+from jengine.pallas_kernels import quantized_matmuls, stacked_matmuls
 from jengine.pallas_kernels.quantized_matmul import QuantFormat, QuantizedWeight, dequantize
 
 
@@ -38,9 +38,19 @@ def param_value(param):
 
 def matmul(x: jax.Array, w, layer, *, impl: str | None = None) -> jax.Array:
     """x @ w[layer].T for a float [L, F, D] array or a `QuantizedWeight`."""
-    if isinstance(w, QuantizedWeight):
-        return quantized_matmul(x, w, layer, impl=impl)
-    return stacked_matmul(x, w, layer, impl=impl)
+    return matmuls(x, (w,), layer, impl=impl)[0]
+
+
+def matmuls(x: jax.Array, ws, layer, *, impl: str | None = None) -> tuple[jax.Array, ...]:
+    """`matmul(x, w, layer)` for each w of `ws` (a layer's q, k and v; its gate and up): one
+    kernel call where they are all float or all quantized, so a decode step hands its
+    threads work 3 times a layer rather than 6 (same results either way)."""
+    quantized = [isinstance(w, QuantizedWeight) for w in ws]
+    if all(quantized):
+        return quantized_matmuls(x, ws, layer, impl=impl)
+    if not any(quantized):
+        return stacked_matmuls(x, ws, layer, impl=impl)
+    return tuple(matmul(x, w, layer, impl=impl) for w in ws)
 
 
 def embedding_rows(table, ids: jax.Array, dtype) -> jax.Array:

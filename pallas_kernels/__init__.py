@@ -5,14 +5,14 @@ import jax
 
 from jengine.pallas_kernels import ragged_paged_attention as _attention
 from jengine.pallas_kernels.quantized_matmul import cpu as _quantized_matmul_cpu
-from jengine.pallas_kernels.quantized_matmul import quantized_matmul
+from jengine.pallas_kernels.quantized_matmul import quantized_matmul, quantized_matmuls
 from jengine.pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
     update_kv_cache,
 )
 from jengine.pallas_kernels.stacked_matmul import cpu as _stacked_matmul_cpu
-from jengine.pallas_kernels.stacked_matmul import stacked_matmul
+from jengine.pallas_kernels.stacked_matmul import stacked_matmul, stacked_matmuls
 
 
 def prepare(attention_impl: str | None = None, backend: str | None = None) -> None:
@@ -29,7 +29,9 @@ __all__ = [
     "prepare",
     "ragged_paged_attention",
     "quantized_matmul",
+    "quantized_matmuls",
     "ragged_paged_attention_reference",
     "stacked_matmul",
+    "stacked_matmuls",
     "update_kv_cache",
 ]

@@ -1,7 +1,9 @@
 """One entry point for `x @ dequantize(w[layer]).T` over a layer-stacked `QuantizedWeight`,
 picking the implementation: the C++ kernel on CPU for float32 and a few rows where it
 builds, else the XLA reference. `impl="reference"` forces the reference (a
-tensor-parallel mesh does: XLA cannot partition a custom call)."""
+tensor-parallel mesh does: XLA cannot partition a custom call). `quantized_matmuls` takes
+several weights that multiply the same x (a layer's q, k and v): the CPU kernel computes
+them in one call."""
 
 import jax
 
@@ -18,14 +20,19 @@ IMPLEMENTATIONS = ("reference", "cpu")
 
 def quantized_matmul(x: jax.Array, w: QuantizedWeight, layer, *, impl: str | None = None):
     """[T, D] @ dequantize([L, F, D][layer]).T -> [T, F] (see `reference.py`)."""
+    return quantized_matmuls(x, (w,), layer, impl=impl)[0]
+
+
+def quantized_matmuls(x: jax.Array, ws, layer, *, impl: str | None = None):
+    """`quantized_matmul(x, w, layer)` for each w of `ws`, in one kernel call where the CPU
+    kernel takes them all."""
     if impl is None:
-        impl = "cpu" if jax.default_backend() == "cpu" and cpu.supports(x, w) else "reference"
-        if impl == "cpu" and cpu.KERNEL.load() is not None:
-            impl = "reference"
+        on_cpu = jax.default_backend() == "cpu" and all(cpu.supports(x, w) for w in ws)
+        impl = "cpu" if on_cpu and cpu.KERNEL.load() is None else "reference"
     if impl == "reference":
-        return quantized_matmul_reference(x, w, layer)
+        return tuple(quantized_matmul_reference(x, w, layer) for w in ws)
     if impl == "cpu":
-        return cpu.quantized_matmul_cpu(x, w, layer)
+        return cpu.quantized_matmuls_cpu(x, ws, layer)
     raise ValueError(
         f"unknown quantized-matmul implementation {impl!r}; expected {IMPLEMENTATIONS}"
     )
@@ -38,4 +45,5 @@ __all__ = [
     "dequantize",
     "quantized_matmul",
     "quantized_matmul_reference",
+    "quantized_matmuls",
 ]

@@ -1,6 +1,8 @@
 // x @ dequantize(w[layer]).T for XLA:CPU on quantized weights, called through the XLA FFI
 // (`cpu.py` builds and registers it). Same result as `reference.py` to float32 rounding,
-// for a few float32 rows of x at a time.
+// for a few float32 rows of x at a time, for one weight or several that multiply the same x
+// (a layer's q, k and v, its gate and up), each in its own format: one call computes them
+// all, each output as a call of its own would, bit for bit.
 //
 // Why it exists: a decode step reads every weight once, and a quantized weight is 4-8x
 // fewer bytes than its float32 copy only if nothing writes that copy. XLA:CPU dequantizes
@@ -10,12 +12,13 @@
 // nothing else. x stays float: the result is the dequantized weight's, as exact as the
 // float32 kernel's (llama.cpp rounds x to int8 instead; bench/README.md measured both
 // here, and on these cores the float products are as fast). Work items (blocks of output
-// rows) are shared between the calling thread and XLA's intra-op thread pool, as in the
-// stacked float32 kernel.
+// rows, of all the call's weights at once) are shared between the calling thread and XLA's
+// intra-op thread pool, as in the stacked float32 kernel.
 //
-// Layouts (row-major; `layout.py` is the definition): x [T, D]; values [L, F, D] int8 or
-// float8 e4m3fn, or [L, F, D / 2] uint8 (uint4, GGUF's nibble order per run of 32); scales and mins
-// [L, F, G] float32; layer [1]; out [T, F].
+// Layouts (row-major; `layout.py` is the definition): x [T, D]; layer [1]; then for each
+// weight values [L, F, D] int8 or float8 e4m3fn, or [L, F, D / 2] uint8 (uint4, GGUF's nibble
+// order per run of 32), scales and mins [L, F, G] float32 (mins [1] where absent); results
+// out [T, F], one per weight; attributes kinds and has_mins, one entry per weight.
 //   w[f, i] = scale[f, g] * q[f, i] + min[f, g],  g = i / (D / G)
 // Requirements (cpu.py routes other shapes to the reference): rows of a multiple of 32
 // inputs, groups of a multiple of 32 inputs or of 16 (uint4: of 32), T at most kMaxRows.
@@ -64,15 +67,27 @@ inline float Sum(f32x16 v) {
   return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
 }
 
-struct Work {
-  const float* x;
+// One weight's part of a call.
+struct Segment {
+  Kind kind;
   const uint8_t* values;  // this layer's rows
   const float* scales;    // this layer's [F, G]
   const float* mins;      // this layer's [F, G], or null
-  float* out;
-  int64_t num_rows, dim, num_outputs, num_groups, row_bytes;  // T, D, F, G
+  float* out;             // [T, F]
+  int64_t num_outputs, num_groups, row_bytes;  // F, G
   std::vector<float> x_sums;  // [T, G]: each group's sum of x (what the mins multiply)
-  int64_t outputs_per_item, num_items;
+};
+
+// A block of one segment's output rows.
+struct Item {
+  int64_t segment, begin, end;
+};
+
+struct Work {
+  const float* x;
+  int64_t num_rows, dim;  // T, D
+  std::vector<Segment> segments;
+  std::vector<Item> items;
   std::atomic<int64_t> next{0}, done{0};
 };
 
@@ -128,10 +143,10 @@ inline void Widen(const uint8_t* row, int64_t i, f32x16& low, f32x16& high) {
 // out[t0 + t, j] for t < TR: row j's weights are widened group by group; each group's
 // products with TR rows of x are summed, then scaled; the mins multiply x's group sums.
 template <Kind K, int TR>
-void Output(const Work& p, int64_t j, int64_t t0) {
-  const int64_t D = p.dim, G = p.num_groups, group = D / G;
-  const uint8_t* row = p.values + j * p.row_bytes;
-  const float* scales = p.scales + j * G;
+void Output(const Work& p, const Segment& s, int64_t j, int64_t t0) {
+  const int64_t D = p.dim, G = s.num_groups, group = D / G;
+  const uint8_t* row = s.values + j * s.row_bytes;
+  const float* scales = s.scales + j * G;
   const float* x = p.x + t0 * D;
   f32x16 acc[TR] = {};
   if (group == kGroup) {
@@ -183,60 +198,77 @@ void Output(const Work& p, int64_t j, int64_t t0) {
   }
   for (int t = 0; t < TR; ++t) {
     float shift = 0.0f;
-    if (p.mins) {
+    if (s.mins) {
       // sum over groups of min * (the group's sum of x), 16 groups a vector.
-      const float* mins = p.mins + j * G;
-      const float* sums = p.x_sums.data() + (t0 + t) * G;
+      const float* mins = s.mins + j * G;
+      const float* sums = s.x_sums.data() + (t0 + t) * G;
       f32x16 lanes = {};
       int64_t g = 0;
       for (; g + 16 <= G; g += 16) lanes += Load(mins + g) * Load(sums + g);
       for (; g < G; ++g) shift += mins[g] * sums[g];
       shift += Sum(lanes);
     }
-    p.out[(t0 + t) * p.num_outputs + j] = Sum(acc[t]) + shift;
+    s.out[(t0 + t) * s.num_outputs + j] = Sum(acc[t]) + shift;
   }
 }
 
 template <Kind K, int TR>
-void Outputs(const Work& p, int64_t begin, int64_t end, int64_t t0) {
-  for (int64_t j = begin; j < end; ++j) Output<K, TR>(p, j, t0);
+void Outputs(const Work& p, const Segment& s, const Item& item, int64_t t0) {
+  for (int64_t j = item.begin; j < item.end; ++j) Output<K, TR>(p, s, j, t0);
 }
 
 template <Kind K>
+void RunItem(const Work& p, const Segment& s, const Item& item) {
+  int64_t t = 0;
+  for (; t + kRowsPerPass <= p.num_rows; t += kRowsPerPass) Outputs<K, 4>(p, s, item, t);
+  switch (p.num_rows - t) {
+    case 3: Outputs<K, 3>(p, s, item, t); break;
+    case 2: Outputs<K, 2>(p, s, item, t); break;
+    case 1: Outputs<K, 1>(p, s, item, t); break;
+    default: break;
+  }
+}
+
 void Drain(Work& p) {
+  const int64_t num_items = int64_t(p.items.size());
   for (;;) {
-    const int64_t item = p.next.fetch_add(1, std::memory_order_relaxed);
-    if (item >= p.num_items) return;
-    const int64_t begin = item * p.outputs_per_item;
-    const int64_t end = std::min(p.num_outputs, begin + p.outputs_per_item);
-    int64_t t = 0;
-    for (; t + kRowsPerPass <= p.num_rows; t += kRowsPerPass) Outputs<K, 4>(p, begin, end, t);
-    switch (p.num_rows - t) {
-      case 3: Outputs<K, 3>(p, begin, end, t); break;
-      case 2: Outputs<K, 2>(p, begin, end, t); break;
-      case 1: Outputs<K, 1>(p, begin, end, t); break;
-      default: break;
-    }
+    const int64_t index = p.next.fetch_add(1, std::memory_order_relaxed);
+    if (index >= num_items) return;
+    const Item& item = p.items[index];
+    const Segment& s = p.segments[item.segment];
+    if (s.kind == kInt8)
+      RunItem<kInt8>(p, s, item);
+    else if (s.kind == kFp8)
+      RunItem<kFp8>(p, s, item);
+    else
+      RunItem<kUint4>(p, s, item);
     p.done.fetch_add(1, std::memory_order_release);
   }
 }
 
-template <Kind K>
 void Run(ffi::ThreadPool& pool, std::shared_ptr<Work> work) {
   Work& p = *work;
-  // About four items per thread, so threads that start late still get a share; at least
-  // 16 outputs each, so an item's work outweighs claiming it.
-  const int64_t threads =
-      p.num_outputs * p.dim < kMinParallelWeights ? 1 : std::max<int64_t>(1, pool.num_threads());
-  const int64_t per_item = (p.num_outputs + 4 * threads - 1) / (4 * threads);
-  p.outputs_per_item = std::max<int64_t>(16, per_item);
-  p.num_items = (p.num_outputs + p.outputs_per_item - 1) / p.outputs_per_item;
+  int64_t total_outputs = 0;
+  for (const Segment& s : p.segments) total_outputs += s.num_outputs;
+  // About four items per thread and weight, so threads that start late (or are
+  // descheduled mid-item) still get a share; at least 16 outputs each, so an item's work
+  // outweighs claiming it.
+  const int64_t threads = total_outputs * p.dim < kMinParallelWeights
+                              ? 1
+                              : std::max<int64_t>(1, pool.num_threads());
+  const int64_t parts = 4 * threads * int64_t(p.segments.size());
+  const int64_t per_item = (total_outputs + parts - 1) / parts;
+  const int64_t outputs_per_item = std::max<int64_t>(16, per_item);
+  for (int64_t i = 0; i < int64_t(p.segments.size()); ++i)
+    for (int64_t begin = 0; begin < p.segments[i].num_outputs; begin += outputs_per_item)
+      p.items.push_back({i, begin, std::min(p.segments[i].num_outputs, begin + outputs_per_item)});
+  const int64_t num_items = int64_t(p.items.size());
   // The pool has a thread per core; the calling thread is one of the workers.
-  const int64_t helpers = std::min<int64_t>(threads, p.num_items) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { Drain<K>(*work); });
-  Drain<K>(p);
+  const int64_t helpers = std::min<int64_t>(threads, num_items) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { Drain(*work); });
+  Drain(p);
   // Every item is claimed by now; wait for the ones a helper is still working on.
-  while (p.done.load(std::memory_order_acquire) < p.num_items) std::this_thread::yield();
+  while (p.done.load(std::memory_order_acquire) < num_items) std::this_thread::yield();
 }
 
 std::string Shape(ffi::Span<const int64_t> dims) {
@@ -245,11 +277,12 @@ std::string Shape(ffi::Span<const int64_t> dims) {
   return s + (dims.size() == 1 ? ",)" : ")");
 }
 
-ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
-                           ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins,
-                           ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
-                           int64_t kind, bool has_mins) {
-  const auto x_dims = x.dimensions(), v_dims = values.dimensions(), s_dims = scales.dimensions();
+// Checks one weight's buffers against x and fills its segment; the problem, if any.
+std::string AddSegment(Work& p, ffi::Span<const int64_t> x_dims, int64_t l, int64_t kind,
+                       bool has_mins, ffi::AnyBuffer values, ffi::Buffer<ffi::F32> scales,
+                       ffi::Buffer<ffi::F32> mins, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  const auto v_dims = values.dimensions(), s_dims = scales.dimensions();
+  const auto out_dims = out->dimensions();
   const int64_t per_byte = kind == kUint4 ? 2 : 1;
   const auto value_type = kind == kUint4  ? ffi::DataType::U8
                           : kind == kFp8 ? ffi::DataType::F8E4M3FN
@@ -257,8 +290,8 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   const char* problem = nullptr;
   if (kind != kInt8 && kind != kUint4 && kind != kFp8)
     problem = "kind must be 0 (int8), 1 (uint4) or 2 (fp8)";
-  else if (x_dims.size() != 2 || v_dims.size() != 3 || s_dims.size() != 3)
-    problem = "x must be [T, D], values [L, F, D or D / 2], scales [L, F, G]";
+  else if (v_dims.size() != 3 || s_dims.size() != 3)
+    problem = "values must be [L, F, D or D / 2], scales [L, F, G]";
   else if (values.element_type() != value_type)
     problem = "values must be int8 (kind 0), uint8 (kind 1) or float8_e4m3fn (kind 2)";
   else if (x_dims[1] != v_dims[2] * per_byte || s_dims[0] != v_dims[0] || s_dims[1] != v_dims[1])
@@ -268,63 +301,86 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
            (kind == kUint4 && (x_dims[1] / s_dims[2]) % kGroup))
     problem = "rows must be whole multiples of 32 inputs, groups multiples of 32 or 16 "
               "(uint4: of 32)";
-  else if (x_dims[0] > kMaxRows)
-    problem = "at most 16 rows of x";
-  else if (layer.element_count() != 1)
-    problem = "layer must be one index";
   else if (has_mins && mins.element_count() != scales.element_count())
     problem = "mins must be shaped like scales";
+  else if (out_dims.size() != 2 || out_dims[0] != x_dims[0] || out_dims[1] != v_dims[1])
+    problem = "out must be [T, F]";
   if (problem)
-    return ffi::Error::InvalidArgument("quantized matmul: " + std::string(problem) + "; got x " +
-                                       Shape(x_dims) + ", values " + Shape(v_dims) + ", scales " +
-                                       Shape(s_dims));
-  const int64_t l = layer.typed_data()[0];
+    return std::string(problem) + "; got x " + Shape(x_dims) + ", values " + Shape(v_dims) +
+           ", scales " + Shape(s_dims);
   if (l < 0 || l >= v_dims[0])
-    return ffi::Error::InvalidArgument("quantized matmul: layer " + std::to_string(l) +
-                                       " is outside the " + std::to_string(v_dims[0]) + " layers");
-  auto work = std::make_shared<Work>();
-  Work& p = *work;
+    return "layer " + std::to_string(l) + " is outside the " + std::to_string(v_dims[0]) +
+           " layers";
+  Segment s;
   const int64_t F = v_dims[1], G = s_dims[2];
-  p.x = x.typed_data();
-  p.row_bytes = v_dims[2];
-  p.values = static_cast<const uint8_t*>(values.untyped_data()) + l * F * p.row_bytes;
-  p.scales = scales.typed_data() + l * F * G;
-  p.mins = has_mins ? mins.typed_data() + l * F * G : nullptr;
-  p.out = out->typed_data();
-  p.num_rows = x_dims[0];
-  p.dim = x_dims[1];
-  p.num_outputs = F;
-  p.num_groups = G;
-  if (p.num_rows == 0 || F == 0) return ffi::Error::Success();
+  s.kind = Kind(kind);
+  s.row_bytes = v_dims[2];
+  s.values = static_cast<const uint8_t*>(values.untyped_data()) + l * F * s.row_bytes;
+  s.scales = scales.typed_data() + l * F * G;
+  s.mins = has_mins ? mins.typed_data() + l * F * G : nullptr;
+  s.out = out->typed_data();
+  s.num_outputs = F;
+  s.num_groups = G;
   if (has_mins) {
     const int64_t group = p.dim / G;
-    p.x_sums.assign(p.num_rows * G, 0.0f);
+    s.x_sums.assign(p.num_rows * G, 0.0f);
     for (int64_t t = 0; t < p.num_rows; ++t)
       for (int64_t g = 0; g < G; ++g) {
         f32x16 sum = {};
         for (int64_t i = g * group; i < (g + 1) * group; i += 16) sum += Load(p.x + t * p.dim + i);
-        p.x_sums[t * G + g] = Sum(sum);
+        s.x_sums[t * G + g] = Sum(sum);
       }
   }
-  if (kind == kInt8)
-    Run<kInt8>(pool, work);
-  else if (kind == kFp8)
-    Run<kFp8>(pool, work);
-  else
-    Run<kUint4>(pool, work);
+  p.segments.push_back(std::move(s));
+  return "";
+}
+
+ffi::Error QuantizedMatmuls(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                            ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs weights,
+                            ffi::RemainingRets outs, ffi::Span<const int64_t> kinds,
+                            ffi::Span<const int64_t> has_mins) {
+  const auto x_dims = x.dimensions();
+  auto fail = [](const std::string& problem) {
+    return ffi::Error::InvalidArgument("quantized matmul: " + problem);
+  };
+  if (x_dims.size() != 2) return fail("x must be [T, D], got " + Shape(x_dims));
+  if (x_dims[0] > kMaxRows) return fail("at most 16 rows of x, got " + Shape(x_dims));
+  if (layer.element_count() != 1) return fail("layer must be one index");
+  const size_t n = outs.size();
+  if (n == 0 || weights.size() != 3 * n || kinds.size() != n || has_mins.size() != n)
+    return fail("each weight needs values, scales, mins, a result, a kind and has_mins");
+  auto work = std::make_shared<Work>();
+  Work& p = *work;
+  p.x = x.typed_data();
+  p.num_rows = x_dims[0];
+  p.dim = x_dims[1];
+  const int64_t l = layer.typed_data()[0];
+  for (size_t i = 0; i < n; ++i) {
+    auto values = weights.get<ffi::AnyBuffer>(3 * i);
+    auto scales = weights.get<ffi::Buffer<ffi::F32>>(3 * i + 1);
+    auto mins = weights.get<ffi::Buffer<ffi::F32>>(3 * i + 2);
+    auto out = outs.get<ffi::Buffer<ffi::F32>>(i);
+    if (!values.has_value() || !scales.has_value() || !mins.has_value() || !out.has_value())
+      return fail("scales, mins and results must be float32");
+    const std::string problem =
+        AddSegment(p, x_dims, l, kinds[i], has_mins[i] != 0, *values, *scales, *mins, *out);
+    if (!problem.empty()) return fail(problem);
+  }
+  if (p.num_rows == 0) return ffi::Error::Success();
+  Run(pool, work);
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineQuantizedMatmul, QuantizedMatmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineQuantizedMatmul, QuantizedMatmuls,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // values: int8, uint8 or fp8
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // mins (like scales, or [1])
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer, shape [1]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
-                                  .Attr<int64_t>("kind")
-                                  .Attr<bool>("has_mins"));
+                                  // per weight: values (int8, uint8 or fp8), scales, and
+                                  // mins (like scales, or [1])
+                                  .RemainingArgs()
+                                  .RemainingRets()  // per weight: out
+                                  .Attr<ffi::Span<const int64_t>>("kinds")
+                                  .Attr<ffi::Span<const int64_t>>("has_mins"));

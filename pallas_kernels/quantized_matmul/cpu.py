@@ -1,5 +1,5 @@
 """`x @ dequantize(w[layer]).T` on CPU for a few rows of x: the C++ kernel in `cpu.cc`,
-called through the XLA FFI.
+called through the XLA FFI, for one weight or several that multiply the same x in one call.
 
 Where it sits: `quantized_matmul` picks it on the CPU backend for float32 x with at most
 `MAX_ROWS` rows (decode steps, short verifications), in place of the XLA reference, which
@@ -12,11 +12,11 @@ reads it, so a decode step would read 4-8x the bytes the quantized weights hold
 (bench/README.md has the options measured side by side).
 """
 
-import functools
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jengine.pallas_kernels.native_build import NativeKernel
 from jengine.pallas_kernels.quantized_matmul.layout import QuantizedWeight
@@ -53,30 +53,51 @@ def supports(x, w: QuantizedWeight) -> bool:
 
 def quantized_matmul_cpu(x: jax.Array, w: QuantizedWeight, layer) -> jax.Array:
     """See `reference.quantized_matmul_reference`."""
-    if not supports(x, w):
-        raise ValueError(
-            f"the CPU quantized-matmul kernel takes float32 x [T <= {MAX_ROWS}, D] and a "
-            f"weight [L, F, D], D a multiple of {GROUP}, in groups of a multiple of {GROUP} "
-            f"inputs or of {GROUP // 2}; got x "
-            f"{x.dtype}{tuple(x.shape)}, a {w.format.name} weight {w.shape}"
-        )
+    return quantized_matmuls_cpu(x, (w,), layer)[0]
+
+
+def quantized_matmuls_cpu(x: jax.Array, ws, layer) -> tuple[jax.Array, ...]:
+    """`x @ dequantize(w[layer]).T` for each w of `ws` (formats may differ) in one kernel
+    call, each result as its own call gives, bit for bit."""
+    for w in ws:
+        if not supports(x, w):
+            raise ValueError(
+                f"the CPU quantized-matmul kernel takes float32 x [T <= {MAX_ROWS}, D] and a "
+                f"weight [L, F, D], D a multiple of {GROUP}, in groups of a multiple of "
+                f"{GROUP} inputs or of {GROUP // 2}; got x "
+                f"{x.dtype}{tuple(x.shape)}, a {w.format.name} weight {w.shape}"
+            )
     KERNEL.require()
-    return _matmul(x, w, jnp.asarray(layer, jnp.int32).reshape(1))
+    return _matmuls(x, tuple(ws), jnp.asarray(layer, jnp.int32).reshape(1))
 
 
 @jax.custom_jvp
-def _matmul(x, w, layer):
+def _matmuls(x, ws, layer):
     # A format without mins passes a one-element stand-in (the kernel does not read it).
-    mins = w.mins if w.mins is not None else jnp.zeros((1,), jnp.float32)
-    call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype))
-    return call(
-        x, w.values, w.scales, mins, layer, kind=_KINDS[w.format.kind], has_mins=w.mins is not None
+    operands = []
+    for w in ws:
+        mins = w.mins if w.mins is not None else jnp.zeros((1,), jnp.float32)
+        operands += [w.values, w.scales, mins]
+    call = jax.ffi.ffi_call(
+        TARGET_NAME, [jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype) for w in ws]
+    )
+    return tuple(
+        call(
+            x,
+            layer,
+            *operands,
+            kinds=np.array([_KINDS[w.format.kind] for w in ws], np.int64),
+            has_mins=np.array([w.mins is not None for w in ws], np.int64),
+        )
     )
 
 
-@_matmul.defjvp
-def _matmul_jvp(primals, tangents):
+@_matmuls.defjvp
+def _matmuls_jvp(primals, tangents):
     # The kernel has no derivative of its own; the reference computes the same function.
-    x, w, layer = primals
-    fn = functools.partial(quantized_matmul_reference, w=w, layer=layer[0])
-    return jax.jvp(fn, (x,), tangents[:1])
+    x, ws, layer = primals
+
+    def reference(x):
+        return tuple(quantized_matmul_reference(x, w, layer[0]) for w in ws)
+
+    return jax.jvp(reference, (x,), tangents[:1])

@@ -1,5 +1,8 @@
 // x @ w[layer].T for XLA:CPU, called through the XLA FFI (`cpu.py` builds and registers
-// it). Same inputs and outputs as `reference.py`, float32 only, a few rows of x at a time.
+// it). Same inputs and outputs as `reference.py`, float32 only, a few rows of x at a time,
+// for one weight or several that multiply the same x (a layer's q, k and v projections,
+// its gate and up ones): one call computes them all, each output as a call of its own
+// would, bit for bit.
 //
 // Why it exists: under the model's layer scan XLA:CPU copies each layer's weights out of
 // the stacked [L, F, D] array before its dot reads them (a read and a write of every
@@ -7,10 +10,13 @@
 // rows are read where they lie, each once per step: every output is a dot product of a
 // contiguous weight row with a contiguous row of x, which streams at the machine's memory
 // bandwidth. Work items (blocks of output rows) are shared between the calling thread and
-// XLA's intra-op thread pool.
+// XLA's intra-op thread pool; with several weights the items of all of them are shared
+// out at once, so a small projection (k, v) does not run alone on one thread and a decode
+// layer hands work to the pool twice less often (bench/README.md).
 //
-// Layouts (row-major): x [T, D]; w [L, F, D]; layer [1]; out [T, F]. Requirements (cpu.py
-// routes other shapes to the reference): D a multiple of 8, T at most kMaxRows.
+// Layouts (row-major): x [T, D]; layer [1]; then the weights w_i [L, F_i, D], and the
+// results out_i [T, F_i]. Requirements (cpu.py routes other shapes to the reference): D a
+// multiple of 8, T at most kMaxRows.
 
 #include <algorithm>
 #include <atomic>
@@ -19,6 +25,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #ifdef __FMA__
 #include <immintrin.h>
@@ -62,22 +69,33 @@ inline float Sum(v8 v) {
   return a + b;
 }
 
+// One weight's part of a call: this layer's [F, D] rows and where its outputs go.
+struct Segment {
+  const float* w;
+  float* out;  // [T, F]
+  int64_t num_outputs;  // F
+};
+
+// A block of one segment's output rows.
+struct Item {
+  int64_t segment, begin, end;
+};
+
 struct Work {
   const float* x;
-  const float* w;  // this layer's [F, D]
-  float* out;
-  int64_t num_rows, dim, num_outputs;  // T, D, F
-  int64_t outputs_per_item, num_items;
+  int64_t num_rows, dim;  // T, D
+  std::vector<Segment> segments;
+  std::vector<Item> items;
   std::atomic<int64_t> next{0}, done{0};
 };
 
 // out[t, j + r] for r < R and every t: R weight rows stay in L1 while all of x's rows
 // (two at a time) pass over them.
 template <int R>
-void Outputs(const Work& p, int64_t j) {
-  const int64_t D = p.dim, F = p.num_outputs;
+void Outputs(const Work& p, const Segment& s, int64_t j) {
+  const int64_t D = p.dim, F = s.num_outputs;
   const float* w[R];
-  for (int r = 0; r < R; ++r) w[r] = p.w + (j + r) * D;
+  for (int r = 0; r < R; ++r) w[r] = s.w + (j + r) * D;
   int64_t t = 0;
   for (; t + 2 <= p.num_rows; t += 2) {
     const float *xa = p.x + t * D, *xb = xa + D;
@@ -91,8 +109,8 @@ void Outputs(const Work& p, int64_t j) {
       }
     }
     for (int r = 0; r < R; ++r) {
-      p.out[t * F + j + r] = Sum(a[r]);
-      p.out[(t + 1) * F + j + r] = Sum(b[r]);
+      s.out[t * F + j + r] = Sum(a[r]);
+      s.out[(t + 1) * F + j + r] = Sum(b[r]);
     }
   }
   if (t < p.num_rows) {
@@ -102,7 +120,7 @@ void Outputs(const Work& p, int64_t j) {
       const v8 u = Load(xa + d);
       for (int r = 0; r < R; ++r) a[r] = MulAdd(a[r], u, Load(w[r] + d));
     }
-    for (int r = 0; r < R; ++r) p.out[t * F + j + r] = Sum(a[r]);
+    for (int r = 0; r < R; ++r) s.out[t * F + j + r] = Sum(a[r]);
   }
 }
 
@@ -115,42 +133,43 @@ void Outputs(const Work& p, int64_t j) {
 // dominates and sharing each load between weight rows wins again. Both sum each output in
 // the same order, so results do not depend on which loop ran.
 template <int TR>
-void RowsOutputs(const Work& p, int64_t begin, int64_t end, int64_t t0) {
-  const int64_t D = p.dim, F = p.num_outputs;
+void RowsOutputs(const Work& p, const Segment& s, int64_t begin, int64_t end, int64_t t0) {
+  const int64_t D = p.dim, F = s.num_outputs;
   const float* x = p.x + t0 * D;
   for (int64_t j = begin; j < end; ++j) {
-    const float* w = p.w + j * D;
+    const float* w = s.w + j * D;
     v8 acc[TR] = {};
     for (int64_t d = 0; d < D; d += kLanes) {
       const v8 row = Load(w + d);
       for (int t = 0; t < TR; ++t) acc[t] = MulAdd(acc[t], Load(x + t * D + d), row);
     }
-    for (int t = 0; t < TR; ++t) p.out[(t0 + t) * F + j] = Sum(acc[t]);
+    for (int t = 0; t < TR; ++t) s.out[(t0 + t) * F + j] = Sum(acc[t]);
   }
 }
 
-void ManyRows(const Work& p, int64_t begin, int64_t end) {
+void ManyRows(const Work& p, const Segment& s, int64_t begin, int64_t end) {
   int64_t t = 0;
-  for (; t + 4 <= p.num_rows; t += 4) RowsOutputs<4>(p, begin, end, t);
+  for (; t + 4 <= p.num_rows; t += 4) RowsOutputs<4>(p, s, begin, end, t);
   switch (p.num_rows - t) {
-    case 3: RowsOutputs<3>(p, begin, end, t); break;
-    case 2: RowsOutputs<2>(p, begin, end, t); break;
-    case 1: RowsOutputs<1>(p, begin, end, t); break;
+    case 3: RowsOutputs<3>(p, s, begin, end, t); break;
+    case 2: RowsOutputs<2>(p, s, begin, end, t); break;
+    case 1: RowsOutputs<1>(p, s, begin, end, t); break;
   }
 }
 
 void Drain(Work& p) {
+  const int64_t num_items = int64_t(p.items.size());
   for (;;) {
-    const int64_t item = p.next.fetch_add(1, std::memory_order_relaxed);
-    if (item >= p.num_items) return;
-    const int64_t begin = item * p.outputs_per_item;
-    const int64_t end = std::min(p.num_outputs, begin + p.outputs_per_item);
+    const int64_t index = p.next.fetch_add(1, std::memory_order_relaxed);
+    if (index >= num_items) return;
+    const Item& item = p.items[index];
+    const Segment& s = p.segments[item.segment];
     if (p.num_rows <= kStreamRows) {
-      ManyRows(p, begin, end);
+      ManyRows(p, s, item.begin, item.end);
     } else {
-      int64_t j = begin;
-      for (; j + 4 <= end; j += 4) Outputs<4>(p, j);
-      for (; j < end; ++j) Outputs<1>(p, j);
+      int64_t j = item.begin;
+      for (; j + 4 <= item.end; j += 4) Outputs<4>(p, s, j);
+      for (; j < item.end; ++j) Outputs<1>(p, s, j);
     }
     p.done.fetch_add(1, std::memory_order_release);
   }
@@ -162,58 +181,70 @@ std::string Shape(ffi::Span<const int64_t> dims) {
   return s + (dims.size() == 1 ? ",)" : ")");
 }
 
-ffi::Error StackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                         ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
-  const auto x_dims = x.dimensions(), w_dims = w.dimensions(), out_dims = out->dimensions();
-  const char* problem = nullptr;
-  if (x_dims.size() != 2 || w_dims.size() != 3 || out_dims.size() != 2)
-    problem = "x must be [T, D], w [L, F, D], out [T, F]";
-  else if (x_dims[1] != w_dims[2] || out_dims[0] != x_dims[0] || out_dims[1] != w_dims[1])
-    problem = "x's D must equal w's, out must be [T, F]";
-  else if (x_dims[1] % kLanes)
-    problem = "D must be a multiple of 8";
-  else if (x_dims[0] > kMaxRows)
-    problem = "at most 16 rows of x";
-  else if (layer.element_count() != 1)
-    problem = "layer must be one index";
-  if (problem)
-    return ffi::Error::InvalidArgument("stacked matmul: " + std::string(problem) + "; got x " +
-                                       Shape(x_dims) + ", w " + Shape(w_dims));
+ffi::Error StackedMatmuls(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                          ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs weights,
+                          ffi::RemainingRets outs) {
+  const auto x_dims = x.dimensions();
+  auto fail = [&](const std::string& problem) {
+    return ffi::Error::InvalidArgument("stacked matmul: " + problem + "; got x " +
+                                       Shape(x_dims));
+  };
+  if (x_dims.size() != 2) return fail("x must be [T, D]");
+  if (x_dims[1] % kLanes) return fail("D must be a multiple of 8");
+  if (x_dims[0] > kMaxRows) return fail("at most 16 rows of x");
+  if (layer.element_count() != 1) return fail("layer must be one index");
+  if (weights.size() == 0 || weights.size() != outs.size())
+    return fail("one result per weight, and at least one weight");
   const int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= w_dims[0])
-    return ffi::Error::InvalidArgument("stacked matmul: layer " + std::to_string(l) +
-                                       " is outside w's " + std::to_string(w_dims[0]) +
-                                       " layers");
   auto work = std::make_shared<Work>();
   Work& p = *work;
   p.x = x.typed_data();
-  p.w = w.typed_data() + l * w_dims[1] * w_dims[2];
-  p.out = out->typed_data();
   p.num_rows = x_dims[0];
   p.dim = x_dims[1];
-  p.num_outputs = w_dims[1];
-  if (p.num_rows == 0 || p.num_outputs == 0) return ffi::Error::Success();
-  // About four items per thread, so threads that start late still get a share; at least
-  // 16 outputs each, so an item's work outweighs claiming it.
+  int64_t total_outputs = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    auto w = weights.get<ffi::Buffer<ffi::F32>>(i);
+    auto out = outs.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !out.has_value()) return fail("weights and results must be float32");
+    const auto w_dims = w->dimensions(), out_dims = (*out)->dimensions();
+    if (w_dims.size() != 3 || w_dims[2] != x_dims[1])
+      return fail("w must be [L, F, D] with x's D, got w " + Shape(w_dims));
+    if (out_dims.size() != 2 || out_dims[0] != x_dims[0] || out_dims[1] != w_dims[1])
+      return fail("out must be [T, F], got " + Shape(out_dims) + " for w " + Shape(w_dims));
+    if (l < 0 || l >= w_dims[0])
+      return fail("layer " + std::to_string(l) + " is outside w's " + std::to_string(w_dims[0]) +
+                  " layers");
+    p.segments.push_back({w->typed_data() + l * w_dims[1] * w_dims[2], (*out)->typed_data(),
+                          w_dims[1]});
+    total_outputs += w_dims[1];
+  }
+  if (p.num_rows == 0 || total_outputs == 0) return ffi::Error::Success();
+  // About four items per thread and weight, so threads that start late (or are
+  // descheduled mid-item) still get a share; at least 16 outputs each, so an item's work
+  // outweighs claiming it.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t per_item = (p.num_outputs + 4 * threads - 1) / (4 * threads);
-  p.outputs_per_item = std::max<int64_t>(16, (per_item + 3) / 4 * 4);
-  p.num_items = (p.num_outputs + p.outputs_per_item - 1) / p.outputs_per_item;
+  const int64_t parts = 4 * threads * int64_t(p.segments.size());
+  const int64_t per_item = (total_outputs + parts - 1) / parts;
+  const int64_t outputs_per_item = std::max<int64_t>(16, (per_item + 3) / 4 * 4);
+  for (int64_t i = 0; i < int64_t(p.segments.size()); ++i)
+    for (int64_t begin = 0; begin < p.segments[i].num_outputs; begin += outputs_per_item)
+      p.items.push_back({i, begin, std::min(p.segments[i].num_outputs, begin + outputs_per_item)});
+  const int64_t num_items = int64_t(p.items.size());
   // The pool has a thread per core; the calling thread is one of the workers.
-  const int64_t helpers = std::min<int64_t>(threads, p.num_items) - 1;
+  const int64_t helpers = std::min<int64_t>(threads, num_items) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { Drain(*work); });
   Drain(p);
   // Every item is claimed by now; wait for the ones a helper is still working on.
-  while (p.done.load(std::memory_order_acquire) < p.num_items) std::this_thread::yield();
+  while (p.done.load(std::memory_order_acquire) < num_items) std::this_thread::yield();
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineStackedMatmul, StackedMatmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineStackedMatmul, StackedMatmuls,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer, shape [1]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // out
+                                  .RemainingArgs()                // the weights
+                                  .RemainingRets());              // their results

@@ -1,5 +1,5 @@
 """`x @ w[layer].T` on CPU for a few rows of x: the C++ kernel in `cpu.cc`, called through
-the XLA FFI.
+the XLA FFI, for one weight or several that multiply the same x in one call.
 
 Where it sits: `stacked_matmul` picks it on the CPU backend for float32 operands with at
 most `MAX_ROWS` rows (decode steps, short verifications), in place of the XLA reference,
@@ -12,7 +12,6 @@ the stacked array before its dot reads them, so a decode step read every weight 
 wrote it once (bench/README.md has the measurements).
 """
 
-import functools
 from pathlib import Path
 
 import jax
@@ -47,26 +46,35 @@ def supports(x, w) -> bool:
 
 def stacked_matmul_cpu(x: jax.Array, w: jax.Array, layer) -> jax.Array:
     """See `reference.stacked_matmul_reference`."""
-    if not supports(x, w):
-        raise ValueError(
-            f"the CPU stacked-matmul kernel takes float32 x [T <= {MAX_ROWS}, D] and w "
-            f"[L, F, D] with D a multiple of {LANES}; got x {x.dtype}{tuple(x.shape)}, "
-            f"w {w.dtype}{tuple(w.shape)}"
-        )
+    return stacked_matmuls_cpu(x, (w,), layer)[0]
+
+
+def stacked_matmuls_cpu(x: jax.Array, ws, layer) -> tuple[jax.Array, ...]:
+    """`x @ w[layer].T` for each w of `ws` in one kernel call (each result as its own call
+    gives, bit for bit): the work of all of them is shared out between the threads at once."""
+    for w in ws:
+        if not supports(x, w):
+            raise ValueError(
+                f"the CPU stacked-matmul kernel takes float32 x [T <= {MAX_ROWS}, D] and w "
+                f"[L, F, D] with D a multiple of {LANES}; got x {x.dtype}{tuple(x.shape)}, "
+                f"w {w.dtype}{tuple(w.shape)}"
+            )
     KERNEL.require()
-    return _matmul(x, w, jnp.asarray(layer, jnp.int32).reshape(1))
+    return _matmuls(x, tuple(ws), jnp.asarray(layer, jnp.int32).reshape(1))
 
 
 @jax.custom_jvp
-def _matmul(x, w, layer):
-    call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype))
-    return call(x, w, layer)
+def _matmuls(x, ws, layer):
+    results = [jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype) for w in ws]
+    return tuple(jax.ffi.ffi_call(TARGET_NAME, results)(x, layer, *ws))
 
 
-@_matmul.defjvp
-def _matmul_jvp(primals, tangents):
+@_matmuls.defjvp
+def _matmuls_jvp(primals, tangents):
     # The kernel has no derivative of its own; the reference computes the same function.
-    x, w, layer = primals
-    return jax.jvp(
-        functools.partial(stacked_matmul_reference, layer=layer[0]), (x, w), tangents[:2]
-    )
+    x, ws, layer = primals
+
+    def reference(x, ws):
+        return tuple(stacked_matmul_reference(x, w, layer[0]) for w in ws)
+
+    return jax.jvp(reference, (x, ws), tangents[:2])

@@ -20,6 +20,7 @@ from jengine.pallas_kernels.quantized_matmul import (
     dequantize,
     quantized_matmul,
     quantized_matmul_reference,
+    quantized_matmuls,
 )
 
 kernel = jax.jit(cpu.quantized_matmul_cpu)
@@ -149,6 +150,27 @@ def test_the_entry_point_takes_the_kernel_for_a_few_float32_rows():
     assert cpu.TARGET_NAME not in forced.as_text()
 
 
+@pytest.mark.parametrize("rows", [1, 4, 7, 16])
+def test_several_weights_in_one_call_give_each_ones_own_bits(rows):
+    """A layer's q, k, v in one call, each in its own format (GGUF's Q4_K_M mixes them),
+    a weight with mins beside ones without: the same bits as a call per weight, and the
+    reference's products. 576 x 1536 rows are enough for the call to share work out."""
+    formats = (Q4_1, GGUF_KEPT["Q6_K"], Q8_0, FP8, UINT4_GROUPS_OF_64)
+    ws = [
+        weight(fmt, out, 576, seed=i)
+        for i, (fmt, out) in enumerate(zip(formats, (1536, 64, 64, 40, 9)))
+    ]
+    x = np.random.default_rng(rows).standard_normal((rows, 576)).astype(np.float32)
+    together = jax.jit(cpu.quantized_matmuls_cpu)(x, ws, 1)
+    assert len(together) == len(ws)
+    for w, out in zip(ws, together, strict=True):
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(kernel(x, w, 1)))
+    entry = jax.jit(lambda x, ws: quantized_matmuls(x, ws, 1))
+    assert cpu.TARGET_NAME in entry.lower(x, ws).as_text()
+    for out, reference in zip(entry(x, ws), quantized_matmuls(x, ws, 1, impl="reference")):
+        np.testing.assert_allclose(out, reference, rtol=1e-5, atol=1e-4)
+
+
 def test_a_layer_outside_the_stack_is_refused():
     w = weight(Q8_0, 4, 32, layers=2)
     x = np.ones((1, 32), np.float32)
@@ -166,9 +188,9 @@ def test_the_target_refuses_what_it_cannot_read():
     x = jnp.ones((2, 64), jnp.float32)
 
     def run(x, values, scales, mins, kind=1):
-        attributes = dict(kind=kind, has_mins=True)
+        attributes = dict(kinds=np.array([kind]), has_mins=np.array([1]))
         return np.asarray(
-            jax.jit(lambda *a: call(*a, **attributes))(x, values, scales, mins, layer)
+            jax.jit(lambda *a: call(*a, **attributes))(x, layer, values, scales, mins)
         )
 
     with pytest.raises(RUN_TIME_REFUSAL, match="x's D must match"):
@@ -177,6 +199,12 @@ def test_the_target_refuses_what_it_cannot_read():
         run(x, w.values, w.scales, w.mins, kind=0)
     with pytest.raises(RUN_TIME_REFUSAL, match="mins must be shaped like scales"):
         run(x, w.values, w.scales, w.mins[:, :2])
+    with pytest.raises(RUN_TIME_REFUSAL, match="each weight needs values, scales, mins"):
+        np.asarray(
+            jax.jit(lambda *a: call(*a, kinds=np.array([1]), has_mins=np.array([1])))(
+                x, layer, w.values, w.scales
+            )
+        )
 
 
 @pytest.mark.parametrize("dim, groups", [(96, 3), (80, 1)], ids=["groups-of-32", "per-row"])

@@ -9,7 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jengine.pallas_kernels.stacked_matmul import cpu, stacked_matmul, stacked_matmul_reference
+from jengine.pallas_kernels.stacked_matmul import (
+    cpu,
+    stacked_matmul,
+    stacked_matmul_reference,
+    stacked_matmuls,
+)
 
 kernel = jax.jit(cpu.stacked_matmul_cpu)
 RUN_TIME_REFUSAL = (jax.errors.JaxRuntimeError, ValueError)  # as in test_cpu_kernel_errors
@@ -118,7 +123,28 @@ def test_the_target_refuses_shapes_it_cannot_index_by():
     x, w = operands(2, 16, 4)
     call = jax.ffi.ffi_call(cpu.TARGET_NAME, jax.ShapeDtypeStruct((2, 4), jnp.float32))
     layer = jnp.ones((1,), jnp.int32)
-    with pytest.raises(RUN_TIME_REFUSAL, match="x's D must equal w's"):
-        np.asarray(jax.jit(call)(x[:, :8], w, layer))
+    with pytest.raises(RUN_TIME_REFUSAL, match="with x's D"):
+        np.asarray(jax.jit(call)(x[:, :8], layer, w))
     with pytest.raises(RUN_TIME_REFUSAL, match="D must be a multiple of 8"):
-        np.asarray(jax.jit(call)(x[:, :12], w[:, :, :12], layer))
+        np.asarray(jax.jit(call)(x[:, :12], layer, w[:, :, :12]))
+    with pytest.raises(RUN_TIME_REFUSAL, match="one result per weight"):
+        np.asarray(jax.jit(call)(x, layer, w, w))
+    with pytest.raises(RUN_TIME_REFUSAL, match="out must be"):
+        np.asarray(jax.jit(call)(x, layer, w[:, :3]))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 12, 16])
+def test_several_weights_in_one_call_give_each_ones_own_bits(rows):
+    """A layer's q, k, v (and gate, up) in one call: the same bits as three calls, whatever
+    the rows and however the work items of the weights are shared out."""
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 64), np.float32)
+    ws = [rng.standard_normal((2, outputs, 64), np.float32) for outputs in (72, 24, 24, 5)]
+    together = jax.jit(cpu.stacked_matmuls_cpu)(x, ws, 1)
+    assert len(together) == len(ws)
+    for w, out in zip(ws, together, strict=True):
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(kernel(x, w, 1)))
+    entry = jax.jit(lambda x, ws: stacked_matmuls(x, ws, 1))
+    assert cpu.TARGET_NAME in entry.lower(x, ws).as_text()
+    for out, reference in zip(entry(x, ws), stacked_matmuls(x, ws, 1, impl="reference")):
+        np.testing.assert_allclose(out, reference, rtol=1e-5, atol=1e-4)
