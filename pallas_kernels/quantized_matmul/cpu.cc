@@ -250,14 +250,13 @@ void Run(ffi::ThreadPool& pool, std::shared_ptr<Work> work) {
   Work& p = *work;
   int64_t total_outputs = 0;
   for (const Segment& s : p.segments) total_outputs += s.num_outputs;
-  // About four items per thread and weight, so threads that start late (or are
-  // descheduled mid-item) still get a share; at least 16 outputs each, so an item's work
-  // outweighs claiming it.
+  // About four items per thread over all the weights (finer items measured slower), so
+  // threads that start late still get a share; at least 16 outputs each, so an item's
+  // work outweighs claiming it.
   const int64_t threads = total_outputs * p.dim < kMinParallelWeights
                               ? 1
                               : std::max<int64_t>(1, pool.num_threads());
-  const int64_t parts = 4 * threads * int64_t(p.segments.size());
-  const int64_t per_item = (total_outputs + parts - 1) / parts;
+  const int64_t per_item = (total_outputs + 4 * threads - 1) / (4 * threads);
   const int64_t outputs_per_item = std::max<int64_t>(16, per_item);
   for (int64_t i = 0; i < int64_t(p.segments.size()); ++i)
     for (int64_t begin = 0; begin < p.segments[i].num_outputs; begin += outputs_per_item)
