@@ -10,14 +10,18 @@ compared with the other engine's row on the same weights). In one run:
   token's arrival, decode rate = the rest over the time they took), best of `--repeats`;
 - transformers `generate`: TTFT = a 1-token generate, decode rate from a 256-token one;
 - llama.cpp `llama-bench` (if built): pp128 (TTFT = 128 / its prompt rate) and tg256.
+jengine's engines and llama-bench take turns for `--rounds` rounds, and a ratio to
+llama.cpp is the median of the rounds' own ratios: this VM's memory rate drifts by 15-25%
+within minutes, for both engines alike, so only figures measured side by side compare.
 The roofline of a decode step is the weight bytes it must read over the measured memory
 bandwidth (a multi-threaded read of 1 GiB through XLA).
 
-    jengine bench latency [--repeats 5] [--skip-llama-cpp]
+    jengine bench latency [--repeats 5] [--rounds 3] [--skip-llama-cpp]
 """
 
 import argparse
 import os
+import statistics
 import time
 
 from .common import (
@@ -35,20 +39,6 @@ from .common import (
 )
 from .roofline import read_bandwidth_gbs, weight_bytes
 from .workloads import make_bench_model, workload_c
-
-
-def jengine_latency(
-    path: str,
-    prompt: list[int],
-    max_tokens: int,
-    repeats: int,
-    top_p: float | None = None,
-    quantization: str | None = None,
-) -> dict:
-    from jengine import LLM
-
-    llm = LLM(path, dtype="float32", max_model_len=512, quantization=quantization)
-    return single_stream(llm, prompt, max_tokens, repeats, top_p)
 
 
 def single_stream(llm, prompt: list[int], max_tokens: int, repeats: int, top_p=None) -> dict:
@@ -125,6 +115,13 @@ def main(argv: list[str] | None = None) -> None:
     add_common_args(parser, "latency")
     add_llama_cpp_args(parser)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="turns jengine and llama.cpp take, each with --repeats runs (ratios: the median "
+        "of the rounds' own)",
+    )
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument(
@@ -151,12 +148,34 @@ def main(argv: list[str] | None = None) -> None:
     print(f"memory bandwidth {bandwidth:.1f} GB/s; weights {step_bytes / 1e6:.0f} MB "
           f"per decode step; roofline {roofline:.0f} tok/s")  # fmt: skip
 
+    from jengine import LLM
+
     # A GGUF runs as it is (kept quantized: "jengine (Q4_1)") and dequantized ("jengine
     # (F32)"), beside llama.cpp's rows of the same names.
     rows = jengine_rows(path, args.int8)
-    results = {
-        name: jengine_latency(path, prompt, max_tokens, args.repeats, args.top_p, quantization)
+    engines = {
+        name: LLM(path, dtype="float32", max_model_len=512, quantization=quantization)
         for name, quantization in rows.items()
+    }
+    rounds = []
+    for _ in range(max(1, args.rounds)):
+        figures = {
+            name: single_stream(llm, prompt, max_tokens, args.repeats, args.top_p)
+            for name, llm in engines.items()
+        }
+        if not args.skip_llama_cpp:
+            figures |= llama_cpp_latency(args, path, len(prompt), max_tokens)
+        rounds.append(figures)
+    # Each row's best over the rounds, with every round's own figures (the rest, such as
+    # the compiles after warmup so far, from the last round).
+    results = {
+        name: dict(
+            rounds[-1][name],
+            ttft_s=min(r[name]["ttft_s"] for r in rounds),
+            decode_tok_per_s=max(r[name]["decode_tok_per_s"] for r in rounds),
+            rounds=[{key: r[name][key] for key in ("ttft_s", "decode_tok_per_s")} for r in rounds],
+        )
+        for name in rounds[-1]
     }
     if not args.skip_transformers:
         from .peers.transformers_peer import TransformersPeer
@@ -170,8 +189,6 @@ def main(argv: list[str] | None = None) -> None:
             decode_tok_per_s=max(r["decode_tok_per_s"] for r in runs),
             runs=runs,
         )
-    if not args.skip_llama_cpp:
-        results |= llama_cpp_latency(args, path, len(prompt), max_tokens)
     for name, r in results.items():
         print(f"{name:>12}: TTFT {1000 * r['ttft_s']:6.1f} ms, decode "
               f"{r['decode_tok_per_s']:6.1f} tok/s")  # fmt: skip
@@ -183,9 +200,14 @@ def main(argv: list[str] | None = None) -> None:
             )
     peers = [name for name in results if name not in rows]
     for row, peer in same_weights(list(rows), peers):
-        ours, theirs = results[row], results[peer]
-        ratios[f"{row} decode / {peer}"] = ours["decode_tok_per_s"] / theirs["decode_tok_per_s"]
-        ratios[f"{row} TTFT / {peer}"] = ours["ttft_s"] / theirs["ttft_s"]
+        # Side by side: each round's ratio (transformers runs once, after the rounds).
+        pairs = [(r[row], r[peer]) for r in rounds if peer in r] or [(results[row], results[peer])]
+        for what, key in (("decode", "decode_tok_per_s"), ("TTFT", "ttft_s")):
+            per_round = [ours[key] / theirs[key] for ours, theirs in pairs]
+            ratios[f"{row} {what} / {peer}"] = statistics.median(per_round)
+            if len(per_round) > 1:
+                print(f"{row} {what} / {peer}, by round: "
+                      + ", ".join(f"{ratio:.2f}x" for ratio in per_round))  # fmt: skip
     for name, ratio in ratios.items():
         print(f"{name} = {ratio:.2f}x")
     write_result(
