@@ -231,7 +231,7 @@ def section_overhead(args) -> dict:
     from .overhead import device_step_times
 
     path = _build_speed_model(os.path.join(args.workdir, "llama-1b"))
-    rows = device_step_times(path, [1, 16], steps=64, dtype="bfloat16")
+    rows = device_step_times(path, [1, 16], steps=64, rounds=1, dtype="bfloat16")
     for row in rows:
         print("overhead", json.dumps(row), flush=True)
     return dict(model=SPEED_MODEL, rows=rows)

@@ -13,9 +13,12 @@ Then, with `--device` (on by default), the real engine on the benchmark model: t
 median engine step while N requests decode, with async scheduling and without, beside the
 device time of the same decode step (its programs run back to back, inputs prepared, each
 step waited for). With async scheduling the host's work overlaps the device's, so the step
-should come close to the device time.
+should come close to the device time. The two engines and the device timing take turns
+for `--rounds` rounds per N, and each figure is the median over rounds (every round's
+kept): this VM's speed drifts by 15-25% within minutes, and one run of each in a row read
+async - device anywhere from -1.6 to +16.9 ms at 256 running.
 
-    jengine bench overhead [--num-running 1,64,256] [--steps 200] [--no-device]
+    jengine bench overhead [--num-running 1,64,256] [--steps 200] [--rounds 3] [--no-device]
 """
 
 import argparse
@@ -129,17 +132,15 @@ def _recording(prepare, into: list):
 
 
 def device_step_times(
-    model_dir: str, num_running: list[int], steps: int, dtype: str = "float32"
+    model_dir: str, num_running: list[int], steps: int, rounds: int, dtype: str = "float32"
 ) -> list[dict]:
     """Median engine step (steady decoding) per mode, and the device time of such a step:
-    one of the steps the engine ran, prepared again and run alone, waited for."""
-    import jax
-
+    one of the steps the engine ran, prepared again and run alone, waited for; the modes
+    and the device timing in turns, `rounds` times per N."""
     from jengine import LLM
 
-    results = {n: dict(num_running=n) for n in num_running}
-    for mode in ("async", "sync"):
-        llm = LLM(
+    engines = {
+        mode: LLM(
             model_dir,
             dtype=dtype,
             max_model_len=PROMPT_LEN + steps + 64,
@@ -147,36 +148,60 @@ def device_step_times(
             kv_cache_memory_bytes=4 << 30,  # every request's whole length: no preemption
             async_scheduling=mode == "async",
         )
-        engine, runner = llm.llm_engine, llm.engine_core.runner
-        rng = np.random.default_rng(0)
-        for n in num_running:
-            params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
-            for index in range(n):
-                prompt = rng.integers(100, 31000, size=PROMPT_LEN).tolist()
-                engine.add_request(f"{n}-{index}", {"prompt_token_ids": prompt}, params)
-            times, prepared = [], []
-            prepare = runner.input_batch.prepare
-            runner.input_batch.prepare = _recording(prepare, prepared)
-            while engine.has_unfinished_requests():
-                started = time.perf_counter()
-                engine.step()
-                times.append(time.perf_counter() - started)
-            runner.input_batch.prepare = prepare
-            # Steady decoding: past the prefills, before the requests end.
-            results[n][f"{mode}_step_ms"] = 1000 * statistics.median(times[-steps // 2 : -5])
-            if mode == "sync":
-                # A decode step from the middle (its blocks are free now: rewriting them
-                # harms nothing).
-                step = prepared[-steps // 4]
-                device = []
-                for _ in range(20):
-                    jax.block_until_ready((runner.kv_cache, runner.sampling_state))
-                    started = time.perf_counter()
-                    jax.block_until_ready(runner._run(step))
-                    device.append(time.perf_counter() - started)
-                results[n]["device_ms"] = 1000 * statistics.median(device[5:])
-        del llm, engine, runner
-    return list(results.values())
+        for mode in ("async", "sync")
+    }
+    rng = np.random.default_rng(0)
+    results = []
+    for n in num_running:
+        by_round = []
+        for round_index in range(max(1, rounds)):
+            row = {}
+            for mode, llm in engines.items():
+                times, prepared = _decode(llm, n, steps, rng, f"{n}-{round_index}")
+                # Steady decoding: past the prefills, before the requests end.
+                row[f"{mode}_step_ms"] = 1000 * statistics.median(times[-steps // 2 : -5])
+                if mode == "sync":
+                    # A decode step from the middle (its blocks are free now: rewriting
+                    # them harms nothing).
+                    runner = llm.engine_core.runner
+                    row["device_ms"] = _device_ms(runner, prepared[-steps // 4])
+            row["async_minus_device_ms"] = row["async_step_ms"] - row["device_ms"]
+            by_round.append(row)
+        medians = {key: statistics.median(r[key] for r in by_round) for key in by_round[0]}
+        results.append(dict(num_running=n, **medians, rounds=by_round))
+    return results
+
+
+def _decode(llm, n: int, steps: int, rng, prefix: str) -> tuple[list[float], list]:
+    """n requests with random prompts decoding `steps` tokens: each engine step's time,
+    and every step the runner prepared."""
+    engine, runner = llm.llm_engine, llm.engine_core.runner
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    for index in range(n):
+        prompt = rng.integers(100, 31000, size=PROMPT_LEN).tolist()
+        engine.add_request(f"{prefix}-{index}", {"prompt_token_ids": prompt}, params)
+    times, prepared = [], []
+    prepare = runner.input_batch.prepare
+    runner.input_batch.prepare = _recording(prepare, prepared)
+    while engine.has_unfinished_requests():
+        started = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - started)
+    runner.input_batch.prepare = prepare
+    return times, prepared
+
+
+def _device_ms(runner, step) -> float:
+    """The median time of `step`'s programs run alone, each run waited for."""
+    import jax
+
+    device = []
+    for _ in range(20):
+        jax.block_until_ready((runner.kv_cache, runner.sampling_state))
+        started = time.perf_counter()
+        jax.block_until_ready(runner._run(step))
+        device.append(time.perf_counter() - started)
+    return 1000 * statistics.median(device[5:])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -187,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-running", default="1,64,256")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--device", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--rounds", type=int, default=3, help="turns of the real-engine modes")
     args = parser.parse_args(argv)
 
     versions = package_versions("transformers")
@@ -206,12 +232,15 @@ def main(argv: list[str] | None = None) -> None:
     device = []
     if args.device:
         counts = [int(n) for n in args.num_running.split(",")]
-        device = device_step_times(make_bench_model(args.model_dir), counts, args.steps)
+        model = make_bench_model(args.model_dir)
+        device = device_step_times(model, counts, args.steps, args.rounds)
         for row in device:
+            by_round = ", ".join(f"{r['async_minus_device_ms']:+.3f}" for r in row["rounds"])
             print(
-                f"{row['num_running']:4d} running, real engine: step {row['async_step_ms']:.3f} "
-                f"ms async / {row['sync_step_ms']:.3f} ms sync; device {row['device_ms']:.3f} "
-                f"ms (async - device = {row['async_step_ms'] - row['device_ms']:+.3f} ms)"
+                f"{row['num_running']:4d} running, real engine (median of {len(row['rounds'])} "
+                f"rounds): step {row['async_step_ms']:.3f} ms async / {row['sync_step_ms']:.3f} "
+                f"ms sync; device {row['device_ms']:.3f} ms (async - device = "
+                f"{row['async_minus_device_ms']:+.3f} ms; by round {by_round})"
             )
     write_result(
         "overhead",
