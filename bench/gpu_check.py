@@ -13,8 +13,9 @@ section, each timed and its failure recorded rather than raised, the results wri
   preemption, against transformers (torch on the CPU, float32): greedy tokens, logprobs,
   compiles after warmup, in jax's default matmul precision and in "highest", and with
   the XLA reference attention;
-- speed, quant, overhead (gpu_speed.py): a ~1.1B-parameter bfloat16 random Llama: single-stream decode (workload C)
-  against the HBM roofline, prefill MFU of one 2048-token step, workload A throughput;
+- speed, quant, overhead (gpu_speed.py): a ~1.1B-parameter bfloat16 random Llama:
+  single-stream decode (workload C) against the HBM roofline, prefill MFU of one
+  2048-token step, workload A throughput;
   with the Pallas kernel and with the XLA reference attention, in one run;
 - quant: that model's weights as bf16, int8 and fp8 (weight-only) through XLA's
   dequantizing matmuls on the GPU: resident bytes, single-stream decode, TTFT, greedy

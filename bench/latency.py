@@ -81,16 +81,25 @@ def single_stream(llm, prompt: list[int], max_tokens: int, repeats: int, top_p=N
     )
 
 
-def llama_cpp_latency(args, path: str, prompt_len: int, max_tokens: int) -> dict:
-    """llama-bench pp/tg on each GGUF llama.cpp runs (`common.llama_cpp_models`), by row."""
-    from .peers.llama_cpp import find_llama_cpp, run_llama_bench
+def llama_cpp_peer(args, path: str):
+    """(llama.cpp, its row name -> the GGUF it runs, its version) for the rounds, found and
+    converted once; None where llama.cpp is not built."""
+    from .peers.llama_cpp import find_llama_cpp
 
     llama_cpp = find_llama_cpp(args.llama_cpp_dir)
     if llama_cpp is None:
         print("llama.cpp: not found (bench/peers/build_llama_cpp.sh builds it); skipped")
-        return {}
+        return None
+    return llama_cpp, llama_cpp_models(llama_cpp, path, args.int8), llama_cpp.version()
+
+
+def llama_cpp_latency(args, peer, prompt_len: int, max_tokens: int) -> dict:
+    """llama-bench pp/tg on each of `peer`'s GGUFs (`llama_cpp_peer`), by row."""
+    from .peers.llama_cpp import run_llama_bench
+
+    llama_cpp, models, version = peer
     results = {}
-    for name, gguf in llama_cpp_models(llama_cpp, path, args.int8).items():
+    for name, gguf in models.items():
         result = run_llama_bench(
             llama_cpp,
             gguf,
@@ -103,7 +112,7 @@ def llama_cpp_latency(args, path: str, prompt_len: int, max_tokens: int) -> dict
             ttft_s=prompt_len / result["pp_tok_per_s"],
             decode_tok_per_s=result["tg_tok_per_s"],
             llama_bench=result,
-            version=llama_cpp.version(),
+            version=version,
         )
     return results
 
@@ -157,14 +166,15 @@ def main(argv: list[str] | None = None) -> None:
         name: LLM(path, dtype="float32", max_model_len=512, quantization=quantization)
         for name, quantization in rows.items()
     }
+    peer = None if args.skip_llama_cpp else llama_cpp_peer(args, path)
     rounds = []
     for _ in range(max(1, args.rounds)):
         figures = {
             name: single_stream(llm, prompt, max_tokens, args.repeats, args.top_p)
             for name, llm in engines.items()
         }
-        if not args.skip_llama_cpp:
-            figures |= llama_cpp_latency(args, path, len(prompt), max_tokens)
+        if peer is not None:
+            figures |= llama_cpp_latency(args, peer, len(prompt), max_tokens)
         rounds.append(figures)
     # Each row's best over the rounds, with every round's own figures (the rest, such as
     # the compiles after warmup so far, from the last round).

@@ -96,6 +96,12 @@ def is_base_model(architecture: str) -> bool:
     return architecture.endswith("Model") and not architecture.endswith("PreTrainedModel")
 
 
+def holds_base_model(hf_config: dict) -> bool:
+    """Whether a checkpoint's config names only base models (`is_base_model`)."""
+    architectures = hf_config.get("architectures") or []
+    return bool(architectures) and all(map(is_base_model, architectures))
+
+
 def read_hf_config(path: str) -> dict:
     """The checkpoint's config as an HF config.json dict (see the module promises)."""
     gguf_path = gguf_file(path)

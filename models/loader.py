@@ -28,7 +28,7 @@ from flax import nnx
 
 from jengine.config import QUANTIZATION_CHOICES
 from jengine.models import compressed_tensors
-from jengine.models.checkpoint import gguf_file, is_base_model, read_hf_config
+from jengine.models.checkpoint import gguf_file, holds_base_model, read_hf_config
 from jengine.models.llama import LINEAR_WEIGHTS
 from jengine.models.quantize import METHODS, method_format, quantize
 from jengine.models.registry import resolve_architecture
@@ -255,7 +255,7 @@ def load_model(path: str, dtype="auto", quantization: str | None = None) -> nnx.
         return model_from_params(type(model), config, params, model.dtype)
     hf_config = read_hf_config(path)
     model_cls, config_cls = resolve_architecture(hf_config)
-    base_model = all(map(is_base_model, hf_config.get("architectures") or ["-"]))
+    base_model = holds_base_model(hf_config)
     if base_model:  # no LM head: tie one to the embedding (an embedding engine's)
         hf_config = {**hf_config, "tie_word_embeddings": True}
     try:

@@ -24,7 +24,7 @@ from jengine.config import (
     SpeculativeConfig,
     default_compilation_cache_dir,
 )
-from jengine.models.checkpoint import is_base_model, read_hf_config, resolve_model
+from jengine.models.checkpoint import holds_base_model, read_hf_config, resolve_model
 from jengine.pooling import PoolerConfig
 
 
@@ -140,10 +140,10 @@ class EngineArgs:
         if self.runner != "pooling":
             if self.pooler_config is not None:
                 raise ValueError("pooler_config is for the pooling runner (--runner pooling)")
-            architectures = hf_config.get("architectures") or []
-            if architectures and all(map(is_base_model, architectures)):
+            if holds_base_model(hf_config):
                 raise ValueError(
-                    f"{model} is a base model without an LM head ({architectures[0]}): it "
+                    f"{model} is a base model without an LM head "
+                    f"({hf_config['architectures'][0]}): it "
                     "embeds (--runner pooling) but cannot generate"
                 )
             return None
