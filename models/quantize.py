@@ -12,9 +12,10 @@ Promises:
   group of 32 inputs (int8) or per output row (fp8): scale = max|w| / 127 (448 for fp8),
   q = w / scale rounded to nearest; an all-zero group gets scale 1;
 - GGUF Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K keep their quants (4-bit where
-  they fit: the legacy formats' bytes unchanged; int8 otherwise) with float32 scales and
-  mins (`gguf_quants.decompose`: the file's float16 scales, and the K-quants' products of
-  super-block and sub-block scales, are exact in float32), so dequantizing the result is
+  they fit: the legacy formats' bytes unchanged; int8 otherwise) with their scales and
+  mins (`gguf_quants.decompose`) in float16 for the legacy formats (the file's own
+  float16s, and Q4_0's -8 * d, as they are) and float32 for the K-quants (products of
+  super-block and sub-block scales, exact in float32), so dequantizing the result is
   exactly ggml's reference dequantization (tests/models/test_gguf_loader.py);
 - other GGUF types are not kept quantized here (`GGUF_KEPT` says which are); the loader
   dequantizes those as before and logs it.
@@ -35,12 +36,14 @@ INT8_PER_CHANNEL = QuantFormat("int8", "int8", group_size=None)
 FP8 = QuantFormat("fp8", "fp8", group_size=None)
 # GGUF's block types kept quantized: each block's q, scales and mins (gguf_quants.decompose)
 # packed as 4-bit values where q fits (0..15), else as int8.
+# The legacy blocks' scales and mins stay float16, as in the file (exact, and 2 bytes a group
+# less for every decode step to read: SmolLM2's Q4_1 layers 80 -> 66 MB).
 GGUF_KEPT = {
-    "Q8_0": QuantFormat("Q8_0", "int8", group_size=32),
-    "Q4_0": QuantFormat("Q4_0", "uint4", group_size=32, has_mins=True),
-    "Q4_1": QuantFormat("Q4_1", "uint4", group_size=32, has_mins=True),
-    "Q5_0": QuantFormat("Q5_0", "int8", group_size=32),
-    "Q5_1": QuantFormat("Q5_1", "int8", group_size=32, has_mins=True),
+    "Q8_0": QuantFormat("Q8_0", "int8", group_size=32, scale_dtype="float16"),
+    "Q4_0": QuantFormat("Q4_0", "uint4", group_size=32, has_mins=True, scale_dtype="float16"),
+    "Q4_1": QuantFormat("Q4_1", "uint4", group_size=32, has_mins=True, scale_dtype="float16"),
+    "Q5_0": QuantFormat("Q5_0", "int8", group_size=32, scale_dtype="float16"),
+    "Q5_1": QuantFormat("Q5_1", "int8", group_size=32, has_mins=True, scale_dtype="float16"),
     "Q4_K": QuantFormat("Q4_K", "uint4", group_size=32, has_mins=True),
     "Q5_K": QuantFormat("Q5_K", "int8", group_size=32, has_mins=True),
     "Q6_K": QuantFormat("Q6_K", "int8", group_size=16),
@@ -81,7 +84,8 @@ def common_format(type_names: set[str]) -> QuantFormat | None:
     """The kept format that holds every one of a weight's GGUF types exactly (its layers
     may mix them: llama.cpp's Q4_K_M stores some layers' v and down weights as Q6_K), or
     None if one of them is not kept. One type: its own format; several: int8 (any q fits),
-    in the smallest of their groups, with mins if any has them."""
+    in the smallest of their groups, with mins if any has them, float16 scales if all have
+    them."""
     if not type_names or not all(name in GGUF_KEPT for name in type_names):
         return None
     if len(type_names) == 1:
@@ -92,6 +96,7 @@ def common_format(type_names: set[str]) -> QuantFormat | None:
         "int8",
         group_size=min(f.group_size for f in formats),
         has_mins=any(f.has_mins for f in formats),
+        scale_dtype=max(f.scale_dtype for f in formats),  # "float32" > "float16"
     )
 
 
@@ -112,7 +117,15 @@ def repack_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, ...], fmt: Qu
         values = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(*q.shape[:-1], -1)
     else:
         values = q.astype(np.int8)
-    arrays = {"values": values, "scales": scales}
+    arrays = {"values": values, "scales": _exactly(scales, fmt)}
     if fmt.has_mins:
-        arrays["mins"] = mins
+        arrays["mins"] = _exactly(mins, fmt)
     return arrays
+
+
+def _exactly(a: np.ndarray, fmt: QuantFormat) -> np.ndarray:
+    """float32 `a` in `fmt.scale_dtype`, refused if that would change a value."""
+    stored = a.astype(fmt.scale_dtype)
+    if not np.array_equal(stored.astype(np.float32), a, equal_nan=True):
+        raise ValueError(f"{fmt.name}: a block's scale or min does not fit {fmt.scale_dtype}")
+    return stored

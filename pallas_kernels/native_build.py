@@ -9,8 +9,8 @@ Promises:
 - the source is compiled on first use with the machine's C++ compiler (`$CXX`, which may
   carry arguments such as `ccache g++`, else `c++`; GCC or Clang) for the CPU it runs on,
   against the FFI headers jaxlib ships, and cached under `$JENGINE_KERNEL_CACHE` (default
-  `~/.cache/jengine/kernels`) by a hash of everything that goes into the build: source,
-  compiler command and version, flags, jax and jaxlib versions, the FFI headers' contents
+  `~/.cache/jengine/kernels`) by a hash of everything that goes into the build: source
+  and the headers beside it, compiler command and version, flags, jax and jaxlib versions, the FFI headers' contents
   and the CPU model (-march=native code must not run on another CPU);
 - no compiler, a failed build or one past `BUILD_TIMEOUT_S` is a reason returned by
   `load()` and logged once, never an exception;
@@ -66,10 +66,11 @@ def _cpu_signature() -> str:
     return "\n".join(lines)
 
 
-def _headers_digest(include_dir: str) -> bytes:
-    """The FFI headers' contents: the handler ABI can change without a version bump."""
+def _headers_digest(include_dir: str, pattern: str = "*") -> bytes:
+    """The contents of the headers under `include_dir` (the FFI's: the handler ABI can
+    change without a version bump; a kernel's own beside its source)."""
     digest = hashlib.sha256()
-    for path in sorted(p for p in Path(include_dir).rglob("*") if p.is_file()):
+    for path in sorted(p for p in Path(include_dir).rglob(pattern) if p.is_file()):
         digest.update(str(path.relative_to(include_dir)).encode() + b"\0" + path.read_bytes())
     return digest.digest()
 
@@ -117,6 +118,7 @@ class NativeKernel:
         key = hashlib.sha256()
         for part in (
             self.source.read_bytes(),
+            _headers_digest(str(self.source.parent), "*.h"),  # the headers it includes
             shlex.join(compiler).encode(),
             _run([*compiler, "--version"]).stdout.encode(),
             shlex.join(CXX_FLAGS).encode(),

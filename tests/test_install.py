@@ -101,6 +101,8 @@ def test_the_wheel_carries_the_bundled_models_and_the_kernel_sources(wheel):
             assert f"jengine/models/{folder}/{file}" in names, (folder, file)
     for kernel in ("ragged_paged_attention", "stacked_matmul", "quantized_matmul"):
         assert f"jengine/pallas_kernels/{kernel}/cpu.cc" in names
+    for header in ("values.h", "integer_x.h"):  # what quantized_matmul/cpu.cc includes
+        assert f"jengine/pallas_kernels/quantized_matmul/{header}" in names
 
 
 def test_jengine_chat_from_the_wheel(venv, user_repo):

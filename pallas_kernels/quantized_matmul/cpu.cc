@@ -9,16 +9,19 @@
 // a layer's weights into a float buffer before its dot reads them (a write and a read of
 // 4 bytes per weight, every step); here each group of packed values is widened to float
 // in registers and multiplied with x at once, so a step reads the packed bytes and
-// nothing else. x stays float: the result is the dequantized weight's, as exact as the
-// float32 kernel's (llama.cpp rounds x to int8 instead; bench/README.md measured both
-// here, and on these cores the float products are as fast). Work items (blocks of output
-// rows, of all the call's weights at once) are shared between the calling thread and XLA's
-// intra-op thread pool, as in the stacked float32 kernel.
+// nothing else. The result is the dequantized weight's to float32 rounding: x stays float,
+// or for 4-bit weights on CPUs with AVX-512 VNNI becomes integers exact to 2^-23 of each
+// run's largest |x| (`integer_x.h`: not llama.cpp's x rounded to int8). Work items (blocks
+// of output rows, of all the call's weights at once) are shared between the calling thread
+// and XLA's intra-op thread pool, as in the stacked float32 kernel. `values.h` widens the
+// stored values and scales.
 //
 // Layouts (row-major; `layout.py` is the definition): x [T, D]; layer [1]; then for each
 // weight values [L, F, D] int8 or float8 e4m3fn, or [L, F, D / 2] uint8 (uint4, GGUF's nibble
-// order per run of 32), scales and mins [L, F, G] float32 (mins [1] where absent); results
-// out [T, F], one per weight; attributes kinds and has_mins, one entry per weight.
+// order per run of 32), scales and mins [L, F, G] float32 or float16, both alike (mins [1]
+// where absent; float16 where the format's own scales are: GGUF's legacy blocks, 2 bytes a
+// group less to read); results out [T, F], one per weight; attributes kinds and has_mins,
+// one entry per weight, and integer_x (0: float x for every weight).
 //   w[f, i] = scale[f, g] * q[f, i] + min[f, g],  g = i / (D / G)
 // Requirements (cpu.py routes other shapes to the reference): rows of a multiple of 32
 // inputs, groups of a multiple of 32 inputs or of 16 (uint4: of 32), T at most kMaxRows.
@@ -26,53 +29,34 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-
+#include "integer_x.h"
+#include "values.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-using f32x16 = float __attribute__((vector_size(64)));
-using u8x16 = uint8_t __attribute__((vector_size(16)));
-using i32x16 = int32_t __attribute__((vector_size(64)));
-constexpr int64_t kGroup = 32;  // inputs widened together: two vectors of 16
+using namespace quantized_matmul;
+
 constexpr int64_t kMaxRows = 16;
 constexpr int kRowsPerPass = 4;  // rows of x that share one widening of the weights
 // Below this many weights a call runs on the calling thread alone: waking a helper costs
 // more than the half of the work it would take.
 constexpr int64_t kMinParallelWeights = 1 << 18;
 
-enum Kind : int64_t { kInt8 = 0, kUint4 = 1, kFp8 = 2 };
-
-inline f32x16 Load(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline float Sum(f32x16 v) {
-  // Pairwise, so the result does not depend on how lanes were filled.
-  float s[8];
-  for (int i = 0; i < 8; ++i) s[i] = v[i] + v[i + 8];
-  return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
-}
-
 // One weight's part of a call.
 struct Segment {
   Kind kind;
+  bool half;              // scales and mins are float16 (else float32)
   const uint8_t* values;  // this layer's rows
-  const float* scales;    // this layer's [F, G]
-  const float* mins;      // this layer's [F, G], or null
+  const void* scales;     // this layer's [F, G]
+  const void* mins;       // this layer's [F, G], or null
   float* out;             // [T, F]
   int64_t num_outputs, num_groups, row_bytes;  // F, G
   std::vector<float> x_sums;  // [T, G]: each group's sum of x (what the mins multiply)
@@ -86,69 +70,21 @@ struct Item {
 struct Work {
   const float* x;
   int64_t num_rows, dim;  // T, D
+  IntegerX integer_x;  // prepared where 4-bit weights use it
   std::vector<Segment> segments;
   std::vector<Item> items;
   std::atomic<int64_t> next{0}, done{0};
 };
 
-// float8 e4m3fn (OCP: 4 exponent bits of bias 7, 3 mantissa bits, no infinities, NaN at
-// S.1111.111) to float32, exactly: normals rebias the exponent, subnormals are m * 2^-9.
-inline f32x16 Fp8ToFloat(u8x16 bytes) {
-  const i32x16 u = __builtin_convertvector(bytes, i32x16);
-  const i32x16 sign = (u & 0x80) << 24, exponent = (u >> 3) & 0xF, mantissa = u & 7;
-  const i32x16 normal = sign | ((exponent + 120) << 23) | (mantissa << 20);
-  const f32x16 small = __builtin_convertvector(mantissa, f32x16) * (1.0f / 512.0f);
-  i32x16 subnormal;
-  std::memcpy(&subnormal, &small, sizeof(small));
-  i32x16 bits = exponent == 0 ? subnormal | sign : normal;
-  bits = (u & 0x7F) == 0x7F ? sign | 0x7FC00000 : bits;
-  f32x16 out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
-// The 32 weights of `row` from input `i` on, as float q: two vectors of 16. Without
-// AVX-512 int8 is read as uint8 offset by 128 (exact): GCC widens unsigned byte vectors
-// with one instruction, signed ones one value at a time.
-template <Kind K>
-inline void Widen(const uint8_t* row, int64_t i, f32x16& low, f32x16& high) {
-  if constexpr (K == kInt8) {
-#ifdef __AVX512F__
-    // One sign-extending load and one conversion per 16 values.
-    low = f32x16(_mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i)))));
-    high = f32x16(_mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i + 16)))));
-#else
-    u8x16 a, b;
-    std::memcpy(&a, row + i, 16);
-    std::memcpy(&b, row + i + 16, 16);
-    low = __builtin_convertvector(__builtin_convertvector(a ^ 0x80, i32x16), f32x16) - 128.0f;
-    high = __builtin_convertvector(__builtin_convertvector(b ^ 0x80, i32x16), f32x16) - 128.0f;
-#endif
-  } else if constexpr (K == kFp8) {
-    u8x16 a, b;
-    std::memcpy(&a, row + i, 16);
-    std::memcpy(&b, row + i + 16, 16);
-    low = Fp8ToFloat(a);
-    high = Fp8ToFloat(b);
-  } else {
-    u8x16 bytes;
-    std::memcpy(&bytes, row + i / 2, 16);
-    low = __builtin_convertvector(__builtin_convertvector(bytes & 0x0F, i32x16), f32x16);
-    high = __builtin_convertvector(__builtin_convertvector(bytes >> 4, i32x16), f32x16);
-  }
-}
-
-// out[t0 + t, j] for t < TR: row j's weights are widened group by group; each group's
-// products with TR rows of x are summed, then scaled; the mins multiply x's group sums.
-template <Kind K, int TR>
-void Output(const Work& p, const Segment& s, int64_t j, int64_t t0) {
+// Row j's products with TR rows of float x from row t0 on, without its mins: the weights
+// are widened group by group; each group's products with the rows of x are summed, then
+// scaled.
+template <Kind K, typename S, int TR>
+void FloatDots(const Work& p, const Segment& s, int64_t j, int64_t t0, f32x16 (&acc)[TR]) {
   const int64_t D = p.dim, G = s.num_groups, group = D / G;
   const uint8_t* row = s.values + j * s.row_bytes;
-  const float* scales = s.scales + j * G;
+  const S* scales = static_cast<const S*>(s.scales) + j * G;
   const float* x = p.x + t0 * D;
-  f32x16 acc[TR] = {};
   if (group == kGroup) {
     // One widening per group (every GGUF format): two groups a pass, their products
     // independent of each other.
@@ -159,18 +95,20 @@ void Output(const Work& p, const Segment& s, int64_t j, int64_t t0) {
       f32x16 a0, a1, b0, b1;
       Widen<K>(row, i, a0, a1);
       Widen<K>(row, i + kGroup, b0, b1);
+      const float scale = Scale(scales, g), next_scale = Scale(scales, g + 1);
       for (int t = 0; t < TR; ++t) {
         const float* xt = x + t * D + i;
-        acc[t] += (a0 * Load(xt) + a1 * Load(xt + 16)) * scales[g];
-        acc2[t] += (b0 * Load(xt + 32) + b1 * Load(xt + 48)) * scales[g + 1];
+        acc[t] += (a0 * Load(xt) + a1 * Load(xt + 16)) * scale;
+        acc2[t] += (b0 * Load(xt + 32) + b1 * Load(xt + 48)) * next_scale;
       }
     }
     for (; g < G; ++g) {
       f32x16 a0, a1;
       Widen<K>(row, g * kGroup, a0, a1);
+      const float scale = Scale(scales, g);
       for (int t = 0; t < TR; ++t) {
         const float* xt = x + t * D + g * kGroup;
-        acc[t] += (a0 * Load(xt) + a1 * Load(xt + 16)) * scales[g];
+        acc[t] += (a0 * Load(xt) + a1 * Load(xt + 16)) * scale;
       }
     }
     for (int t = 0; t < TR; ++t) acc[t] += acc2[t];
@@ -179,9 +117,10 @@ void Output(const Work& p, const Segment& s, int64_t j, int64_t t0) {
     for (int64_t g = 0; g < G; g += 2) {
       f32x16 a0, a1;
       Widen<K>(row, g * 16, a0, a1);
+      const float scale = Scale(scales, g), next_scale = Scale(scales, g + 1);
       for (int t = 0; t < TR; ++t) {
         const float* xt = x + t * D + g * 16;
-        acc[t] += (a0 * Load(xt)) * scales[g] + (a1 * Load(xt + 16)) * scales[g + 1];
+        acc[t] += (a0 * Load(xt)) * scale + (a1 * Load(xt + 16)) * next_scale;
       }
     }
   } else {
@@ -193,40 +132,64 @@ void Output(const Work& p, const Segment& s, int64_t j, int64_t t0) {
         for (int t = 0; t < TR; ++t)
           dot[t] += low * Load(x + t * D + i) + high * Load(x + t * D + i + 16);
       }
-      for (int t = 0; t < TR; ++t) acc[t] += dot[t] * scales[g];
+      const float scale = Scale(scales, g);
+      for (int t = 0; t < TR; ++t) acc[t] += dot[t] * scale;
     }
   }
+}
+
+// out[t0 + t, j] for t < TR: the products (with integer x where every row has it), then
+// the mins times x's group sums.
+template <Kind K, typename S, int TR>
+void Output(const Work& p, const Segment& s, int64_t j, int64_t t0) {
+  const int64_t G = s.num_groups;
+  f32x16 acc[TR] = {};
+  if (K == kUint4 && p.integer_x.Covers(t0, TR))
+    IntegerDots<S, TR>(p.integer_x, s.values + j * s.row_bytes,
+                       static_cast<const S*>(s.scales) + j * G, G, p.dim, t0, acc);
+  else
+    FloatDots<K, S, TR>(p, s, j, t0, acc);
   for (int t = 0; t < TR; ++t) {
     float shift = 0.0f;
     if (s.mins) {
       // sum over groups of min * (the group's sum of x), 16 groups a vector.
-      const float* mins = s.mins + j * G;
+      const S* mins = static_cast<const S*>(s.mins) + j * G;
       const float* sums = s.x_sums.data() + (t0 + t) * G;
       f32x16 lanes = {};
       int64_t g = 0;
-      for (; g + 16 <= G; g += 16) lanes += Load(mins + g) * Load(sums + g);
-      for (; g < G; ++g) shift += mins[g] * sums[g];
+      for (; g + 16 <= G; g += 16) lanes += LoadScales(mins + g) * Load(sums + g);
+      for (; g < G; ++g) shift += Scale(mins, g) * sums[g];
       shift += Sum(lanes);
     }
     s.out[(t0 + t) * s.num_outputs + j] = Sum(acc[t]) + shift;
   }
 }
 
-template <Kind K, int TR>
+template <Kind K, typename S, int TR>
 void Outputs(const Work& p, const Segment& s, const Item& item, int64_t t0) {
-  for (int64_t j = item.begin; j < item.end; ++j) Output<K, TR>(p, s, j, t0);
+  for (int64_t j = item.begin; j < item.end; ++j) Output<K, S, TR>(p, s, j, t0);
 }
 
-template <Kind K>
+template <Kind K, typename S>
 void RunItem(const Work& p, const Segment& s, const Item& item) {
   int64_t t = 0;
-  for (; t + kRowsPerPass <= p.num_rows; t += kRowsPerPass) Outputs<K, 4>(p, s, item, t);
+  for (; t + kRowsPerPass <= p.num_rows; t += kRowsPerPass) Outputs<K, S, 4>(p, s, item, t);
   switch (p.num_rows - t) {
-    case 3: Outputs<K, 3>(p, s, item, t); break;
-    case 2: Outputs<K, 2>(p, s, item, t); break;
-    case 1: Outputs<K, 1>(p, s, item, t); break;
+    case 3: Outputs<K, S, 3>(p, s, item, t); break;
+    case 2: Outputs<K, S, 2>(p, s, item, t); break;
+    case 1: Outputs<K, S, 1>(p, s, item, t); break;
     default: break;
   }
+}
+
+template <typename S>
+void RunItem(const Work& p, const Segment& s, const Item& item) {
+  if (s.kind == kInt8)
+    RunItem<kInt8, S>(p, s, item);
+  else if (s.kind == kFp8)
+    RunItem<kFp8, S>(p, s, item);
+  else
+    RunItem<kUint4, S>(p, s, item);
 }
 
 void Drain(Work& p) {
@@ -236,12 +199,10 @@ void Drain(Work& p) {
     if (index >= num_items) return;
     const Item& item = p.items[index];
     const Segment& s = p.segments[item.segment];
-    if (s.kind == kInt8)
-      RunItem<kInt8>(p, s, item);
-    else if (s.kind == kFp8)
-      RunItem<kFp8>(p, s, item);
+    if (s.half)
+      RunItem<uint16_t>(p, s, item);
     else
-      RunItem<kUint4>(p, s, item);
+      RunItem<float>(p, s, item);
     p.done.fetch_add(1, std::memory_order_release);
   }
 }
@@ -278,8 +239,8 @@ std::string Shape(ffi::Span<const int64_t> dims) {
 
 // Checks one weight's buffers against x and fills its segment; the problem, if any.
 std::string AddSegment(Work& p, ffi::Span<const int64_t> x_dims, int64_t l, int64_t kind,
-                       bool has_mins, ffi::AnyBuffer values, ffi::Buffer<ffi::F32> scales,
-                       ffi::Buffer<ffi::F32> mins, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+                       bool has_mins, ffi::AnyBuffer values, ffi::AnyBuffer scales,
+                       ffi::AnyBuffer mins, ffi::Result<ffi::Buffer<ffi::F32>> out) {
   const auto v_dims = values.dimensions(), s_dims = scales.dimensions();
   const auto out_dims = out->dimensions();
   const int64_t per_byte = kind == kUint4 ? 2 : 1;
@@ -300,8 +261,12 @@ std::string AddSegment(Work& p, ffi::Span<const int64_t> x_dims, int64_t l, int6
            (kind == kUint4 && (x_dims[1] / s_dims[2]) % kGroup))
     problem = "rows must be whole multiples of 32 inputs, groups multiples of 32 or 16 "
               "(uint4: of 32)";
-  else if (has_mins && mins.element_count() != scales.element_count())
-    problem = "mins must be shaped like scales";
+  else if (scales.element_type() != ffi::DataType::F32 &&
+           scales.element_type() != ffi::DataType::F16)
+    problem = "scales must be float32 or float16";
+  else if (has_mins && (mins.element_count() != scales.element_count() ||
+                        mins.element_type() != scales.element_type()))
+    problem = "mins must be shaped like scales, of their type";
   else if (out_dims.size() != 2 || out_dims[0] != x_dims[0] || out_dims[1] != v_dims[1])
     problem = "out must be [T, F]";
   if (problem)
@@ -315,8 +280,11 @@ std::string AddSegment(Work& p, ffi::Span<const int64_t> x_dims, int64_t l, int6
   s.kind = Kind(kind);
   s.row_bytes = v_dims[2];
   s.values = static_cast<const uint8_t*>(values.untyped_data()) + l * F * s.row_bytes;
-  s.scales = scales.typed_data() + l * F * G;
-  s.mins = has_mins ? mins.typed_data() + l * F * G : nullptr;
+  s.half = scales.element_type() == ffi::DataType::F16;
+  const int64_t scale_bytes = s.half ? 2 : 4;
+  s.scales = static_cast<const uint8_t*>(scales.untyped_data()) + l * F * G * scale_bytes;
+  s.mins = has_mins ? static_cast<const uint8_t*>(mins.untyped_data()) + l * F * G * scale_bytes
+                    : nullptr;
   s.out = out->typed_data();
   s.num_outputs = F;
   s.num_groups = G;
@@ -337,7 +305,7 @@ std::string AddSegment(Work& p, ffi::Span<const int64_t> x_dims, int64_t l, int6
 ffi::Error QuantizedMatmuls(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs weights,
                             ffi::RemainingRets outs, ffi::Span<const int64_t> kinds,
-                            ffi::Span<const int64_t> has_mins) {
+                            ffi::Span<const int64_t> has_mins, int64_t integer_x) {
   const auto x_dims = x.dimensions();
   auto fail = [](const std::string& problem) {
     return ffi::Error::InvalidArgument("quantized matmul: " + problem);
@@ -356,16 +324,19 @@ ffi::Error QuantizedMatmuls(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t l = layer.typed_data()[0];
   for (size_t i = 0; i < n; ++i) {
     auto values = weights.get<ffi::AnyBuffer>(3 * i);
-    auto scales = weights.get<ffi::Buffer<ffi::F32>>(3 * i + 1);
-    auto mins = weights.get<ffi::Buffer<ffi::F32>>(3 * i + 2);
+    auto scales = weights.get<ffi::AnyBuffer>(3 * i + 1);
+    auto mins = weights.get<ffi::AnyBuffer>(3 * i + 2);
     auto out = outs.get<ffi::Buffer<ffi::F32>>(i);
     if (!values.has_value() || !scales.has_value() || !mins.has_value() || !out.has_value())
-      return fail("scales, mins and results must be float32");
+      return fail("each weight needs values, scales, mins and a float32 result");
     const std::string problem =
         AddSegment(p, x_dims, l, kinds[i], has_mins[i] != 0, *values, *scales, *mins, *out);
     if (!problem.empty()) return fail(problem);
   }
   if (p.num_rows == 0) return ffi::Error::Success();
+  bool four_bit = false;
+  for (const Segment& s : p.segments) four_bit = four_bit || s.kind == kUint4;
+  if (kIntegerX && integer_x && four_bit) p.integer_x.Prepare(p.x, p.num_rows, p.dim);
   Run(pool, work);
   return ffi::Error::Success();
 }
@@ -382,4 +353,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineQuantizedMatmul, QuantizedMatmuls,
                                   .RemainingArgs()
                                   .RemainingRets()  // per weight: out
                                   .Attr<ffi::Span<const int64_t>>("kinds")
-                                  .Attr<ffi::Span<const int64_t>>("has_mins"));
+                                  .Attr<ffi::Span<const int64_t>>("has_mins")
+                                  // 1: x as integers for 4-bit weights where the CPU can
+                                  .Attr<int64_t>("integer_x"));

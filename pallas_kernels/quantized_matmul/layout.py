@@ -17,9 +17,12 @@ channel"); within group g of row f:
   inputs is 16 bytes in GGUF's own order: byte j holds input j in its low nibble and input
   j + 16 in its high one (a GGUF block's quants, copied as they are); groups are whole
   runs (32 inputs, 128, or the row);
-- `scales` and `mins` are float32 [..., F, G]: GGUF's float16 block scales widen to them
-  exactly, and so do the parts of a weight that do not depend on q (Q4_0's -8 * d, Q4_1's
-  m), so the kernel does no conversions and knows no zero points.
+- `scales` and `mins` are [..., F, G] of the format's `scale_dtype`: float16 where a
+  format's own scales are (GGUF's legacy blocks: Q4_0's d and -8 * d, Q4_1's d and m, are
+  float16 exactly; 2 bytes a group less for a decode step to read), float32 otherwise (the
+  K-quants' products of super-block and sub-block scales, scales computed at load). Either
+  way the parts of a weight that do not depend on q are folded into them, so the matmuls
+  know no zero points, and they widen to float32 exactly before any arithmetic.
 
 Formats: `--quantization int8` (groups of 32) and `fp8` (per channel); GGUF's Q4_0 (mins
 -8 d), Q4_1 and Q4_K as uint4 in groups of 32; Q8_0, Q5_0, Q5_1 and Q5_K as int8 in groups
@@ -35,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 KINDS = ("int8", "uint4", "fp8")
+SCALE_DTYPES = ("float32", "float16")
 UINT4_RUN = 32  # inputs whose 4-bit values interleave in 16 bytes (a GGUF block)
 
 
@@ -46,6 +50,7 @@ class QuantFormat:
     kind: str  # "int8" | "uint4"
     group_size: int | None  # inputs per scale; None: the whole row (per channel)
     has_mins: bool = False
+    scale_dtype: str = "float32"  # of scales and mins: "float32" | "float16"
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -54,6 +59,10 @@ class QuantFormat:
             raise ValueError(f"{self.name}: uint4 groups are multiples of {UINT4_RUN} inputs")
         if self.group_size is not None and self.group_size % 16:
             raise ValueError(f"{self.name}: groups are multiples of 16 inputs")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(
+                f"{self.name}: scale dtype {self.scale_dtype!r}: expected one of {SCALE_DTYPES}"
+            )
 
     def groups(self, dim: int) -> int:
         """Scales per row of `dim` inputs."""
@@ -71,7 +80,7 @@ class QuantFormat:
         }[self.kind]
         shapes = {
             "values": ((*rows, stored), dtype),
-            "scales": ((*rows, self.groups(dim)), "float32"),
+            "scales": ((*rows, self.groups(dim)), self.scale_dtype),
         }
         if self.has_mins:
             shapes["mins"] = shapes["scales"]
@@ -116,7 +125,7 @@ def dequantize(weight: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
         shifts = jnp.array([0, 4], jnp.uint8).reshape(2, 1)
         values = (runs >> shifts) & 0x0F
     q = values.reshape(*weight.scales.shape, -1)
-    w = q.astype(jnp.float32) * weight.scales[..., None]
+    w = q.astype(jnp.float32) * weight.scales[..., None].astype(jnp.float32)
     if weight.mins is not None:
-        w = w + weight.mins[..., None]
+        w = w + weight.mins[..., None].astype(jnp.float32)
     return w.reshape(weight.shape).astype(dtype)

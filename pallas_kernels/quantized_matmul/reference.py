@@ -31,7 +31,7 @@ def _uint4_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     runs_per_group = runs // w.scales.shape[-1]
 
     def per_run(a):  # [rows, G] -> [rows, runs, 1]: a group's scale for each of its runs
-        return jnp.repeat(a, runs_per_group, axis=-1)[..., None]
+        return jnp.repeat(a.astype(jnp.float32), runs_per_group, axis=-1)[..., None]
 
     blocks = w.values.reshape(rows, runs, 16)
     halves = x.reshape(*x.shape[:-1], runs, 2, 16)

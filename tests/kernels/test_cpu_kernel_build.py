@@ -144,3 +144,20 @@ print(default_impl())
     assert "did not finish within 1 s" in result.stderr
     assert time.monotonic() - start < 45
     assert not list((tmp_path / "cache").glob("*.so"))
+
+
+def test_a_header_beside_the_source_is_part_of_its_build(tmp_path, monkeypatch):
+    """A kernel's own headers (quantized_matmul/cpu.cc includes values.h and integer_x.h)
+    are hashed with its source: an edited header builds anew, never a stale library."""
+    from jengine.pallas_kernels.native_build import NativeKernel, compiler
+
+    folder = tmp_path / "kernel"
+    folder.mkdir()
+    (folder / "cpu.cc").write_text('#include "part.h"\nextern "C" int value() { return VALUE; }\n')
+    monkeypatch.setenv("JENGINE_KERNEL_CACHE", str(tmp_path / "cache"))
+    kernel = NativeKernel(folder / "cpu.cc", symbol="value", target="unused", what="test")
+    libraries = []
+    for value in (1, 2):
+        (folder / "part.h").write_text(f"#define VALUE {value}\n")
+        libraries.append(kernel.build(compiler()))
+    assert libraries[0] != libraries[1] and all(path.exists() for path in libraries)

@@ -50,8 +50,8 @@ def weight(fmt, outputs: int, dim: int, layers: int = 3, layer: int = 1, seed: i
             info = np.iinfo(dtype)
             arrays[name] = rng.integers(info.min, info.max + 1, size=shape, dtype=dtype)
         else:
-            array = np.full(shape, np.nan, np.float32)
-            array[layer] = rng.standard_normal(shape[1:]).astype(np.float32) * 0.05
+            array = np.full(shape, np.nan, dtype)
+            array[layer] = rng.standard_normal(shape[1:]).astype(dtype) * 0.05
             arrays[name] = array
     return QuantizedWeight(arrays["values"], arrays["scales"], arrays.get("mins"), fmt)
 
@@ -171,6 +171,50 @@ def test_several_weights_in_one_call_give_each_ones_own_bits(rows):
         np.testing.assert_allclose(out, reference, rtol=1e-5, atol=1e-4)
 
 
+def _cpu_has_vnni() -> bool:
+    try:
+        return "avx512_vnni" in open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize(
+    "fmt", [Q4_1, Q4_0, GGUF_KEPT["Q4_K"], UINT4_GROUPS_OF_64, UINT4_PER_CHANNEL],
+    ids=lambda f: f.name,
+)
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_4_bit_weights_with_integer_x_give_float_xs_result(fmt, rows):
+    """4-bit weights multiply x as integers where the CPU has AVX-512 VNNI (cpu.cc's
+    `IntegerX`: each run of 32 inputs exact to 2^-23 of its largest |x|): float64's result
+    to float32 rounding like float x's, with outliers 300x the rest in x; 576 inputs are
+    4 whole blocks of 4 runs and a part. A row holding inf, or only values below 2^-104,
+    keeps float x: the same bits as float x, inf and NaN where those put them."""
+    w = weight(fmt, 100, 576)
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 576)).astype(np.float32)
+    x[:, ::37] *= 300.0
+
+    def run(x, integer_x):
+        call = jax.jit(lambda x, w: cpu.quantized_matmuls_cpu(x, [w], 1, integer_x=integer_x))
+        return np.asarray(call(x, w)[0])
+
+    exact = oracle(x, w, 1)
+    scale = np.abs(exact).max()
+    integer, floats = run(x, True), run(x, False)
+    np.testing.assert_allclose(integer, exact, rtol=0, atol=2e-6 * scale)
+    np.testing.assert_allclose(floats, exact, rtol=0, atol=2e-6 * scale)
+    if _cpu_has_vnni():  # the integer products ran: their rounding is not float x's
+        assert not np.array_equal(integer, floats)
+
+    special = x.copy()
+    special[-1, 100] = np.inf  # the last row's pass is its own where rows % 4 == 1
+    np.testing.assert_array_equal(run(special, True)[-1], run(special, False)[-1])
+    special[-1] = x[-1] * 1e-38
+    tiny = run(special, True)[-1]
+    assert (tiny != 0).any()
+    np.testing.assert_array_equal(tiny, run(special, False)[-1])
+
+
 def test_a_layer_outside_the_stack_is_refused():
     w = weight(Q8_0, 4, 32, layers=2)
     x = np.ones((1, 32), np.float32)
@@ -188,7 +232,7 @@ def test_the_target_refuses_what_it_cannot_read():
     x = jnp.ones((2, 64), jnp.float32)
 
     def run(x, values, scales, mins, kind=1):
-        attributes = dict(kinds=np.array([kind]), has_mins=np.array([1]))
+        attributes = dict(kinds=np.array([kind]), has_mins=np.array([1]), integer_x=np.int64(1))
         return np.asarray(
             jax.jit(lambda *a: call(*a, **attributes))(x, layer, values, scales, mins)
         )
@@ -199,11 +243,15 @@ def test_the_target_refuses_what_it_cannot_read():
         run(x, w.values, w.scales, w.mins, kind=0)
     with pytest.raises(RUN_TIME_REFUSAL, match="mins must be shaped like scales"):
         run(x, w.values, w.scales, w.mins[:, :2])
+    with pytest.raises(RUN_TIME_REFUSAL, match="mins must be shaped like scales, of their"):
+        run(x, w.values, w.scales, w.mins.astype(jnp.float32))
+    with pytest.raises(RUN_TIME_REFUSAL, match="scales must be float32 or float16"):
+        run(x, w.values, w.scales.astype(jnp.bfloat16), w.mins.astype(jnp.bfloat16))
     with pytest.raises(RUN_TIME_REFUSAL, match="each weight needs values, scales, mins"):
         np.asarray(
-            jax.jit(lambda *a: call(*a, kinds=np.array([1]), has_mins=np.array([1])))(
-                x, layer, w.values, w.scales
-            )
+            jax.jit(
+                lambda *a: call(*a, kinds=np.array([1]), has_mins=np.array([1]), integer_x=1)
+            )(x, layer, w.values, w.scales)
         )
 
 
@@ -267,7 +315,11 @@ def test_formats_check_their_groups():
         Q4_1.shapes((4,), 48)
     with pytest.raises(ValueError, match="groups are multiples of 16"):
         QuantFormat("bad", "int8", group_size=24)
-    assert dataclasses.replace(Q4_1).bytes_per_weight(64) == 0.5 + 8 / 32
+    with pytest.raises(ValueError, match="scale dtype 'bfloat16'"):
+        QuantFormat("bad", "int8", group_size=32, scale_dtype="bfloat16")
+    # Q4_1 as in the file: 16 bytes of nibbles and two float16s a block of 32.
+    assert Q4_1.bytes_per_weight(64) == 0.5 + 4 / 32
+    assert dataclasses.replace(Q4_1, scale_dtype="float32").bytes_per_weight(64) == 0.5 + 8 / 32
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])

@@ -1,0 +1,134 @@
+// The quantized values and scales of `cpu.cc`'s layouts, as float vectors: the widening of
+// int8, uint4 (GGUF's nibble order) and fp8 e4m3fn values, float16 scales, and the float
+// vector helpers both of the kernel's products use. Included by cpu.cc only (its build
+// hashes this folder's headers with it).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace quantized_matmul {
+
+using f32x16 = float __attribute__((vector_size(64)));
+using u8x16 = uint8_t __attribute__((vector_size(16)));
+using i32x16 = int32_t __attribute__((vector_size(64)));
+constexpr int64_t kGroup = 32;  // inputs widened together: two vectors of 16
+
+enum Kind : int64_t { kInt8 = 0, kUint4 = 1, kFp8 = 2 };
+
+inline f32x16 Load(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// float16 bits to float32, exactly.
+inline float HalfToFloat(uint16_t h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+  float magnitude;
+  if (exponent == 0x1F) {
+    const uint32_t bits = 0x7F800000u | (mantissa << 13);
+    std::memcpy(&magnitude, &bits, 4);
+  } else {
+    magnitude = exponent ? std::ldexp(float(mantissa | 0x400), int(exponent) - 25)
+                         : std::ldexp(float(mantissa), -24);
+  }
+  uint32_t bits;
+  std::memcpy(&bits, &magnitude, 4);
+  bits |= sign;
+  std::memcpy(&magnitude, &bits, 4);
+  return magnitude;
+#endif
+}
+
+// A weight's scales and mins as stored: float32, or float16 widened as read.
+template <typename S>
+inline float Scale(const S* p, int64_t i) {
+  if constexpr (std::is_same_v<S, float>)
+    return p[i];
+  else
+    return HalfToFloat(p[i]);
+}
+
+// 16 of them from p on.
+template <typename S>
+inline f32x16 LoadScales(const S* p) {
+  if constexpr (std::is_same_v<S, float>) {
+    return Load(p);
+  } else {
+#ifdef __AVX512F__
+    return f32x16(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#else
+    f32x16 v;
+    for (int i = 0; i < 16; ++i) v[i] = HalfToFloat(p[i]);
+    return v;
+#endif
+  }
+}
+
+inline float Sum(f32x16 v) {
+  // Pairwise, so the result does not depend on how lanes were filled.
+  float s[8];
+  for (int i = 0; i < 8; ++i) s[i] = v[i] + v[i + 8];
+  return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+}
+
+// float8 e4m3fn (OCP: 4 exponent bits of bias 7, 3 mantissa bits, no infinities, NaN at
+// S.1111.111) to float32, exactly: normals rebias the exponent, subnormals are m * 2^-9.
+inline f32x16 Fp8ToFloat(u8x16 bytes) {
+  const i32x16 u = __builtin_convertvector(bytes, i32x16);
+  const i32x16 sign = (u & 0x80) << 24, exponent = (u >> 3) & 0xF, mantissa = u & 7;
+  const i32x16 normal = sign | ((exponent + 120) << 23) | (mantissa << 20);
+  const f32x16 small = __builtin_convertvector(mantissa, f32x16) * (1.0f / 512.0f);
+  i32x16 subnormal;
+  std::memcpy(&subnormal, &small, sizeof(small));
+  i32x16 bits = exponent == 0 ? subnormal | sign : normal;
+  bits = (u & 0x7F) == 0x7F ? sign | 0x7FC00000 : bits;
+  f32x16 out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// The 32 weights of `row` from input `i` on, as float q: two vectors of 16. Without
+// AVX-512 int8 is read as uint8 offset by 128 (exact): GCC widens unsigned byte vectors
+// with one instruction, signed ones one value at a time.
+template <Kind K>
+inline void Widen(const uint8_t* row, int64_t i, f32x16& low, f32x16& high) {
+  if constexpr (K == kInt8) {
+#ifdef __AVX512F__
+    // One sign-extending load and one conversion per 16 values.
+    low = f32x16(_mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i)))));
+    high = f32x16(_mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i + 16)))));
+#else
+    u8x16 a, b;
+    std::memcpy(&a, row + i, 16);
+    std::memcpy(&b, row + i + 16, 16);
+    low = __builtin_convertvector(__builtin_convertvector(a ^ 0x80, i32x16), f32x16) - 128.0f;
+    high = __builtin_convertvector(__builtin_convertvector(b ^ 0x80, i32x16), f32x16) - 128.0f;
+#endif
+  } else if constexpr (K == kFp8) {
+    u8x16 a, b;
+    std::memcpy(&a, row + i, 16);
+    std::memcpy(&b, row + i + 16, 16);
+    low = Fp8ToFloat(a);
+    high = Fp8ToFloat(b);
+  } else {
+    u8x16 bytes;
+    std::memcpy(&bytes, row + i / 2, 16);
+    low = __builtin_convertvector(__builtin_convertvector(bytes & 0x0F, i32x16), f32x16);
+    high = __builtin_convertvector(__builtin_convertvector(bytes >> 4, i32x16), f32x16);
+  }
+}
+
+}  // namespace quantized_matmul
