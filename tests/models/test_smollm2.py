@@ -96,7 +96,8 @@ def _chat_prompts(llm) -> list[list[int]]:
 
 def test_the_kept_weights_are_near_the_files_size(llm):
     """Kept quantized, the weights resident on the device are at most 1.25x the bytes of
-    the file's tensors (float32 scales and norms are what is added)."""
+    the file's tensors (the Q4_1 and Q8_0 blocks are the file's bytes, float16 scales
+    included; the norms' float32 is what is added)."""
     from jengine.models.gguf_reader import read_gguf
 
     gguf = read_gguf(SMOLLM2)
