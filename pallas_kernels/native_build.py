@@ -10,8 +10,9 @@ Promises:
   carry arguments such as `ccache g++`, else `c++`; GCC or Clang) for the CPU it runs on,
   against the FFI headers jaxlib ships, and cached under `$JENGINE_KERNEL_CACHE` (default
   `~/.cache/jengine/kernels`) by a hash of everything that goes into the build: source
-  and the headers beside it, compiler command and version, flags, jax and jaxlib versions, the FFI headers' contents
-  and the CPU model (-march=native code must not run on another CPU);
+  and the headers beside it, compiler command and version, flags, jax and jaxlib
+  versions, the FFI headers' contents and the CPU model (-march=native code must not run
+  on another CPU);
 - no compiler, a failed build or one past `BUILD_TIMEOUT_S` is a reason returned by
   `load()` and logged once, never an exception;
 - threads starting together build and register once (`load` holds a lock), and processes

@@ -179,7 +179,8 @@ def _cpu_has_vnni() -> bool:
 
 
 @pytest.mark.parametrize(
-    "fmt", [Q4_1, Q4_0, GGUF_KEPT["Q4_K"], UINT4_GROUPS_OF_64, UINT4_PER_CHANNEL],
+    "fmt",
+    [Q4_1, Q4_0, GGUF_KEPT["Q4_K"], UINT4_GROUPS_OF_64, UINT4_PER_CHANNEL],
     ids=lambda f: f.name,
 )
 @pytest.mark.parametrize("rows", [1, 5, 16])
@@ -249,9 +250,9 @@ def test_the_target_refuses_what_it_cannot_read():
         run(x, w.values, w.scales.astype(jnp.bfloat16), w.mins.astype(jnp.bfloat16))
     with pytest.raises(RUN_TIME_REFUSAL, match="each weight needs values, scales, mins"):
         np.asarray(
-            jax.jit(
-                lambda *a: call(*a, kinds=np.array([1]), has_mins=np.array([1]), integer_x=1)
-            )(x, layer, w.values, w.scales)
+            jax.jit(lambda *a: call(*a, kinds=np.array([1]), has_mins=np.array([1]), integer_x=1))(
+                x, layer, w.values, w.scales
+            )
         )
 
 
