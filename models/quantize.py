@@ -96,7 +96,7 @@ def common_format(type_names: set[str]) -> QuantFormat | None:
         "int8",
         group_size=min(f.group_size for f in formats),
         has_mins=any(f.has_mins for f in formats),
-        scale_dtype=max(f.scale_dtype for f in formats),  # "float32" > "float16"
+        scale_dtype="float16" if all(f.scale_dtype == "float16" for f in formats) else "float32",
     )
 
 
@@ -127,5 +127,8 @@ def _exactly(a: np.ndarray, fmt: QuantFormat) -> np.ndarray:
     """float32 `a` in `fmt.scale_dtype`, refused if that would change a value."""
     stored = a.astype(fmt.scale_dtype)
     if not np.array_equal(stored.astype(np.float32), a, equal_nan=True):
-        raise ValueError(f"{fmt.name}: a block's scale or min does not fit {fmt.scale_dtype}")
+        raise ValueError(
+            f"{fmt.name}: a block's scale or min does not fit {fmt.scale_dtype} (Q4_0 keeps "
+            "-8 * d: d of 8192 or more overflows); load it with --quantization none"
+        )
     return stored

@@ -68,6 +68,17 @@ def test_float_types(name):
     np.testing.assert_array_equal(dequantize(raw, name, (4, 32)), want)
 
 
+def test_a_scale_float16_cannot_hold_is_refused_by_name():
+    """Q4_0 keeps -8 * d as its min, in float16 like the file's d: a d of 8192 would make
+    it -65536, past float16's range, so the repack refuses rather than store -inf."""
+    block = np.zeros((1, 18), np.uint8)
+    block[0, :2] = np.array([8192], np.float16).view(np.uint8)
+    with pytest.raises(ValueError, match="Q4_0: a block's scale or min does not fit float16"):
+        repack_gguf(block, "Q4_0", (1, 32), GGUF_KEPT["Q4_0"])
+    block[0, :2] = np.array([4096], np.float16).view(np.uint8)  # -32768 fits
+    assert repack_gguf(block, "Q4_0", (1, 32), GGUF_KEPT["Q4_0"])["mins"][0, 0] == -32768
+
+
 def test_unsupported_type_is_named():
     with pytest.raises(ValueError, match="IQ2_XXS is not supported.*Q4_K"):
         dequantize(np.zeros((1, 66), np.uint8), "IQ2_XXS", (1, 256))
