@@ -336,7 +336,7 @@ ffi::Error QuantizedMatmuls(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (p.num_rows == 0) return ffi::Error::Success();
   bool four_bit = false;
   for (const Segment& s : p.segments) four_bit = four_bit || s.kind == kUint4;
-  if (kIntegerX && integer_x && four_bit) p.integer_x.Prepare(p.x, p.num_rows, p.dim);
+  if (integer_x && four_bit) p.integer_x.Prepare(p.x, p.num_rows, p.dim);
   Run(pool, work);
   return ffi::Error::Success();
 }

@@ -1,5 +1,5 @@
 // x as integers for `cpu.cc`'s 4-bit weights, on CPUs with AVX-512 VNNI (elsewhere
-// `kIntegerX` is false and the kernel keeps float x). Included by cpu.cc only.
+// `IntegerX::Prepare` holds no row and the kernel keeps float x). Included by cpu.cc only.
 //
 // Why: on these cores a decode step's 4-bit matmuls are bound by compute, the widening of
 // every weight to float, not by the bytes read. A byte product-sum instruction multiplies
@@ -22,12 +22,6 @@
 #include "values.h"
 
 namespace quantized_matmul {
-
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-constexpr bool kIntegerX = true;
-#else
-constexpr bool kIntegerX = false;
-#endif
 
 // Rows of x as integers: per row and block of 4 runs of 32 inputs, three pieces of 128
 // signed bytes (a, b, c), each laid out [the runs' inputs 0-15 | their inputs 16-31] as a
