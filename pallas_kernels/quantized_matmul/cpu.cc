@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "integer_x.h"
+#include "panel.h"
 #include "values.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -44,7 +45,10 @@ namespace {
 
 using namespace quantized_matmul;
 
-constexpr int64_t kMaxRows = 16;
+// Up to this many rows of x each output row's weights are widened in registers and
+// multiplied row by row; more go through dequantized panels (`panel.h`).
+constexpr int64_t kRowByRowRows = 16;
+constexpr int64_t kMaxRows = 256;
 constexpr int kRowsPerPass = 4;  // rows of x that share one widening of the weights
 // Below this many weights a call runs on the calling thread alone: waking a helper costs
 // more than the half of the work it would take.
@@ -59,7 +63,8 @@ struct Segment {
   const void* mins;       // this layer's [F, G], or null
   float* out;             // [T, F]
   int64_t num_outputs, num_groups, row_bytes;  // F, G
-  std::vector<float> x_sums;  // [T, G]: each group's sum of x (what the mins multiply)
+  std::vector<float> x_sums;  // [T, G]: each group's sum of x (what the mins multiply
+                              // row by row; panels hold the mins in their weights)
 };
 
 // A block of one segment's output rows.
@@ -71,6 +76,7 @@ struct Work {
   const float* x;
   int64_t num_rows, dim;  // T, D
   IntegerX integer_x;  // prepared where 4-bit weights use it
+  XColumns columns;    // prepared for more than kRowByRowRows rows
   std::vector<Segment> segments;
   std::vector<Item> items;
   std::atomic<int64_t> next{0}, done{0};
@@ -182,14 +188,36 @@ void RunItem(const Work& p, const Segment& s, const Item& item) {
   }
 }
 
+// Many rows: the item's output rows dequantized into a panel, then every row of x.
+template <Kind K, typename S>
+void RunPanelItem(const Work& p, const Segment& s, const Item& item) {
+  // Reused across calls: no fresh pages to fault in every step.
+  thread_local std::vector<float> panel, sums;
+  panel.resize(kPanelRows * p.dim);
+  sums.resize(kPanelRows * p.columns.padded);
+  Dequantize<K, S>(s.values, s.row_bytes, static_cast<const S*>(s.scales),
+                   static_cast<const S*>(s.mins), s.num_groups, p.dim, item.begin, item.end,
+                   panel.data());
+  PanelProducts(panel.data(), item.end - item.begin, p.dim, p.columns, sums.data(), s.out,
+                s.num_outputs, item.begin);
+}
+
+template <Kind K, typename S>
+void RunAnyItem(const Work& p, const Segment& s, const Item& item) {
+  if (p.num_rows > kRowByRowRows)
+    RunPanelItem<K, S>(p, s, item);
+  else
+    RunItem<K, S>(p, s, item);
+}
+
 template <typename S>
 void RunItem(const Work& p, const Segment& s, const Item& item) {
   if (s.kind == kInt8)
-    RunItem<kInt8, S>(p, s, item);
+    RunAnyItem<kInt8, S>(p, s, item);
   else if (s.kind == kFp8)
-    RunItem<kFp8, S>(p, s, item);
+    RunAnyItem<kFp8, S>(p, s, item);
   else
-    RunItem<kUint4, S>(p, s, item);
+    RunAnyItem<kUint4, S>(p, s, item);
 }
 
 void Drain(Work& p) {
@@ -214,11 +242,13 @@ void Run(ffi::ThreadPool& pool, std::shared_ptr<Work> work) {
   // About four items per thread over all the weights (finer items measured slower), so
   // threads that start late still get a share; at least 16 outputs each, so an item's
   // work outweighs claiming it.
-  const int64_t threads = total_outputs * p.dim < kMinParallelWeights
+  const int64_t passes = p.num_rows > kRowByRowRows ? p.num_rows : 1;  // products a weight
+  const int64_t threads = total_outputs * p.dim * passes < kMinParallelWeights
                               ? 1
                               : std::max<int64_t>(1, pool.num_threads());
   const int64_t per_item = (total_outputs + 4 * threads - 1) / (4 * threads);
-  const int64_t outputs_per_item = std::max<int64_t>(16, per_item);
+  const int64_t outputs_per_item =
+      p.num_rows > kRowByRowRows ? kPanelRows : std::max<int64_t>(16, per_item);
   for (int64_t i = 0; i < int64_t(p.segments.size()); ++i)
     for (int64_t begin = 0; begin < p.segments[i].num_outputs; begin += outputs_per_item)
       p.items.push_back({i, begin, std::min(p.segments[i].num_outputs, begin + outputs_per_item)});
@@ -288,7 +318,7 @@ std::string AddSegment(Work& p, ffi::Span<const int64_t> x_dims, int64_t l, int6
   s.out = out->typed_data();
   s.num_outputs = F;
   s.num_groups = G;
-  if (has_mins) {
+  if (has_mins && p.num_rows <= kRowByRowRows) {
     const int64_t group = p.dim / G;
     s.x_sums.assign(p.num_rows * G, 0.0f);
     for (int64_t t = 0; t < p.num_rows; ++t)
@@ -311,7 +341,8 @@ ffi::Error QuantizedMatmuls(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument("quantized matmul: " + problem);
   };
   if (x_dims.size() != 2) return fail("x must be [T, D], got " + Shape(x_dims));
-  if (x_dims[0] > kMaxRows) return fail("at most 16 rows of x, got " + Shape(x_dims));
+  if (x_dims[0] > kMaxRows)
+    return fail("at most " + std::to_string(kMaxRows) + " rows of x, got " + Shape(x_dims));
   if (layer.element_count() != 1) return fail("layer must be one index");
   const size_t n = outs.size();
   if (n == 0 || weights.size() != 3 * n || kinds.size() != n || has_mins.size() != n)
@@ -336,7 +367,10 @@ ffi::Error QuantizedMatmuls(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (p.num_rows == 0) return ffi::Error::Success();
   bool four_bit = false;
   for (const Segment& s : p.segments) four_bit = four_bit || s.kind == kUint4;
-  if (integer_x && four_bit) p.integer_x.Prepare(p.x, p.num_rows, p.dim);
+  if (p.num_rows > kRowByRowRows)
+    p.columns.Prepare(p.x, p.num_rows, p.dim);
+  else if (integer_x && four_bit)
+    p.integer_x.Prepare(p.x, p.num_rows, p.dim);
   Run(pool, work);
   return ffi::Error::Success();
 }

@@ -31,7 +31,7 @@ KERNEL = NativeKernel(
     what="CPU quantized-matmul kernel",
 )
 GROUP = 32
-MAX_ROWS = 16
+MAX_ROWS = 256
 _KINDS = {"int8": 0, "uint4": 1, "fp8": 2}
 
 

@@ -74,6 +74,12 @@ def oracle(x: np.ndarray, w: QuantizedWeight, layer: int) -> np.ndarray:
         (4, 192, 33),
         (5, 64, 40),
         (16, 256, 100),
+        # Past 16 rows: dequantized panels (panel.h), 16 rows of x a vector, 64 a chunk.
+        (17, 64, 1),
+        (33, 576, 45),
+        (64, 320, 33),
+        (100, 192, 37),
+        (256, 128, 6),
     ],
 )
 def test_kernel_matches_reference_and_float64(fmt, rows, dim, outputs):
@@ -113,7 +119,7 @@ def test_derivatives_with_respect_to_x_are_the_reference_ones():
 @pytest.mark.parametrize(
     "rows, dim, fmt, dtype",
     [
-        (17, 64, Q4_1, np.float32),
+        (cpu.MAX_ROWS + 1, 64, Q4_1, np.float32),
         (2, 48, INT8, np.float32),
         (2, 80, GGUF_KEPT["Q6_K"], np.float32),
         (2, 64, Q8_0, jnp.bfloat16),
@@ -151,7 +157,7 @@ def test_the_entry_point_takes_the_kernel_for_a_few_float32_rows():
     assert cpu.TARGET_NAME not in forced.as_text()
 
 
-@pytest.mark.parametrize("rows", [1, 4, 7, 16])
+@pytest.mark.parametrize("rows", [1, 4, 7, 16, 40])
 def test_several_weights_in_one_call_give_each_ones_own_bits(rows):
     """A layer's q, k, v in one call, each in its own format (GGUF's Q4_K_M mixes them),
     a weight with mins beside ones without: the same bits as a call per weight, and the
@@ -169,7 +175,8 @@ def test_several_weights_in_one_call_give_each_ones_own_bits(rows):
     entry = jax.jit(lambda x, ws: quantized_matmuls(x, ws, 1))
     assert cpu.TARGET_NAME in entry.lower(x, ws).as_text()
     for out, reference in zip(entry(x, ws), quantized_matmuls(x, ws, 1, impl="reference")):
-        np.testing.assert_allclose(out, reference, rtol=1e-5, atol=1e-4)
+        # fp8's outputs reach ~700: float32 rounding of the largest, as elsewhere here.
+        np.testing.assert_allclose(out, reference, rtol=0, atol=2e-6 * np.abs(reference).max())
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,174 @@
+// Many rows of x for `cpu.cc` (more than its row-by-row path takes: batched decode steps,
+// verification and short prefill chunks). Included by cpu.cc only.
+//
+// Why: for these XLA:CPU dequantizes a layer's weights into a float32 buffer every step,
+// then its GEMM packs that buffer once more before multiplying (SmolLM2's Q4_1 file, 64
+// rows: the packing alone is 13% of a decode step, the fresh buffer's page faults ~6%,
+// bench/README.md). Here a block of kPanelRows output rows is dequantized once into a
+// float panel [rows, D] that stays in L2 (at most 32 x D floats), and every row of x is
+// multiplied with it by fused multiply-adds: x is transposed once per call into columns
+// [D, rows padded to 16], so a vector holds 16 rows of x at one input and a weight is
+// broadcast against it; a tile of 4 weight rows x 64 rows of x keeps 16 sums in registers.
+// Each output is its sum over the inputs in order, one rounding per product-add: the
+// reference's result to float32 rounding (a weight is dequantized as the reference does,
+// q * scale, then + min).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "values.h"
+
+namespace quantized_matmul {
+
+constexpr int64_t kPanelRows = 32;  // weight rows dequantized together
+constexpr int kTileRows = 4;        // weight rows of a tile
+#ifdef __AVX512F__
+constexpr int kTileVectors = 4;  // vectors of 16 rows of x in a tile: 16 sums, 32 registers
+#else
+constexpr int kTileVectors = 2;  // 16 registers of 8 lanes hold 8 such sums
+#endif
+
+inline f32x16 MultiplyAdd(f32x16 a, f32x16 b, f32x16 c) {
+#ifdef __AVX512F__
+  return f32x16(_mm512_fmadd_ps(__m512(a), __m512(b), __m512(c)));
+#else
+  return a * b + c;
+#endif
+}
+
+inline f32x16 Broadcast(float value) {
+#ifdef __AVX512F__
+  return f32x16(_mm512_set1_ps(value));  // one broadcast from memory
+#else
+  return f32x16{} + value;
+#endif
+}
+
+// x as columns, in chunks of kChunk rows: [padded / kChunk, D, kChunk] with padded =
+// num_rows rounded up to 16 (a last chunk of fewer rows is that much narrower), the padding
+// zeros. A chunk's block of 64 inputs is then 16 KB in one piece: columns of all rows in
+// one [D, padded] array sit 4 * padded bytes apart and, past 64 rows, collide in L1's sets.
+struct XColumns {
+  static constexpr int64_t kChunk = 16 * kTileVectors;
+  int64_t num_rows = 0, padded = 0, dim = 0;
+  std::vector<float> data;
+
+  // The chunk of rows from t0 on (t0 a multiple of kChunk) and its width.
+  const float* Chunk(int64_t t0) const { return data.data() + t0 * dim; }
+  int64_t Width(int64_t t0) const { return std::min(kChunk, padded - t0); }
+
+  void Prepare(const float* x, int64_t rows, int64_t d) {
+    num_rows = rows;
+    dim = d;
+    padded = (rows + 15) / 16 * 16;
+    data.assign(dim * padded, 0.0f);
+    for (int64_t t0 = 0; t0 < rows; t0 += 16) {
+      const int64_t start = t0 / kChunk * kChunk, width = Width(start);
+      float* chunk = data.data() + start * dim;
+      // 16 rows at a time, 16 inputs at a time: reads and writes stay in a few lines.
+      for (int64_t i0 = 0; i0 < dim; i0 += 16)
+        for (int64_t t = t0; t < std::min(rows, t0 + 16); ++t)
+          for (int64_t i = i0; i < i0 + 16; ++i)
+            chunk[i * width + t % kChunk] = x[t * dim + i];
+    }
+  }
+};
+
+// Rows [begin, end) of one weight (`values`: row_bytes a row; scales and mins [F, G], mins
+// null where absent) dequantized into panel [end - begin, D].
+template <Kind K, typename S>
+void Dequantize(const uint8_t* values, int64_t row_bytes, const S* scales, const S* mins,
+                int64_t num_groups, int64_t dim, int64_t begin, int64_t end, float* panel) {
+  const int64_t group = dim / num_groups;
+  for (int64_t j = begin; j < end; ++j) {
+    const uint8_t* row = values + j * row_bytes;
+    const S* row_scales = scales + j * num_groups;
+    float* out = panel + (j - begin) * dim;
+    for (int64_t i = 0; i < dim; i += kGroup) {
+      f32x16 low, high;  // inputs i .. i + 15 and i + 16 .. i + 31
+      Widen<K>(row, i, low, high);
+      const int64_t g_low = i / group, g_high = (i + 16) / group;
+      low *= Scale(row_scales, g_low);
+      high *= Scale(row_scales, g_high);
+      if (mins) {
+        low += Scale(mins + j * num_groups, g_low);
+        high += Scale(mins + j * num_groups, g_high);
+      }
+      std::memcpy(out + i, &low, sizeof(low));
+      std::memcpy(out + i + 16, &high, sizeof(high));
+    }
+  }
+}
+
+// sums[r, t] += panel[r, i] * x[t, i] for rows r < JR of the panel, the rows t of x in TV
+// vectors from t0 on and the inputs i of [i0, i1): one block of inputs, whose products
+// are chained in registers and then added to the sums (a chain over all D inputs measured
+// up to 1.5e-6 of the largest output off, blocks 4x less).
+template <int JR, int TV>
+void Tile(const float* panel, int64_t dim, const XColumns& x, int64_t t0, int64_t i0,
+          int64_t i1, float* sums) {
+  f32x16 block[JR][TV] = {};
+  const float* columns = x.Chunk(t0);
+  const int64_t width = x.Width(t0);
+  for (int64_t i = i0; i < i1; ++i) {
+    // Each vector of x and each broadcast weight loaded once: a load per product (as GCC
+    // folds them) measured the loads as the bound.
+    f32x16 w[JR];
+    for (int r = 0; r < JR; ++r) w[r] = Broadcast(panel[r * dim + i]);
+    for (int v = 0; v < TV; ++v) {
+      f32x16 row = Load(columns + i * width + v * 16);
+#ifdef __AVX512F__
+      __asm__("" : "+v"(row));  // in a register: GCC would fold the load into every product
+#endif
+      for (int r = 0; r < JR; ++r) block[r][v] = MultiplyAdd(w[r], row, block[r][v]);
+    }
+  }
+  for (int r = 0; r < JR; ++r)
+    for (int v = 0; v < TV; ++v) {
+      float* at = sums + r * x.padded + t0 + v * 16;
+      const f32x16 total = Load(at) + block[r][v];
+      std::memcpy(at, &total, sizeof(total));
+    }
+}
+
+template <int TV>
+void Tiles(const float* panel, int64_t panel_rows, int64_t dim, const XColumns& x, int64_t t0,
+           int64_t i0, int64_t i1, float* sums) {
+  int64_t r = 0;
+  for (; r + kTileRows <= panel_rows; r += kTileRows)
+    Tile<kTileRows, TV>(panel + r * dim, dim, x, t0, i0, i1, sums + r * x.padded);
+  switch (panel_rows - r) {
+    case 3: Tile<3, TV>(panel + r * dim, dim, x, t0, i0, i1, sums + r * x.padded); break;
+    case 2: Tile<2, TV>(panel + r * dim, dim, x, t0, i0, i1, sums + r * x.padded); break;
+    case 1: Tile<1, TV>(panel + r * dim, dim, x, t0, i0, i1, sums + r * x.padded); break;
+    default: break;
+  }
+}
+
+// out[t, j0 + r] for every row t of x and the panel's rows r (`sums`: scratch of
+// panel_rows x padded floats). Blocks of kBlockInputs inputs go over every row of x in
+// turn, so a block of x's columns (64 x 64 floats) and of the panel stay in L1.
+inline void PanelProducts(const float* panel, int64_t panel_rows, int64_t dim,
+                          const XColumns& x, float* sums, float* out, int64_t num_outputs,
+                          int64_t j0) {
+  constexpr int64_t kBlockInputs = 64;
+  std::fill(sums, sums + panel_rows * x.padded, 0.0f);
+  for (int64_t i0 = 0; i0 < dim; i0 += kBlockInputs) {
+    const int64_t i1 = std::min(dim, i0 + kBlockInputs);
+    for (int64_t t0 = 0; t0 < x.padded; t0 += 16 * kTileVectors) {
+      switch (std::min<int64_t>(kTileVectors, (x.padded - t0) / 16)) {
+        case 4: Tiles<4>(panel, panel_rows, dim, x, t0, i0, i1, sums); break;
+        case 3: Tiles<3>(panel, panel_rows, dim, x, t0, i0, i1, sums); break;
+        case 2: Tiles<2>(panel, panel_rows, dim, x, t0, i0, i1, sums); break;
+        default: Tiles<1>(panel, panel_rows, dim, x, t0, i0, i1, sums); break;
+      }
+    }
+  }
+  for (int64_t t = 0; t < x.num_rows; ++t)
+    for (int64_t r = 0; r < panel_rows; ++r) out[t * num_outputs + j0 + r] = sums[r * x.padded + t];
+}
+
+}  // namespace quantized_matmul
