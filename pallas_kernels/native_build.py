@@ -9,8 +9,9 @@ Promises:
 - the source is compiled on first use with the machine's C++ compiler (`$CXX`, which may
   carry arguments such as `ccache g++`, else `c++`; GCC or Clang) for the CPU it runs on,
   against the FFI headers jaxlib ships, and cached under `$JENGINE_KERNEL_CACHE` (default
-  `~/.cache/jengine/kernels`) by a hash of everything that goes into the build: source
-  and the headers beside it, compiler command and version, flags, jax and jaxlib
+  `~/.cache/jengine/kernels`) by a hash of everything that goes into the build: source,
+  the headers beside it and the kernels' shared ones (`include/`), compiler command and
+  version, flags, jax and jaxlib
   versions, the FFI headers' contents and the CPU model (-march=native code must not run
   on another CPU);
 - no compiler, a failed build or one past `BUILD_TIMEOUT_S` is a reason returned by
@@ -103,12 +104,20 @@ def _run(command: list[str]) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
+# Headers more than one kernel includes (`#include "panel.h"`), on every build's path.
+SHARED_HEADERS = Path(__file__).with_name("include")
+
+
 class NativeKernel:
     """One C++ source exporting one XLA FFI handler `symbol`, registered for the CPU
-    platform as `target` (the name its `ffi_call` uses); `what` names it in logs."""
+    platform as `target` (the name its `ffi_call` uses); `what` names it in logs.
+    `shared_headers`: the folder of headers kernels share (the tests point it elsewhere)."""
 
-    def __init__(self, source: Path, symbol: str, target: str, what: str):
+    def __init__(
+        self, source: Path, symbol: str, target: str, what: str, shared_headers=SHARED_HEADERS
+    ):
         self.source, self.symbol, self.target, self.what = source, symbol, target, what
+        self.shared_headers = Path(shared_headers)
         self._lock = threading.Lock()
         self._reason: str | None = None
         self._loaded = False
@@ -120,6 +129,7 @@ class NativeKernel:
         for part in (
             self.source.read_bytes(),
             _headers_digest(str(self.source.parent), "*.h"),  # the headers it includes
+            _headers_digest(str(self.shared_headers), "*.h"),
             shlex.join(compiler).encode(),
             _run([*compiler, "--version"]).stdout.encode(),
             shlex.join(CXX_FLAGS).encode(),
@@ -138,7 +148,8 @@ class NativeKernel:
         cache_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache_dir) as build_dir:
             output = Path(build_dir) / library.name
-            _run([*compiler, *CXX_FLAGS, f"-I{include_dir}", str(self.source), "-o", str(output)])
+            includes = [f"-I{self.shared_headers}", f"-I{include_dir}"]
+            _run([*compiler, *CXX_FLAGS, *includes, str(self.source), "-o", str(output)])
             os.replace(output, library)
         return library
 

@@ -103,6 +103,7 @@ def test_the_wheel_carries_the_bundled_models_and_the_kernel_sources(wheel):
         assert f"jengine/pallas_kernels/{kernel}/cpu.cc" in names
     for header in ("values.h", "integer_x.h"):  # what quantized_matmul/cpu.cc includes
         assert f"jengine/pallas_kernels/quantized_matmul/{header}" in names
+    assert "jengine/pallas_kernels/include/panel.h" in names  # both matmul kernels include it
 
 
 def test_jengine_chat_from_the_wheel(venv, user_repo):

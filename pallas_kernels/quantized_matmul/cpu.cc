@@ -35,7 +35,7 @@
 #include <vector>
 
 #include "integer_x.h"
-#include "panel.h"
+#include "panel.h"  // shared with stacked_matmul (pallas_kernels/include)
 #include "values.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -76,7 +76,7 @@ struct Work {
   const float* x;
   int64_t num_rows, dim;  // T, D
   IntegerX integer_x;  // prepared where 4-bit weights use it
-  XColumns columns;    // prepared for more than kRowByRowRows rows
+  panel::XColumns columns;  // prepared for more than kRowByRowRows rows
   std::vector<Segment> segments;
   std::vector<Item> items;
   std::atomic<int64_t> next{0}, done{0};
@@ -192,14 +192,14 @@ void RunItem(const Work& p, const Segment& s, const Item& item) {
 template <Kind K, typename S>
 void RunPanelItem(const Work& p, const Segment& s, const Item& item) {
   // Reused across calls: no fresh pages to fault in every step.
-  thread_local std::vector<float> panel, sums;
-  panel.resize(kPanelRows * p.dim);
-  sums.resize(kPanelRows * p.columns.padded);
+  thread_local std::vector<float> rows, sums;
+  rows.resize(panel::kPanelRows * p.dim);
+  sums.resize(panel::kPanelRows * p.columns.padded);
   Dequantize<K, S>(s.values, s.row_bytes, static_cast<const S*>(s.scales),
                    static_cast<const S*>(s.mins), s.num_groups, p.dim, item.begin, item.end,
-                   panel.data());
-  PanelProducts(panel.data(), item.end - item.begin, p.dim, p.columns, sums.data(), s.out,
-                s.num_outputs, item.begin);
+                   rows.data());
+  panel::PanelProducts(rows.data(), item.end - item.begin, p.dim, p.columns, sums.data(),
+                       s.out, s.num_outputs, item.begin);
 }
 
 template <Kind K, typename S>
@@ -248,7 +248,7 @@ void Run(ffi::ThreadPool& pool, std::shared_ptr<Work> work) {
                               : std::max<int64_t>(1, pool.num_threads());
   const int64_t per_item = (total_outputs + 4 * threads - 1) / (4 * threads);
   const int64_t outputs_per_item =
-      p.num_rows > kRowByRowRows ? kPanelRows : std::max<int64_t>(16, per_item);
+      p.num_rows > kRowByRowRows ? panel::kPanelRows : std::max<int64_t>(16, per_item);
   for (int64_t i = 0; i < int64_t(p.segments.size()); ++i)
     for (int64_t begin = 0; begin < p.segments[i].num_outputs; begin += outputs_per_item)
       p.items.push_back({i, begin, std::min(p.segments[i].num_outputs, begin + outputs_per_item)});

@@ -1,6 +1,6 @@
 // The quantized values and scales of `cpu.cc`'s layouts, as float vectors: the widening of
 // int8, uint4 (GGUF's nibble order) and fp8 e4m3fn values, float16 scales, and the float
-// vector helpers both of the kernel's products use. Included by cpu.cc only (its build
+// vector helpers both of the kernel's products use, and whole rows dequantized for panels. Included by cpu.cc only (its build
 // hashes this folder's headers with it).
 #pragma once
 
@@ -128,6 +128,33 @@ inline void Widen(const uint8_t* row, int64_t i, f32x16& low, f32x16& high) {
     std::memcpy(&bytes, row + i / 2, 16);
     low = __builtin_convertvector(__builtin_convertvector(bytes & 0x0F, i32x16), f32x16);
     high = __builtin_convertvector(__builtin_convertvector(bytes >> 4, i32x16), f32x16);
+  }
+}
+
+// Rows [begin, end) of one weight (`values`: row_bytes a row; scales and mins [F, G], mins
+// null where absent) dequantized into panel [end - begin, D] (`panel.h`'s batched
+// products), as the reference computes them: q * scale, then + min.
+template <Kind K, typename S>
+void Dequantize(const uint8_t* values, int64_t row_bytes, const S* scales, const S* mins,
+                int64_t num_groups, int64_t dim, int64_t begin, int64_t end, float* panel) {
+  const int64_t group = dim / num_groups;
+  for (int64_t j = begin; j < end; ++j) {
+    const uint8_t* row = values + j * row_bytes;
+    const S* row_scales = scales + j * num_groups;
+    float* out = panel + (j - begin) * dim;
+    for (int64_t i = 0; i < dim; i += kGroup) {
+      f32x16 low, high;  // inputs i .. i + 15 and i + 16 .. i + 31
+      Widen<K>(row, i, low, high);
+      const int64_t g_low = i / group, g_high = (i + 16) / group;
+      low *= Scale(row_scales, g_low);
+      high *= Scale(row_scales, g_high);
+      if (mins) {
+        low += Scale(mins + j * num_groups, g_low);
+        high += Scale(mins + j * num_groups, g_high);
+      }
+      std::memcpy(out + i, &low, sizeof(low));
+      std::memcpy(out + i + 16, &high, sizeof(high));
+    }
   }
 }
 

@@ -31,6 +31,7 @@
 #include <immintrin.h>
 #endif
 
+#include "panel.h"  // shared with quantized_matmul (pallas_kernels/include)
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -40,9 +41,11 @@ namespace {
 // Eight floats: GCC/Clang vector extensions, as in the attention kernel.
 using v8 = float __attribute__((vector_size(32)));
 constexpr int64_t kLanes = 8;
-// Rows of x one call takes: past this the dot is compute-bound and XLA's GEMM, whose
-// packing cost is shared by many rows, is faster (bench/README.md).
-constexpr int64_t kMaxRows = 16;
+// Up to this many rows of x the loops below stream weight rows; more multiply panels of
+// w[layer]'s rows where they lie (`panel.h`), up to kMaxRows (past it XLA's GEMM, whose
+// packing is shared by that many rows, is as fast: bench/README.md).
+constexpr int64_t kRowByRowRows = 16;
+constexpr int64_t kMaxRows = 128;
 // Rows of x up to which each weight row is streamed alone (`ManyRows`).
 constexpr int64_t kStreamRows = 8;
 
@@ -84,6 +87,7 @@ struct Item {
 struct Work {
   const float* x;
   int64_t num_rows, dim;  // T, D
+  panel::XColumns columns;  // prepared for more than kRowByRowRows rows
   std::vector<Segment> segments;
   std::vector<Item> items;
   std::atomic<int64_t> next{0}, done{0};
@@ -164,7 +168,15 @@ void Drain(Work& p) {
     if (index >= num_items) return;
     const Item& item = p.items[index];
     const Segment& s = p.segments[item.segment];
-    if (p.num_rows <= kStreamRows) {
+    if (p.num_rows > kRowByRowRows) {
+      // The item's weight rows copied into L2 first, one sequential read: the tiles'
+      // broadcasts from four rows at once straight out of memory ran at half the speed.
+      thread_local std::vector<float> rows, sums;  // reused: no fresh pages every step
+      rows.assign(s.w + item.begin * p.dim, s.w + item.end * p.dim);
+      sums.resize(panel::kPanelRows * p.columns.padded);
+      panel::PanelProducts(rows.data(), item.end - item.begin, p.dim, p.columns, sums.data(),
+                           s.out, s.num_outputs, item.begin);
+    } else if (p.num_rows <= kStreamRows) {
       ManyRows(p, s, item.begin, item.end);
     } else {
       int64_t j = item.begin;
@@ -191,7 +203,7 @@ ffi::Error StackedMatmuls(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   };
   if (x_dims.size() != 2) return fail("x must be [T, D]");
   if (x_dims[1] % kLanes) return fail("D must be a multiple of 8");
-  if (x_dims[0] > kMaxRows) return fail("at most 16 rows of x");
+  if (x_dims[0] > kMaxRows) return fail("at most " + std::to_string(kMaxRows) + " rows of x");
   if (layer.element_count() != 1) return fail("layer must be one index");
   if (weights.size() == 0 || weights.size() != outs.size())
     return fail("one result per weight, and at least one weight");
@@ -224,7 +236,10 @@ ffi::Error StackedMatmuls(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   // work outweighs claiming it.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t per_item = (total_outputs + 4 * threads - 1) / (4 * threads);
-  const int64_t outputs_per_item = std::max<int64_t>(16, (per_item + 3) / 4 * 4);
+  const int64_t outputs_per_item = p.num_rows > kRowByRowRows
+                                       ? panel::kPanelRows
+                                       : std::max<int64_t>(16, (per_item + 3) / 4 * 4);
+  if (p.num_rows > kRowByRowRows) p.columns.Prepare(p.x, p.num_rows, p.dim);
   for (int64_t i = 0; i < int64_t(p.segments.size()); ++i)
     for (int64_t begin = 0; begin < p.segments[i].num_outputs; begin += outputs_per_item)
       p.items.push_back({i, begin, std::min(p.segments[i].num_outputs, begin + outputs_per_item)});

@@ -8,6 +8,7 @@ this one already has. Builds go to a temporary `JENGINE_KERNEL_CACHE`, so every 
 really compiles; `apt-get install clang` adds the Clang case on Debian.
 """
 
+import ctypes
 import os
 import shlex
 import shutil
@@ -146,18 +147,28 @@ print(default_impl())
     assert not list((tmp_path / "cache").glob("*.so"))
 
 
-def test_a_header_beside_the_source_is_part_of_its_build(tmp_path, monkeypatch):
+def test_a_header_beside_the_source_or_shared_is_part_of_its_build(tmp_path, monkeypatch):
     """A kernel's own headers (quantized_matmul/cpu.cc includes values.h and integer_x.h)
-    are hashed with its source: an edited header builds anew, never a stale library."""
+    and the kernels' shared ones (include/panel.h) are hashed with its source: an edited
+    header builds anew, never a stale library."""
     from jengine.pallas_kernels.native_build import NativeKernel, compiler
 
-    folder = tmp_path / "kernel"
+    folder, shared = tmp_path / "kernel", tmp_path / "include"
     folder.mkdir()
-    (folder / "cpu.cc").write_text('#include "part.h"\nextern "C" int value() { return VALUE; }\n')
+    shared.mkdir()
+    (folder / "cpu.cc").write_text(
+        '#include "part.h"\n#include "shared.h"\n'
+        'extern "C" int value() { return VALUE + SHARED; }\n'
+    )
     monkeypatch.setenv("JENGINE_KERNEL_CACHE", str(tmp_path / "cache"))
-    kernel = NativeKernel(folder / "cpu.cc", symbol="value", target="unused", what="test")
+    kernel = NativeKernel(
+        folder / "cpu.cc", symbol="value", target="unused", what="test", shared_headers=shared
+    )
     libraries = []
-    for value in (1, 2):
+    for value, shared_value in ((1, 10), (2, 10), (2, 20)):
         (folder / "part.h").write_text(f"#define VALUE {value}\n")
+        (shared / "shared.h").write_text(f"#define SHARED {shared_value}\n")
         libraries.append(kernel.build(compiler()))
-    assert libraries[0] != libraries[1] and all(path.exists() for path in libraries)
+    assert len(set(libraries)) == 3 and all(path.exists() for path in libraries)
+    for library, expected in zip(libraries, (11, 12, 22), strict=True):
+        assert ctypes.CDLL(str(library)).value() == expected

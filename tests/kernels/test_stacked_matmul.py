@@ -2,7 +2,7 @@
 reference and a float64 oracle: one row to the most it takes, odd output counts (row
 blocks of 4 plus a tail), the layer's neighbours filled with NaN so a read outside
 `w[layer]` shows, derivatives through the reference, operands it must refuse, and the
-entry point's choice (kernel for a few float32 rows, reference otherwise)."""
+entry point's choice (kernel for up to MAX_ROWS float32 rows, reference otherwise)."""
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,11 @@ def operands(rows: int, dim: int, outputs: int, layers: int = 3, layer: int = 1,
         (8, 64, 9),
         (9, 64, 9),
         (16, 256, 100),
+        # Past 16 rows: panels of 32 weight rows (pallas_kernels/include/panel.h).
+        (17, 64, 9),
+        (40, 136, 33),
+        (64, 512, 100),
+        (128, 72, 5),
     ],
 )
 def test_kernel_matches_reference_and_float64(rows, dim, outputs):
@@ -53,11 +58,15 @@ def test_kernel_matches_reference_and_float64(rows, dim, outputs):
 
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
     """1-8 rows stream each weight row alone, 9-16 read four side by side: both sum in the
-    same order, so a request's logits are the same bits alone or in a batch."""
-    x, w = operands(16, 136, 40)
-    whole = np.asarray(kernel(x, w, 1))
+    same order, so a request's logits are the same bits alone or in a batch of up to 16.
+    Past 16 rows (panels) a row's bits again do not depend on the rows beside it."""
+    x, w = operands(cpu.MAX_ROWS, 136, 40)
+    few = np.asarray(kernel(x[:16], w, 1))
     for rows in (1, 2, 5, 8, 9, 13):
-        np.testing.assert_array_equal(np.asarray(kernel(x[:rows], w, 1)), whole[:rows])
+        np.testing.assert_array_equal(np.asarray(kernel(x[:rows], w, 1)), few[:rows])
+    many = np.asarray(kernel(x, w, 1))
+    for rows in (17, 40, 64, 100):
+        np.testing.assert_array_equal(np.asarray(kernel(x[:rows], w, 1)), many[:rows])
 
 
 def test_every_layer_and_a_traced_index():
@@ -85,7 +94,7 @@ def test_derivatives_are_the_reference_ones():
 @pytest.mark.parametrize(
     "x_shape, w_shape, dtype",
     [
-        ((17, 32), (2, 8, 32), np.float32),
+        ((cpu.MAX_ROWS + 1, 32), (2, 8, 32), np.float32),
         ((2, 12), (2, 8, 12), np.float32),
         ((2, 32), (2, 8, 32), jnp.bfloat16),
     ],
@@ -133,7 +142,7 @@ def test_the_target_refuses_shapes_it_cannot_index_by():
         np.asarray(jax.jit(call)(x, layer, w[:, :3]))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 12, 16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 12, 16, 40])
 def test_several_weights_in_one_call_give_each_ones_own_bits(rows):
     """A layer's q, k, v (and gate, up) in one call: the same bits as three calls, whatever
     the rows and however the work items of the weights are shared out."""

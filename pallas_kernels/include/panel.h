@@ -1,17 +1,18 @@
-// Many rows of x for `cpu.cc` (more than its row-by-row path takes: batched decode steps,
-// verification and short prefill chunks). Included by cpu.cc only.
+// Float32 panels of weight rows times many rows of x, for the matmul kernels' batched
+// steps (more rows than their row-by-row loops take: decode steps of many requests,
+// verification, short prefill chunks). Shared by stacked_matmul/cpu.cc (float32 weights:
+// the panel is w[layer]'s rows where they lie) and quantized_matmul/cpu.cc (a block of
+// rows dequantized into a panel first); every kernel's build hashes this folder.
 //
-// Why: for these XLA:CPU dequantizes a layer's weights into a float32 buffer every step,
-// then its GEMM packs that buffer once more before multiplying (SmolLM2's Q4_1 file, 64
-// rows: the packing alone is 13% of a decode step, the fresh buffer's page faults ~6%,
-// bench/README.md). Here a block of kPanelRows output rows is dequantized once into a
-// float panel [rows, D] that stays in L2 (at most 32 x D floats), and every row of x is
-// multiplied with it by fused multiply-adds: x is transposed once per call into columns
-// [D, rows padded to 16], so a vector holds 16 rows of x at one input and a weight is
-// broadcast against it; a tile of 4 weight rows x 64 rows of x keeps 16 sums in registers.
-// Each output is its sum over the inputs in order, one rounding per product-add: the
-// reference's result to float32 rounding (a weight is dequantized as the reference does,
-// q * scale, then + min).
+// Why: XLA:CPU's GEMM packs its weight operand anew on every call (13% of a batched
+// decode step on SmolLM2, bench/README.md), under a layer scan after copying the layer out
+// of the stacked array, and a quantized weight is first dequantized into a fresh float32
+// buffer. Here a panel of kPanelRows weight rows ([rows, D], in L2) multiplies every row of
+// x by fused multiply-adds: x is transposed once per call into columns, so a vector holds
+// 16 rows of x at one input and a weight is broadcast against it; a tile of 4 weight rows
+// x 64 rows of x keeps 16 sums in registers, over blocks of 64 inputs that stay in L1.
+// Each output sums its blocks' chains in input order: the reference's result to float32
+// rounding.
 #pragma once
 
 #include <algorithm>
@@ -19,9 +20,19 @@
 #include <cstring>
 #include <vector>
 
-#include "values.h"
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
-namespace quantized_matmul {
+namespace panel {
+
+using f32x16 = float __attribute__((vector_size(64)));
+
+inline f32x16 Load(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
 
 constexpr int64_t kPanelRows = 32;  // weight rows dequantized together
 constexpr int kTileRows = 4;        // weight rows of a tile
@@ -71,37 +82,11 @@ struct XColumns {
       // 16 rows at a time, 16 inputs at a time: reads and writes stay in a few lines.
       for (int64_t i0 = 0; i0 < dim; i0 += 16)
         for (int64_t t = t0; t < std::min(rows, t0 + 16); ++t)
-          for (int64_t i = i0; i < i0 + 16; ++i)
+          for (int64_t i = i0; i < std::min(dim, i0 + 16); ++i)
             chunk[i * width + t % kChunk] = x[t * dim + i];
     }
   }
 };
-
-// Rows [begin, end) of one weight (`values`: row_bytes a row; scales and mins [F, G], mins
-// null where absent) dequantized into panel [end - begin, D].
-template <Kind K, typename S>
-void Dequantize(const uint8_t* values, int64_t row_bytes, const S* scales, const S* mins,
-                int64_t num_groups, int64_t dim, int64_t begin, int64_t end, float* panel) {
-  const int64_t group = dim / num_groups;
-  for (int64_t j = begin; j < end; ++j) {
-    const uint8_t* row = values + j * row_bytes;
-    const S* row_scales = scales + j * num_groups;
-    float* out = panel + (j - begin) * dim;
-    for (int64_t i = 0; i < dim; i += kGroup) {
-      f32x16 low, high;  // inputs i .. i + 15 and i + 16 .. i + 31
-      Widen<K>(row, i, low, high);
-      const int64_t g_low = i / group, g_high = (i + 16) / group;
-      low *= Scale(row_scales, g_low);
-      high *= Scale(row_scales, g_high);
-      if (mins) {
-        low += Scale(mins + j * num_groups, g_low);
-        high += Scale(mins + j * num_groups, g_high);
-      }
-      std::memcpy(out + i, &low, sizeof(low));
-      std::memcpy(out + i + 16, &high, sizeof(high));
-    }
-  }
-}
 
 // sums[r, t] += panel[r, i] * x[t, i] for rows r < JR of the panel, the rows t of x in TV
 // vectors from t0 on and the inputs i of [i0, i1): one block of inputs, whose products
@@ -171,4 +156,4 @@ inline void PanelProducts(const float* panel, int64_t panel_rows, int64_t dim,
     for (int64_t r = 0; r < panel_rows; ++r) out[t * num_outputs + j0 + r] = sums[r * x.padded + t];
 }
 
-}  // namespace quantized_matmul
+}  // namespace panel
