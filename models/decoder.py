@@ -316,7 +316,7 @@ class DecoderForCausalLM(nnx.Module):
         """[R, D] final hidden states -> [R, V] f32 logits (computed in the model dtype, as HF;
         a padded vocabulary's rows cut off). `mesh`: the head is split over it."""
         head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
-        # The head as a one-layer stack: read in place by the CPU kernels for a few rows.
+        # The head as a one-layer stack: read in place by the CPU kernels (up to their rows).
         impl = "reference" if mesh is not None else None
         logits = matmul(hidden, leading_axis(param_value(head)), 0, impl=impl)
         if self.config.final_soft_cap is not None:  # in the model dtype, as HF

@@ -1,6 +1,6 @@
 """One entry point for `x @ dequantize(w[layer]).T` over a layer-stacked `QuantizedWeight`,
-picking the implementation: the C++ kernel on CPU for float32 and a few rows where it
-builds, else the XLA reference. `impl="reference"` forces the reference (a
+picking the implementation: the C++ kernel on CPU for float32 and up to `cpu.MAX_ROWS` rows
+where it builds, else the XLA reference. `impl="reference"` forces the reference (a
 tensor-parallel mesh does: XLA cannot partition a custom call). `quantized_matmuls` takes
 several weights that multiply the same x (a layer's q, k and v): the CPU kernel computes
 them in one call."""

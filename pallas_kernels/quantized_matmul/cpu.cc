@@ -1,6 +1,6 @@
 // x @ dequantize(w[layer]).T for XLA:CPU on quantized weights, called through the XLA FFI
 // (`cpu.py` builds and registers it). Same result as `reference.py` to float32 rounding,
-// for a few float32 rows of x at a time, for one weight or several that multiply the same x
+// for up to kMaxRows float32 rows of x, for one weight or several that multiply the same x
 // (a layer's q, k and v, its gate and up), each in its own format: one call computes them
 // all, each output as a call of its own would, bit for bit.
 //
@@ -14,7 +14,11 @@
 // run's largest |x| (`integer_x.h`: not llama.cpp's x rounded to int8). Work items (blocks
 // of output rows, of all the call's weights at once) are shared between the calling thread
 // and XLA's intra-op thread pool, as in the stacked float32 kernel. `values.h` widens the
-// stored values and scales.
+// stored values and scales. Past kRowByRowRows rows (batched decode steps, short prefill
+// chunks) the products are compute-bound: an item's 32 output rows are dequantized once
+// into a float panel in L2 and multiply every row of x through `panel.h`'s register tiles
+// (pallas_kernels/include), where XLA would write the whole layer dequantized to a fresh
+// buffer and its GEMM pack it once more.
 //
 // Layouts (row-major; `layout.py` is the definition): x [T, D]; layer [1]; then for each
 // weight values [L, F, D] int8 or float8 e4m3fn, or [L, F, D / 2] uint8 (uint4, GGUF's nibble

@@ -1,15 +1,17 @@
-"""`x @ dequantize(w[layer]).T` on CPU for a few rows of x: the C++ kernel in `cpu.cc`,
-called through the XLA FFI, for one weight or several that multiply the same x in one call.
+"""`x @ dequantize(w[layer]).T` on CPU: the C++ kernel in `cpu.cc`, called through the XLA
+FFI, for one weight or several that multiply the same x in one call.
 
 Where it sits: `quantized_matmul` picks it on the CPU backend for float32 x with at most
-`MAX_ROWS` rows (decode steps, short verifications), in place of the XLA reference, which
-stays its oracle and the path for everything else. It promises the reference's result to
-float32 rounding, reads only `w[layer]`'s packed bytes (no float copy of them), and takes
-derivatives with respect to x through the reference.
+`MAX_ROWS` rows (decode steps, batched decode steps, verifications, short prefill chunks),
+in place of the XLA reference, which stays its oracle and the path for everything else
+(long prefill chunks, where the reference's dequantized layer serves enough rows to pay
+for itself). It promises the reference's result to float32 rounding, reads only
+`w[layer]`'s packed bytes (no float copy of the layer), and takes derivatives with respect
+to x through the reference.
 
 Why a C++ kernel: XLA:CPU writes a float32 copy of a dequantized weight before its dot
-reads it, so a decode step would read 4-8x the bytes the quantized weights hold
-(bench/README.md has the options measured side by side).
+reads it, so a decode step would read 4-8x the bytes the quantized weights hold, and a
+batched one packs that copy once more (bench/README.md has the options measured).
 """
 
 import functools

@@ -1,8 +1,8 @@
 """One entry point for `x @ w[layer].T` over layer-stacked weights, picking the
-implementation: the C++ kernel on CPU for float32 and a few rows where it builds, else the
-XLA reference. `impl="reference"` forces the reference (a tensor-parallel mesh does: XLA
-cannot partition a custom call). `stacked_matmuls` takes several weights that multiply the
-same x (a layer's q, k and v): the CPU kernel computes them in one call."""
+implementation: the C++ kernel on CPU for float32 and up to `cpu.MAX_ROWS` rows where it
+builds, else the XLA reference. `impl="reference"` forces the reference (a tensor-parallel
+mesh does: XLA cannot partition a custom call). `stacked_matmuls` takes several weights
+that multiply the same x (a layer's q, k and v): the CPU kernel computes them in one call."""
 
 import jax
 

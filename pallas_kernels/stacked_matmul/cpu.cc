@@ -1,5 +1,5 @@
 // x @ w[layer].T for XLA:CPU, called through the XLA FFI (`cpu.py` builds and registers
-// it). Same inputs and outputs as `reference.py`, float32 only, a few rows of x at a time,
+// it). Same inputs and outputs as `reference.py`, float32 only, up to kMaxRows rows of x,
 // for one weight or several that multiply the same x (a layer's q, k and v projections,
 // its gate and up ones): one call computes them all, each output as a call of its own
 // would, bit for bit.
@@ -12,7 +12,10 @@
 // bandwidth. Work items (blocks of output rows) are shared between the calling thread and
 // XLA's intra-op thread pool; with several weights the items of all of them are shared
 // out at once, so a small projection (k, v) does not run alone on one thread and a decode
-// layer hands work to the pool twice less often (bench/README.md).
+// layer hands work to the pool twice less often (bench/README.md). Past kRowByRowRows the
+// products are compute-bound: items of 32 weight rows multiply every row of x through the
+// register tiles of `panel.h` (pallas_kernels/include), which XLA's GEMM would first copy
+// out of the stack and pack anew every call.
 //
 // Layouts (row-major): x [T, D]; layer [1]; then the weights w_i [L, F_i, D], and the
 // results out_i [T, F_i]. Requirements (cpu.py routes other shapes to the reference): D a

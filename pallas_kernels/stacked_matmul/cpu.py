@@ -1,15 +1,16 @@
-"""`x @ w[layer].T` on CPU for a few rows of x: the C++ kernel in `cpu.cc`, called through
-the XLA FFI, for one weight or several that multiply the same x in one call.
+"""`x @ w[layer].T` on CPU: the C++ kernel in `cpu.cc`, called through the XLA FFI, for one
+weight or several that multiply the same x in one call.
 
 Where it sits: `stacked_matmul` picks it on the CPU backend for float32 operands with at
-most `MAX_ROWS` rows (decode steps, short verifications), in place of the XLA reference,
+most `MAX_ROWS` rows (decode steps, batched ones, verifications), in place of the XLA reference,
 which stays its oracle and the path for everything else. It promises the reference's
 result to float32 rounding, reads only `w[layer]` (no copy of it), and takes derivatives
 through the reference.
 
 Why a C++ kernel: under the model's layer scan XLA:CPU copies each layer's weights out of
 the stacked array before its dot reads them, so a decode step read every weight twice and
-wrote it once (bench/README.md has the measurements).
+wrote it once, and its GEMM packs the copy anew every call (bench/README.md has the
+measurements).
 """
 
 from pathlib import Path
