@@ -11,9 +11,8 @@ Promises:
   against the FFI headers jaxlib ships, and cached under `$JENGINE_KERNEL_CACHE` (default
   `~/.cache/jengine/kernels`) by a hash of everything that goes into the build: source,
   the headers beside it and the kernels' shared ones (`include/`), compiler command and
-  version, flags, jax and jaxlib
-  versions, the FFI headers' contents and the CPU model (-march=native code must not run
-  on another CPU);
+  version, flags, jax and jaxlib versions, the FFI headers' contents and the CPU model
+  (-march=native code must not run on another CPU);
 - no compiler, a failed build or one past `BUILD_TIMEOUT_S` is a reason returned by
   `load()` and logged once, never an exception;
 - threads starting together build and register once (`load` holds a lock), and processes

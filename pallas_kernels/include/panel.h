@@ -1,8 +1,8 @@
 // Float32 panels of weight rows times many rows of x, for the matmul kernels' batched
 // steps (more rows than their row-by-row loops take: decode steps of many requests,
 // verification, short prefill chunks). Shared by stacked_matmul/cpu.cc (float32 weights:
-// the panel is w[layer]'s rows where they lie) and quantized_matmul/cpu.cc (a block of
-// rows dequantized into a panel first); every kernel's build hashes this folder.
+// a block of w[layer]'s rows copied into a panel) and quantized_matmul/cpu.cc (a block of
+// rows dequantized into one); every kernel's build hashes this folder.
 //
 // Why: XLA:CPU's GEMM packs its weight operand anew on every call (13% of a batched
 // decode step on SmolLM2, bench/README.md), under a layer scan after copying the layer out
@@ -34,7 +34,7 @@ inline f32x16 Load(const float* p) {
   return v;
 }
 
-constexpr int64_t kPanelRows = 32;  // weight rows dequantized together
+constexpr int64_t kPanelRows = 32;  // weight rows of a panel (a work item's)
 constexpr int kTileRows = 4;        // weight rows of a tile
 #ifdef __AVX512F__
 constexpr int kTileVectors = 4;  // vectors of 16 rows of x in a tile: 16 sums, 32 registers
@@ -133,14 +133,16 @@ void Tiles(const float* panel, int64_t panel_rows, int64_t dim, const XColumns& 
   }
 }
 
-// out[t, j0 + r] for every row t of x and the panel's rows r (`sums`: scratch of
-// panel_rows x padded floats). Blocks of kBlockInputs inputs go over every row of x in
-// turn, so a block of x's columns (64 x 64 floats) and of the panel stay in L1.
+// out[t, j0 + r] for every row t of x and the panel's rows r. Blocks of kBlockInputs
+// inputs go over every row of x in turn, so a block of x's columns (64 x 64 floats) and of
+// the panel stay in L1. The caller's panel is [panel_rows, dim]; reuse one per thread
+// (`thread_local`), as the sums here are.
 inline void PanelProducts(const float* panel, int64_t panel_rows, int64_t dim,
-                          const XColumns& x, float* sums, float* out, int64_t num_outputs,
-                          int64_t j0) {
+                          const XColumns& x, float* out, int64_t num_outputs, int64_t j0) {
   constexpr int64_t kBlockInputs = 64;
-  std::fill(sums, sums + panel_rows * x.padded, 0.0f);
+  thread_local std::vector<float> scratch;  // reused across calls: no fresh pages a step
+  scratch.assign(panel_rows * x.padded, 0.0f);
+  float* sums = scratch.data();
   for (int64_t i0 = 0; i0 < dim; i0 += kBlockInputs) {
     const int64_t i1 = std::min(dim, i0 + kBlockInputs);
     for (int64_t t0 = 0; t0 < x.padded; t0 += 16 * kTileVectors) {

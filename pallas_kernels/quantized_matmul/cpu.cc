@@ -195,15 +195,13 @@ void RunItem(const Work& p, const Segment& s, const Item& item) {
 // Many rows: the item's output rows dequantized into a panel, then every row of x.
 template <Kind K, typename S>
 void RunPanelItem(const Work& p, const Segment& s, const Item& item) {
-  // Reused across calls: no fresh pages to fault in every step.
-  thread_local std::vector<float> rows, sums;
+  thread_local std::vector<float> rows;  // reused across calls: no fresh pages a step
   rows.resize(panel::kPanelRows * p.dim);
-  sums.resize(panel::kPanelRows * p.columns.padded);
   Dequantize<K, S>(s.values, s.row_bytes, static_cast<const S*>(s.scales),
                    static_cast<const S*>(s.mins), s.num_groups, p.dim, item.begin, item.end,
                    rows.data());
-  panel::PanelProducts(rows.data(), item.end - item.begin, p.dim, p.columns, sums.data(),
-                       s.out, s.num_outputs, item.begin);
+  panel::PanelProducts(rows.data(), item.end - item.begin, p.dim, p.columns, s.out,
+                       s.num_outputs, item.begin);
 }
 
 template <Kind K, typename S>

@@ -1,7 +1,7 @@
 // The quantized values and scales of `cpu.cc`'s layouts, as float vectors: the widening of
 // int8, uint4 (GGUF's nibble order) and fp8 e4m3fn values, float16 scales, and the float
-// vector helpers both of the kernel's products use, and whole rows dequantized for panels. Included by cpu.cc only (its build
-// hashes this folder's headers with it).
+// vector helpers both of the kernel's products use, and whole rows dequantized for panels.
+// Included by cpu.cc only (its build hashes this folder's headers with it).
 #pragma once
 
 #include <cmath>

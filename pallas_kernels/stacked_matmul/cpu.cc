@@ -44,8 +44,8 @@ namespace {
 // Eight floats: GCC/Clang vector extensions, as in the attention kernel.
 using v8 = float __attribute__((vector_size(32)));
 constexpr int64_t kLanes = 8;
-// Up to this many rows of x the loops below stream weight rows; more multiply panels of
-// w[layer]'s rows where they lie (`panel.h`), up to kMaxRows (past it XLA's GEMM, whose
+// Up to this many rows of x the loops below stream weight rows where they lie; more
+// multiply panels of w[layer]'s rows copied into L2 (`panel.h`), up to kMaxRows (past it XLA's GEMM, whose
 // packing is shared by that many rows, is as fast: bench/README.md).
 constexpr int64_t kRowByRowRows = 16;
 constexpr int64_t kMaxRows = 128;
@@ -174,11 +174,10 @@ void Drain(Work& p) {
     if (p.num_rows > kRowByRowRows) {
       // The item's weight rows copied into L2 first, one sequential read: the tiles'
       // broadcasts from four rows at once straight out of memory ran at half the speed.
-      thread_local std::vector<float> rows, sums;  // reused: no fresh pages every step
+      thread_local std::vector<float> rows;  // reused: no fresh pages every step
       rows.assign(s.w + item.begin * p.dim, s.w + item.end * p.dim);
-      sums.resize(panel::kPanelRows * p.columns.padded);
-      panel::PanelProducts(rows.data(), item.end - item.begin, p.dim, p.columns, sums.data(),
-                           s.out, s.num_outputs, item.begin);
+      panel::PanelProducts(rows.data(), item.end - item.begin, p.dim, p.columns, s.out,
+                           s.num_outputs, item.begin);
     } else if (p.num_rows <= kStreamRows) {
       ManyRows(p, s, item.begin, item.end);
     } else {
