@@ -53,7 +53,7 @@ from jengine.runner.input_batch import InputBatch
 from jengine.runner.kv_cache_sizing import KVCacheSizing, default_kv_budget, weights_report
 from jengine.runner.lora_slots import LoRASlots
 from jengine.runner.pooler import Pooler, host_rows
-from jengine.runner.prepared_step import PreparedStep
+from jengine.runner.prepared_step import PreparedStep, neutral_sampling_arrays
 from jengine.runner.sampler import (
     SamplingMetadata,
     SamplingState,
@@ -63,6 +63,7 @@ from jengine.runner.sampler import (
 from jengine.runner.sharding import TensorParallel
 from jengine.runner.step import (
     ForwardInputs,
+    decode_step,
     first_rows,
     forward_step,
     prompt_logprobs_step,
@@ -170,6 +171,9 @@ class ModelRunner:
         self._forward_fn = StaticJit(
             forward_step, self.graphdef, self.attention_impl, mesh, donate_argnums=(1,)
         )
+        self._decode_fn = StaticJit(
+            decode_step, self.graphdef, self.attention_impl, mesh, donate_argnums=(1, 3)
+        )
         self._first_rows = jax.jit(first_rows, static_argnums=1)
         self._sample_fn = StaticJit(sample_step, self.graphdef, mesh, donate_argnums=(0,))
         self._prompt_logprobs_fn = StaticJit(prompt_logprobs_step, self.graphdef, mesh)
@@ -235,7 +239,10 @@ class ModelRunner:
         }  # committed, like the forward's output it stands in for
         targets = {t: np.zeros(t, np.int32) for t in token_counts}
         programs = [
-            (
+            (self._decode_fn, self.params, self.kv_cache, ForwardInputs.from_prepared(dummy))
+            + (self.sampling_state, *self._sampling_args(dummy))
+            if dummy.shape.is_decode
+            else (
                 self._forward_fn,
                 self.params,
                 self.kv_cache,
@@ -270,7 +277,19 @@ class ModelRunner:
         outputs += [
             self._prompt_logprobs_fn(self.params, hidden[t], targets[t]) for t in token_counts
         ]
-        outputs += [self._first_rows(*args) for args in selections]
+        # The sampling program alone, at each S a selection keeps (decode shapes sample
+        # inside their own program; the other shapes' dummy steps sampled their R rows).
+        for rows, num_rows in selections:
+            self.sampling_state, sampled = self._sample_fn(
+                self.sampling_state,
+                self.params,
+                self._first_rows(rows, num_rows),
+                SamplingMetadata(**neutral_sampling_arrays(num_rows)),
+                np.False_,
+                self.bitmasks.allow_all(num_rows),
+                np.False_,
+            )
+            outputs.append(sampled)
         history = slot_history_args(self.max_model_len)  # compiles the slot-history writer
         self.sampling_state = self._write_history(self.sampling_state, *history)
         # Wait for every warmup program, not only the last cache update: dispatch is
@@ -283,51 +302,58 @@ class ModelRunner:
     # -- one step -------------------------------------------------------------------------
 
     def _run(self, prepared: PreparedStep):
-        """Dispatch one step; returns (SampleOutputs, prompt logprobs or None) on device."""
+        """Dispatch one step; returns (SampleOutputs, prompt logprobs or None, hidden) on
+        device. A decode step is one program (`decode_step`), any other two."""
         inputs = ForwardInputs.from_prepared(prepared)
-        self.kv_cache, hidden, rows = self._forward_fn(
-            self.params, self.kv_cache, inputs, self.sampling_state.last_token
-        )
-        if prepared.num_sample_rows < prepared.shape.num_reqs:
-            rows = self._first_rows(rows, prepared.num_sample_rows)
-        want_logprobs = np.bool_(any(n is not None for n in prepared.num_logprobs))
-        bitmask, use_grammar = self.bitmasks.for_step(prepared)
-        self.sampling_state, sampled = self._sample_fn(
-            self.sampling_state,
-            self.params,
-            rows,
-            SamplingMetadata(**prepared.sampling),
-            want_logprobs,
-            bitmask,
-            use_grammar,
-        )
+        sampling = self._sampling_args(prepared)
+        if prepared.shape.is_decode:
+            self.kv_cache, self.sampling_state, hidden, sampled = self._decode_fn(
+                self.params, self.kv_cache, inputs, self.sampling_state, *sampling
+            )
+        else:
+            self.kv_cache, hidden, rows = self._forward_fn(
+                self.params, self.kv_cache, inputs, self.sampling_state.last_token
+            )
+            if prepared.num_sample_rows < prepared.shape.num_reqs:
+                rows = self._first_rows(rows, prepared.num_sample_rows)
+            self.sampling_state, sampled = self._sample_fn(
+                self.sampling_state, self.params, rows, *sampling
+            )
         prompt_logprobs = None
         if prepared.prompt_logprob_rows:
             prompt_logprobs = self._prompt_logprobs_fn(self.params, hidden, prepared.prompt_targets)
         return sampled, prompt_logprobs, hidden
 
+    def _sampling_args(self, prepared: PreparedStep) -> tuple:
+        """The sampling program's arguments after the rows: (meta, want_logprobs, grammar
+        bitmask, use_grammar)."""
+        if prepared.shape.is_decode:  # the decode program samples every request row
+            assert prepared.num_sample_rows == prepared.shape.num_reqs
+        want_logprobs = np.bool_(any(n is not None for n in prepared.num_logprobs))
+        bitmask, use_grammar = self.bitmasks.for_step(prepared)
+        return SamplingMetadata(**prepared.sampling), want_logprobs, bitmask, use_grammar
+
     def lower_step(self, prepared: PreparedStep) -> list:
-        """The lowered forward and sampling programs of a step like `prepared` (for
-        inspecting what a step compiles to: collectives, custom calls)."""
+        """The lowered programs of a step like `prepared` (for inspecting what a step
+        compiles to: collectives, custom calls): the forward first, then the sampling
+        program, or the one program of a decode step."""
+        inputs = ForwardInputs.from_prepared(prepared)
+        sampling = self._sampling_args(prepared)
+        if prepared.shape.is_decode:
+            return [
+                self._decode_fn.lower(
+                    self.params, self.kv_cache, inputs, self.sampling_state, *sampling
+                )
+            ]
         forward = self._forward_fn.lower(
-            self.params,
-            self.kv_cache,
-            ForwardInputs.from_prepared(prepared),
-            self.sampling_state.last_token,
+            self.params, self.kv_cache, inputs, self.sampling_state.last_token
         )
-        num_rows = prepared.num_sample_rows
         rows = jax.ShapeDtypeStruct(
-            (num_rows, self.config.hidden_size), self.dtype, sharding=self.replicated
+            (prepared.num_sample_rows, self.config.hidden_size),
+            self.dtype,
+            sharding=self.replicated,
         )
-        sample = self._sample_fn.lower(
-            self.sampling_state,
-            self.params,
-            rows,
-            SamplingMetadata(**prepared.sampling),
-            np.False_,
-            self.bitmasks.allow_all(num_rows),
-            np.False_,
-        )
+        sample = self._sample_fn.lower(self.sampling_state, self.params, rows, *sampling)
         return [forward, sample]
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -21,13 +21,20 @@ Promises:
   the runner donates the sampling state; the top-logprob work runs only when
   `want_logprobs` is true and the structured-output masking only when `use_grammar` is
   (`lax.cond`s);
+- `decode_step` is `forward_step` then `sample_step` on its rows, `(params, kv_cache,
+  inputs, sampling_state, meta, want_logprobs, grammar_bitmask, use_grammar) ->
+  (kv_cache, sampling_state, hidden, SampleOutputs)`, cache and state donated;
 - logprobs are [S, MAX_LOGPROBS + 1] (the sampled or target token first), whatever a
   request asked for: the host slices what it wants.
 
 Why the head is in the sampling program, not a program of its own: one dispatch less per
 step (~0.2 ms of host time on a small CPU), and XLA:CPU runs a program as small as a gather
 and a matmul inline on the calling thread when its inputs are ready, so the host would
-wait there for the whole LM head.
+wait there for the whole LM head. For the same reason a decode step (every request one
+token, every request a sampling row: S = R) runs `decode_step`, the forward and the
+sampling as one program: one dispatch, and one program launch, a step (bench/README.md,
+"One program per decode step"); the other shapes keep the two programs, so that the
+sampling program compiles per S rather than per forward shape.
 
 Axis letters: T tokens, R requests, S sampling rows (S <= R), D hidden, k MAX_LOGPROBS.
 """
@@ -164,6 +171,37 @@ def sample_step(
 
     logprobs = jax.lax.cond(want_logprobs, compute, skip, None)
     return sampling_state, SampleOutputs(sampled, *logprobs)
+
+
+def decode_step(
+    graphdef,
+    attention_impl,
+    mesh,
+    params,
+    kv_cache,
+    inputs: ForwardInputs,
+    sampling_state,
+    meta: SamplingMetadata,
+    want_logprobs,
+    grammar_bitmask,
+    use_grammar,
+):
+    """A decode step in one program: `forward_step`, then `sample_step` on its R rows."""
+    kv_cache, hidden, rows = forward_step(
+        graphdef, attention_impl, mesh, params, kv_cache, inputs, sampling_state.last_token
+    )
+    sampling_state, sampled = sample_step(
+        graphdef,
+        mesh,
+        sampling_state,
+        params,
+        rows,
+        meta,
+        want_logprobs,
+        grammar_bitmask,
+        use_grammar,
+    )
+    return kv_cache, sampling_state, hidden, sampled
 
 
 def prompt_logprobs_step(graphdef, mesh, params, hidden, targets):

@@ -119,7 +119,7 @@ def test_weights_and_cache_are_split_and_attention_runs_per_shard(checkpoint, re
 def test_the_step_sends_activations_and_logits_only(checkpoint, results):
     """What crosses devices in the TP=4 step: per layer two all-reduces of the [T, D]
     activations (after o_proj and down_proj), one for the embedding, and the [S, V]
-    logits gathered once (by the head program) (a padded vocabulary's, then cut); never a weight."""
+    logits gathered once (by the head) (a padded vocabulary's, then cut); never a weight."""
     config = checkpoint[1].config
     tokens, reqs = results["layout"]["step_shape"]
     hidden, vocab = config.hidden_size, results["layout"]["embedding_rows"]

@@ -94,8 +94,8 @@ def layout(llm: LLM) -> dict:
         (split if shard != leaf.shape else whole).append(name)
     cache = runner.kv_cache
     prepared = PreparedStep.padding(runner.buckets.shape_for(1, 1, 2))
-    lowered, sample = runner.lower_step(prepared)
-    text = lowered.as_text()
+    programs = runner.lower_step(prepared)  # a decode step: one program
+    text = programs[0].as_text()
     manual = text.find("sdy.manual_computation")
     call = re.search(rf"custom_call @{cpu.TARGET_NAME}\((.*)", text)
     return dict(
@@ -107,9 +107,8 @@ def layout(llm: LLM) -> dict:
         num_devices=len(cache.sharding.device_set),
         capacity_report=runner.capacity_report(),
         manual_computation_at=manual,
-        # The step's forward, then its head and sampler over the sampling rows.
-        collectives=step_collectives(lowered.compile().as_text())
-        + step_collectives(sample.compile().as_text()),
+        # The step's forward, head and sampler.
+        collectives=[c for p in programs for c in step_collectives(p.compile().as_text())],
         step_shape=[prepared.shape.num_tokens, prepared.shape.num_reqs],
         custom_call_at=call.start() if call else -1,
     )
