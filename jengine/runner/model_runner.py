@@ -45,7 +45,7 @@ from jengine.core.outputs import ModelRunnerOutput
 from jengine.core.sched_output import SchedulerOutput
 from jengine.models.lora import with_lora_slots
 from jengine.pallas_kernels.ragged_paged_attention import resolve_impl
-from jengine.runner.buckets import BucketSpec
+from jengine.runner.buckets import BucketSpec, StepShape
 from jengine.runner.compilation import CompileCounter, StaticJit, compile_ahead_of_time
 from jengine.runner.draft_model import DraftModel, check_draft_model
 from jengine.runner.grammar_mask import DeviceBitmasks, place_grammar_rows
@@ -53,9 +53,8 @@ from jengine.runner.input_batch import InputBatch
 from jengine.runner.kv_cache_sizing import KVCacheSizing, default_kv_budget, weights_report
 from jengine.runner.lora_slots import LoRASlots
 from jengine.runner.pooler import Pooler, host_rows
-from jengine.runner.prepared_step import PreparedStep, neutral_sampling_arrays
+from jengine.runner.prepared_step import PreparedStep
 from jengine.runner.sampler import (
-    SamplingMetadata,
     SamplingState,
     slot_history_args,
     write_slot_history,
@@ -68,6 +67,7 @@ from jengine.runner.step import (
     forward_step,
     prompt_logprobs_step,
     sample_step,
+    sampling_args,
 )
 from jengine.runner.step_outputs import InFlightStep, collected_output
 from jengine.runner.weight_update import updated_params
@@ -135,7 +135,7 @@ class ModelRunner:
         # Tensor parallel: weights and cache split over the mesh, the rest replicated.
         # (jax.devices() spans every host; the local ones are this process's)
         self.device = devices[0] if devices is not None else jax.local_devices()[0]
-        self.replicated = tp.replicated() if tp else self.device
+        self.replicated = tp.replicated() if tp else SingleDeviceSharding(self.device)
         self.bitmasks = DeviceBitmasks(self.config.vocab_size, self.replicated)
         self.params = jax.device_put(params, tp.param_shardings(params) if tp else self.device)
         self.kv_sizing = KVCacheSizing.create(
@@ -239,17 +239,9 @@ class ModelRunner:
         }  # committed, like the forward's output it stands in for
         targets = {t: np.zeros(t, np.int32) for t in token_counts}
         programs = [
-            (self._decode_fn, self.params, self.kv_cache, ForwardInputs.from_prepared(dummy))
-            + (self.sampling_state, *self._sampling_args(dummy))
-            if dummy.shape.is_decode
-            else (
-                self._forward_fn,
-                self.params,
-                self.kv_cache,
-                ForwardInputs.from_prepared(dummy),
-                self.sampling_state.last_token,
-            )
-            for dummy in (PreparedStep.padding(shape, lora) for shape in shapes)
+            program
+            for shape in shapes
+            for program in self._step_programs(PreparedStep.padding(shape, lora))
         ]
         # The dummy steps sample S = R rows; the selections of fewer rows run alone.
         selections = [
@@ -280,14 +272,12 @@ class ModelRunner:
         # The sampling program alone, at each S a selection keeps (decode shapes sample
         # inside their own program; the other shapes' dummy steps sampled their R rows).
         for rows, num_rows in selections:
+            dummy = PreparedStep.padding(StepShape(num_rows, num_rows, 1, 1))
             self.sampling_state, sampled = self._sample_fn(
                 self.sampling_state,
                 self.params,
                 self._first_rows(rows, num_rows),
-                SamplingMetadata(**neutral_sampling_arrays(num_rows)),
-                np.False_,
-                self.bitmasks.allow_all(num_rows),
-                np.False_,
+                *sampling_args(dummy, self.bitmasks),
             )
             outputs.append(sampled)
         history = slot_history_args(self.max_model_len)  # compiles the slot-history writer
@@ -305,7 +295,7 @@ class ModelRunner:
         """Dispatch one step; returns (SampleOutputs, prompt logprobs or None, hidden) on
         device. A decode step is one program (`decode_step`), any other two."""
         inputs = ForwardInputs.from_prepared(prepared)
-        sampling = self._sampling_args(prepared)
+        sampling = sampling_args(prepared, self.bitmasks)
         if prepared.shape.is_decode:
             self.kv_cache, self.sampling_state, hidden, sampled = self._decode_fn(
                 self.params, self.kv_cache, inputs, self.sampling_state, *sampling
@@ -324,37 +314,28 @@ class ModelRunner:
             prompt_logprobs = self._prompt_logprobs_fn(self.params, hidden, prepared.prompt_targets)
         return sampled, prompt_logprobs, hidden
 
-    def _sampling_args(self, prepared: PreparedStep) -> tuple:
-        """The sampling program's arguments after the rows: (meta, want_logprobs, grammar
-        bitmask, use_grammar)."""
-        if prepared.shape.is_decode:  # the decode program samples every request row
-            assert prepared.num_sample_rows == prepared.shape.num_reqs
-        want_logprobs = np.bool_(any(n is not None for n in prepared.num_logprobs))
-        bitmask, use_grammar = self.bitmasks.for_step(prepared)
-        return SamplingMetadata(**prepared.sampling), want_logprobs, bitmask, use_grammar
-
-    def lower_step(self, prepared: PreparedStep) -> list:
-        """The lowered programs of a step like `prepared` (for inspecting what a step
-        compiles to: collectives, custom calls): the forward first, then the sampling
-        program, or the one program of a decode step."""
+    def _step_programs(self, prepared: PreparedStep) -> list[tuple]:
+        """`(jitted program, *arguments)` of a step like `prepared` (its rows as a shape):
+        the one program of a decode step, or the forward and the sampling program."""
         inputs = ForwardInputs.from_prepared(prepared)
-        sampling = self._sampling_args(prepared)
+        sampling = sampling_args(prepared, self.bitmasks)
+        state, params = self.sampling_state, self.params
         if prepared.shape.is_decode:
-            return [
-                self._decode_fn.lower(
-                    self.params, self.kv_cache, inputs, self.sampling_state, *sampling
-                )
-            ]
-        forward = self._forward_fn.lower(
-            self.params, self.kv_cache, inputs, self.sampling_state.last_token
-        )
+            return [(self._decode_fn, params, self.kv_cache, inputs, state, *sampling)]
         rows = jax.ShapeDtypeStruct(
             (prepared.num_sample_rows, self.config.hidden_size),
             self.dtype,
             sharding=self.replicated,
         )
-        sample = self._sample_fn.lower(self.sampling_state, self.params, rows, *sampling)
-        return [forward, sample]
+        return [
+            (self._forward_fn, params, self.kv_cache, inputs, state.last_token),
+            (self._sample_fn, state, params, rows, *sampling),
+        ]
+
+    def lower_step(self, prepared: PreparedStep) -> list:
+        """The lowered programs of a step like `prepared` (for inspecting what a step
+        compiles to: collectives, custom calls), as `_step_programs` lists them."""
+        return [program.lower(*args) for program, *args in self._step_programs(prepared)]
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for its results."""

@@ -3,7 +3,8 @@
 Where it sits: `ModelRunner` jits these functions once (binding the graphdef, the
 attention implementation and the tensor-parallel mesh as static arguments) and calls them
 every step: `ForwardInputs.from_prepared`
-turns the numpy `PreparedStep` of `input_batch.py` into the model's inputs, `forward_step`
+turns the numpy `PreparedStep` of `input_batch.py` into the model's inputs and
+`sampling_args` into the sampling program's, `forward_step`
 runs the model and picks the hidden row of each sampling row, `first_rows` keeps the S
 sampling rows of those R (steps whose rows are fewer than their requests' bucket),
 `sample_step` computes their logits and samples one token per row, and
@@ -43,12 +44,13 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jengine.models import AttentionMetadata
-from jengine.runner.grammar_mask import apply_token_bitmask
+from jengine.runner.grammar_mask import DeviceBitmasks, apply_token_bitmask
 from jengine.runner.prepared_step import PreparedStep, padded
 from jengine.runner.sampler import SamplingMetadata, sample, top_logprobs
 from jengine.sampling_params import MAX_LOGPROBS
@@ -95,6 +97,15 @@ class SampleOutputs:
 # bucket axes it depends on: the model per (T, R, P, Bq), head and sampling per S, the row
 # selection per (R, S), prompt logprobs per T. Warmup then compiles far fewer programs; a
 # step pays a few extra dispatches.
+
+
+def sampling_args(prepared: PreparedStep, bitmasks: DeviceBitmasks) -> tuple:
+    """The sampling program's arguments after the rows: (meta, want_logprobs, grammar
+    bitmask, use_grammar). A decode step samples every request row (S = R)."""
+    assert not prepared.shape.is_decode or prepared.num_sample_rows == prepared.shape.num_reqs
+    want_logprobs = np.bool_(any(n is not None for n in prepared.num_logprobs))
+    bitmask, use_grammar = bitmasks.for_step(prepared)
+    return SamplingMetadata(**prepared.sampling), want_logprobs, bitmask, use_grammar
 
 
 def forward_step(
