@@ -178,3 +178,18 @@ def test_speculative_decoding_runs_synchronously(tmp_path_factory):
     assert not llm.engine_core.async_scheduling
     output = llm.generate("one two one two one two", SamplingParams(temperature=0, max_tokens=8))
     assert len(output[0].outputs[0].token_ids) == 8
+
+
+def test_a_decode_step_is_one_program_and_a_prefill_step_two(engines):
+    """A decode step dispatches forward, head and sampler as one program (one dispatch a
+    token); a step with a prefill chunk keeps the forward and the per-S sampling program.
+    The equality tests above run both kinds."""
+    from jengine.runner.prepared_step import PreparedStep
+
+    runner = engines["async"].engine_core.runner
+    decode = runner.lower_step(PreparedStep.padding(runner.buckets.shape_for(2, 2, 1)))
+    prefill = runner.lower_step(PreparedStep.padding(runner.buckets.shape_for(8, 2, 1)))
+    assert len(decode) == 1 and len(prefill) == 2
+    # The one program holds the sampler's work too (the sampling state it returns).
+    assert "argmax" in decode[0].as_text() or "reduce" in decode[0].as_text()
+    assert runner.compiles_after_warmup == 0
