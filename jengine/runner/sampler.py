@@ -207,16 +207,20 @@ def sample(
 ) -> tuple[jax.Array, SamplingState]:
     """[R, V] f32 logits -> ([R] int32 sampled ids, state with the new tokens counted and
     each sampling slot's last token set)."""
-    # A plain greedy batch (no history, nothing suppressed) is an argmax of the logits as
-    # they are; the general path copies the [R, V] logits at least once (~2 ms at 64 rows).
-    plain_greedy = (
-        ~jnp.any(meta.use_history)
-        & jnp.all(meta.suppressed_ids < 0)
-        & jnp.all((meta.temperature < GREEDY_TEMPERATURE_EPS) | ~meta.sample_mask)
+    # A plain greedy batch (no history) is an argmax of the logits as they are; the general
+    # path copies the [R, V] logits at least once (~2 ms at 64 rows, ~50 us at one). Ids
+    # masked until min_tokens do not leave it: where a row's argmax is not one of them, it
+    # is the argmax with them masked too (the first maximum stays first among fewer ids).
+    plain_greedy = ~jnp.any(meta.use_history) & jnp.all(
+        (meta.temperature < GREEDY_TEMPERATURE_EPS) | ~meta.sample_mask
     )
+    unmasked = jax.lax.cond(
+        plain_greedy, argmax, lambda l: jnp.full(l.shape[:1], -1, jnp.int32), logits
+    )
+    hits_masked = jnp.any(unmasked[:, None] == meta.suppressed_ids, axis=-1) & meta.sample_mask
     sampled = jax.lax.cond(
-        plain_greedy,
-        lambda l, m, s: argmax(l),
+        plain_greedy & ~jnp.any(hits_masked),
+        lambda l, m, s: unmasked,
         _sample_general,
         logits,
         meta,

@@ -120,18 +120,20 @@ struct WorkItem {
   int32_t request, kv_head, first_token, num_tokens;
 };
 
-// Per-thread buffers for one work item: rows x head_dim queries and accumulators,
-// rows x block_size scores.
+// Per-thread buffers for the work items of one call, each of at most `rows` query rows:
+// rows x head_dim queries and accumulators, rows x block_size scores. Sized by the call's
+// items (a decode step's are a few rows) rather than kMaxRows: filling 37 KB of buffers
+// per call cost more than a short walk.
 struct Scratch {
   std::vector<float> q, acc, scores, row_max, denom;
   std::vector<int64_t> row_pos;
-  explicit Scratch(const Problem& p)
-      : q(kMaxRows * p.head_dim),
-        acc(kMaxRows * p.head_dim),
-        scores(kMaxRows * p.block_size),
-        row_max(kMaxRows),
-        denom(kMaxRows),
-        row_pos(kMaxRows) {}
+  Scratch(const Problem& p, int64_t rows)
+      : q(rows * p.head_dim),
+        acc(rows * p.head_dim),
+        scores(rows * p.block_size),
+        row_max(rows),
+        denom(rows),
+        row_pos(rows) {}
 };
 
 // Into L2 (locality 2): prefetching whole pages into L1 stalled on its few miss buffers.
@@ -143,6 +145,44 @@ inline void Prefetch(const float* page, int64_t num_floats) {
     __builtin_prefetch(page + i, /*rw=*/0, /*locality=*/2);
 }
 
+// Head-dim lanes one pass of `AccumulateValues` keeps in registers.
+constexpr int64_t kAccLanes = 64;
+
+// acc[0:W] = acc * correction + sum over s in [s_begin, s_end) of scores[s] * v[s, 0:W],
+// each lane summed over s in order (as one lane at a time would), but W / 8 lanes'
+// chains side by side: one lane's chain alone waited on its add's latency every key.
+template <int64_t W>
+inline void AccumulateValues(float* acc, const float* v, int64_t H, const float* scores,
+                             int64_t s_begin, int64_t s_end, float correction) {
+  constexpr int64_t kVectors = W / kLanes;
+  v8 sum[kVectors];
+  for (int64_t c = 0; c < kVectors; ++c) sum[c] = Load(acc + c * kLanes) * correction;
+  for (int64_t s = s_begin; s < s_end; ++s) {
+    const float score = scores[s];
+    for (int64_t c = 0; c < kVectors; ++c) sum[c] += score * Load(v + s * H + c * kLanes);
+  }
+  for (int64_t c = 0; c < kVectors; ++c) Store(acc + c * kLanes, sum[c]);
+}
+
+// scores[r, :] = q[r] . each key of the page, for R rows of q: eight keys at a time, each
+// piece of a key loaded once for the R rows (a row at a time loaded every key R times).
+template <int R>
+inline void Scores(const float* q, const float* k, int64_t H, int64_t S, float* scores) {
+  for (int64_t s0 = 0; s0 < S; s0 += kLanes) {
+    v8 partial[R][kLanes];
+    for (int j = 0; j < kLanes; ++j) {
+      const float* key = k + (s0 + j) * H;
+      v8 sum[R] = {};
+      for (int64_t h = 0; h < H; h += kLanes) {
+        const v8 piece = Load(key + h);
+        for (int r = 0; r < R; ++r) sum[r] += Load(q + r * H + h) * piece;
+      }
+      for (int r = 0; r < R; ++r) partial[r][j] = sum[r];
+    }
+    for (int r = 0; r < R; ++r) Store(scores + r * S + s0, TransposeSum(partial[r]));
+  }
+}
+
 // One page of a work item's walk: scores of its rows against the page's keys, then the
 // online-softmax update of the rows that see any of them.
 inline void AttendPage(const Problem& p, Scratch& scratch, int64_t rows, int64_t kv_len,
@@ -152,17 +192,13 @@ inline void AttendPage(const Problem& p, Scratch& scratch, int64_t rows, int64_t
 
   // Scores of every row against all keys of the page, eight keys at a time. Keys a row
   // must not see (unused slots may hold NaN) are left out below, never multiplied in.
-  for (int64_t row = 0; row < rows; ++row) {
-    for (int64_t s0 = 0; s0 < S; s0 += kLanes) {
-      v8 partial[kLanes];
-      for (int j = 0; j < kLanes; ++j) {
-        const float* key = k + (s0 + j) * H;
-        v8 sum{};
-        for (int64_t h = 0; h < H; h += kLanes) sum += Load(q + row * H + h) * Load(key + h);
-        partial[j] = sum;
-      }
-      Store(scratch.scores.data() + row * S + s0, TransposeSum(partial));
-    }
+  int64_t first = 0;
+  float* all_scores = scratch.scores.data();
+  for (; first + 4 <= rows; first += 4) Scores<4>(q + first * H, k, H, S, all_scores + first * S);
+  switch (rows - first) {
+    case 3: Scores<3>(q + first * H, k, H, S, all_scores + first * S); break;
+    case 2: Scores<2>(q + first * H, k, H, S, all_scores + first * S); break;
+    case 1: Scores<1>(q + first * H, k, H, S, all_scores + first * S); break;
   }
 
   for (int64_t row = 0; row < rows; ++row) {
@@ -173,7 +209,7 @@ inline void AttendPage(const Problem& p, Scratch& scratch, int64_t rows, int64_t
     const int64_t s_end =
         std::min<int64_t>(S, std::min<int64_t>(pos, kv_len - 1) - page_start + 1);
     if (s_end <= s_begin) continue;
-    float* scores = scratch.scores.data() + row * S;
+    float* scores = all_scores + row * S;
     if (p.soft_cap > 0)  // Gemma 2: on the visible scores only, the rest never count
       for (int64_t s = s_begin; s < s_end; ++s)
         scores[s] = p.soft_cap * std::tanh(scores[s] / p.soft_cap);
@@ -189,11 +225,11 @@ inline void AttendPage(const Problem& p, Scratch& scratch, int64_t rows, int64_t
     scratch.denom[row] = scratch.denom[row] * correction + page_sum;
     scratch.row_max[row] = new_max;
     float* a = scratch.acc.data() + row * H;
-    for (int64_t h = 0; h < H; h += kLanes) {
-      v8 sum = Load(a + h) * correction;
-      for (int64_t s = s_begin; s < s_end; ++s) sum += scores[s] * Load(v + s * H + h);
-      Store(a + h, sum);
-    }
+    int64_t h = 0;
+    for (; h + kAccLanes <= H; h += kAccLanes)
+      AccumulateValues<kAccLanes>(a + h, v + h, H, scores, s_begin, s_end, correction);
+    for (; h < H; h += kLanes)
+      AccumulateValues<kLanes>(a + h, v + h, H, scores, s_begin, s_end, correction);
   }
 }
 
@@ -276,6 +312,7 @@ void Attend(const Problem& p, const WorkItem& item, Scratch& scratch) {
 struct Work {
   Problem problem;
   std::vector<WorkItem> items;
+  int64_t max_rows = 0;  // the most query rows of an item
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 };
@@ -284,7 +321,7 @@ void Drain(Work& work) {
   const int64_t total = int64_t(work.items.size());
   int64_t i = work.next.fetch_add(1);
   if (i >= total) return;
-  Scratch scratch(work.problem);
+  Scratch scratch(work.problem, work.max_rows);
   for (; i < total; i = work.next.fetch_add(1)) {
     Attend(work.problem, work.items[i], scratch);
     work.done.fetch_add(1, std::memory_order_release);
@@ -371,7 +408,8 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 
   // Padding tokens (past query_start_loc[R]) and rows that see nothing come back as zeros.
   std::memset(p.out, 0, sizeof(float) * num_tokens * p.num_q_heads * p.head_dim);
-  const int64_t tile_tokens = kMaxRows / (p.num_q_heads / p.num_kv_heads);
+  const int64_t group = p.num_q_heads / p.num_kv_heads;
+  const int64_t tile_tokens = kMaxRows / group;
   for (int64_t r = 0; r < num_requests; ++r) {
     const int64_t start = p.query_start_loc[r], end = p.query_start_loc[r + 1];
     if (end <= start || p.kv_lens[r] <= 0) continue;
@@ -379,6 +417,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       for (int64_t k = 0; k < p.num_kv_heads; ++k)
         work->items.push_back(
             {int32_t(r), int32_t(k), int32_t(t), int32_t(std::min(tile_tokens, end - t))});
+    work->max_rows = std::max(work->max_rows, std::min(tile_tokens, end - start) * group);
   }
 
   const int64_t total = int64_t(work->items.size());

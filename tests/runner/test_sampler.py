@@ -46,6 +46,29 @@ def test_greedy_is_argmax_and_suppression_applies():
     assert not np.any(np.asarray(ids) == top)
 
 
+def test_greedy_with_masked_ids_is_argmax_of_the_masked_logits():
+    """min_tokens' masked ids, whether or not a row's argmax is one of them (the plain
+    argmax serves the rows where it is not), with tied maxima: the first unmasked maximum."""
+    logits = np.asarray(_logits(4, seed=3)).copy()
+    logits[2, [5, 9]] = logits[3, [5, 9]] = 100.0  # tied maxima at 5 and 9
+    second = np.argsort(-logits[0])[1]
+    cases = {  # row -> masked ids
+        "masking the argmax of one row": {0: [int(np.argmax(logits[0]))]},
+        "masking other ids only": {0: [int(second)], 1: [0, 1]},
+        "masking the first of tied maxima": {2: [5]},
+        "masking the second of tied maxima": {3: [9]},
+    }
+    for name, masked in cases.items():
+        suppressed = np.full((4, MAX_SUPPRESSED_IDS), -1, np.int32)
+        expected = logits.copy()
+        for row, ids in masked.items():
+            suppressed[row, : len(ids)] = ids
+            expected[row, ids] = -np.inf
+        meta = _meta(4, suppressed_ids=suppressed)
+        ids, _ = sample(jnp.asarray(logits), meta, SamplingState.zeros(4, V))
+        np.testing.assert_array_equal(ids, np.argmax(expected, -1), err_msg=name)
+
+
 @pytest.mark.parametrize("num_candidates", [4, V])
 def test_truncation_rules(num_candidates):
     logits = _logits(4, seed=1)
