@@ -125,7 +125,7 @@ struct WorkItem {
 // items (a decode step's are a few rows) rather than kMaxRows: filling 37 KB of buffers
 // per call cost more than a short walk.
 struct Scratch {
-  std::vector<float> q, acc, scores, row_max, denom;
+  std::vector<float> q, acc, scores, row_max, denom, key_columns;
   std::vector<int64_t> row_pos;
   Scratch(const Problem& p, int64_t rows)
       : q(rows * p.head_dim),
@@ -133,6 +133,7 @@ struct Scratch {
         scores(rows * p.block_size),
         row_max(rows),
         denom(rows),
+        key_columns(p.head_dim * p.block_size),
         row_pos(rows) {}
 };
 
@@ -183,6 +184,42 @@ inline void Scores(const float* q, const float* k, int64_t H, int64_t S, float* 
   }
 }
 
+// Rows of an item from which a page's scores come from its keys transposed (`Columns`).
+constexpr int64_t kColumnRows = 8;
+
+// scores[r, :] as `Scores` gives them, from the page's keys transposed to [H, S]: for R rows
+// and sixteen keys, each head-dim step is two loads of keys and R broadcasts of q into 2R
+// accumulators, with no horizontal sums. Transposing the page costs one pass over it, which
+// the rows of a prefill tile share.
+template <int R>
+inline void ScoresFromColumns(const float* q, const float* columns, int64_t H, int64_t S,
+                              float* scores) {
+  int64_t s0 = 0;
+  for (; s0 + 2 * kLanes <= S; s0 += 2 * kLanes) {
+    v8 a[R] = {}, b[R] = {};
+    for (int64_t h = 0; h < H; ++h) {
+      const v8 keys_a = Load(columns + h * S + s0), keys_b = Load(columns + h * S + s0 + kLanes);
+      for (int r = 0; r < R; ++r) {
+        const v8 x = Splat(q[r * H + h]);
+        a[r] += x * keys_a;
+        b[r] += x * keys_b;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      Store(scores + r * S + s0, a[r]);
+      Store(scores + r * S + s0 + kLanes, b[r]);
+    }
+  }
+  for (; s0 < S; s0 += kLanes) {
+    v8 a[R] = {};
+    for (int64_t h = 0; h < H; ++h) {
+      const v8 keys = Load(columns + h * S + s0);
+      for (int r = 0; r < R; ++r) a[r] += Splat(q[r * H + h]) * keys;
+    }
+    for (int r = 0; r < R; ++r) Store(scores + r * S + s0, a[r]);
+  }
+}
+
 // One page of a work item's walk: scores of its rows against the page's keys, then the
 // online-softmax update of the rows that see any of them.
 inline void AttendPage(const Problem& p, Scratch& scratch, int64_t rows, int64_t kv_len,
@@ -194,11 +231,25 @@ inline void AttendPage(const Problem& p, Scratch& scratch, int64_t rows, int64_t
   // must not see (unused slots may hold NaN) are left out below, never multiplied in.
   int64_t first = 0;
   float* all_scores = scratch.scores.data();
-  for (; first + 4 <= rows; first += 4) Scores<4>(q + first * H, k, H, S, all_scores + first * S);
-  switch (rows - first) {
-    case 3: Scores<3>(q + first * H, k, H, S, all_scores + first * S); break;
-    case 2: Scores<2>(q + first * H, k, H, S, all_scores + first * S); break;
-    case 1: Scores<1>(q + first * H, k, H, S, all_scores + first * S); break;
+  if (rows >= kColumnRows) {
+    float* columns = scratch.key_columns.data();
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t h = 0; h < H; ++h) columns[h * S + s] = k[s * H + h];
+    for (; first + 4 <= rows; first += 4)
+      ScoresFromColumns<4>(q + first * H, columns, H, S, all_scores + first * S);
+    switch (rows - first) {
+      case 3: ScoresFromColumns<3>(q + first * H, columns, H, S, all_scores + first * S); break;
+      case 2: ScoresFromColumns<2>(q + first * H, columns, H, S, all_scores + first * S); break;
+      case 1: ScoresFromColumns<1>(q + first * H, columns, H, S, all_scores + first * S); break;
+    }
+  } else {
+    for (; first + 4 <= rows; first += 4)
+      Scores<4>(q + first * H, k, H, S, all_scores + first * S);
+    switch (rows - first) {
+      case 3: Scores<3>(q + first * H, k, H, S, all_scores + first * S); break;
+      case 2: Scores<2>(q + first * H, k, H, S, all_scores + first * S); break;
+      case 1: Scores<1>(q + first * H, k, H, S, all_scores + first * S); break;
+    }
   }
 
   for (int64_t row = 0; row < rows; ++row) {
