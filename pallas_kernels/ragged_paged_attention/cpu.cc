@@ -184,13 +184,14 @@ inline void Scores(const float* q, const float* k, int64_t H, int64_t S, float* 
   }
 }
 
-// Rows of an item from which a page's scores come from its keys transposed (`Columns`).
+// Work items of at least this many rows (prefill tiles) score a page from its keys
+// transposed (`ScoresFromColumns`); fewer rows (decode) could not repay the transpose.
 constexpr int64_t kColumnRows = 8;
 
-// scores[r, :] as `Scores` gives them, from the page's keys transposed to [H, S]: for R rows
-// and sixteen keys, each head-dim step is two loads of keys and R broadcasts of q into 2R
+// `Scores` (to float32 rounding) from the page's keys transposed to [H, S]: for R rows and
+// sixteen keys, each head-dim step is two loads of keys and R broadcasts of q into 2R
 // accumulators, with no horizontal sums. Transposing the page costs one pass over it, which
-// the rows of a prefill tile share.
+// the rows of a prefill tile share (prefill attention 1.08-1.11x `Scores`, bench/README.md).
 template <int R>
 inline void ScoresFromColumns(const float* q, const float* columns, int64_t H, int64_t S,
                               float* scores) {
