@@ -50,13 +50,26 @@ QUESTIONS = [
     "Why is the sky blue?",
 ]
 
+# ~300 tokens: a quantization's perplexity on the first paragraph alone (108 tokens) is
+# mostly that text's noise (fp8: +5.7% on it, +2.2% on the whole).
 HELD_OUT = (
     "The lighthouse keeper climbed the narrow stairs every evening, counting the steps as his "
     "father had taught him. At the top he wiped the salt from the glass, trimmed the wick and "
     "watched the beam sweep across the water. Ships he would never meet passed in the dark, "
     "guided by a light they took for granted. In the morning he wrote in the log: wind from "
     "the west, a calm sea, two fishing boats returned before dawn. It was a small life, he "
-    "thought, but a useful one, and on most days that was enough."
+    "thought, but a useful one, and on most days that was enough. The village below the "
+    "cliff had grown since his father's time. There was a school now, a small harbour office "
+    "and a shop that sold newspapers two days late. Children came up the hill on Sundays to "
+    "ask about the lamp, and he showed them how the lens turned on its bath of mercury, how "
+    "the clockwork had to be wound every four hours, and how a single flame could be seen "
+    "twenty miles away. Most of them lost interest once they learned that nothing exciting "
+    "ever happened. One girl kept coming back. She asked how far the light reached in fog, "
+    "what the different flashes meant, and why the keeper wrote the weather down when nobody "
+    "ever read the log. He told her that somebody might, one day, and that a record kept "
+    "honestly was worth more than a record kept well. Years later, when the light was "
+    "automated and the keeper moved to a cottage in the village, she became the engineer "
+    "who maintained it."
 )
 
 
@@ -156,9 +169,9 @@ def test_perplexity_on_held_out_text_equals_transformers(llm, hf_model):
 
 
 # Perplexity against float32's: int8 (groups of 32) within 1%. fp8 (e4m3, per row) is
-# bounded at 6%: its 3 mantissa bits err by 2.6% (RMS, relative) on SmolLM2's weights,
-# and perplexity moves +5.7% (bench/README.md): the issue's 1% is not met for fp8.
-PERPLEXITY_BOUND = {"int8": 0.01, "fp8": 0.06}
+# bounded at 3%: its 3 mantissa bits err by 2.6% (RMS, relative) on SmolLM2's weights,
+# and perplexity moves +2.2% (bench/README.md): the issue's 1% is not met for fp8.
+PERPLEXITY_BOUND = {"int8": 0.01, "fp8": 0.03}
 
 
 @pytest.mark.parametrize("quantization", ["int8", "fp8"])
