@@ -9,8 +9,9 @@
 // of the stacked array, and a quantized weight is first dequantized into a fresh float32
 // buffer. Here a panel of kPanelRows weight rows ([rows, D], in L2) multiplies every row of
 // x by fused multiply-adds: x is transposed once per call into columns, so a vector holds
-// 16 rows of x at one input and a weight is broadcast against it; a tile of 4 weight rows
-// x 64 rows of x keeps 16 sums in registers, over blocks of 64 inputs that stay in L1.
+// 16 (AVX-512) or 8 rows of x at one input and a weight is broadcast against it; a tile of
+// 4 weight rows x 64 (16) rows of x keeps 16 (8) sums in registers, over blocks of 64
+// inputs that stay in L1.
 // Each output sums its blocks' chains in input order: the reference's result to float32
 // rounding.
 #pragma once
@@ -20,16 +21,24 @@
 #include <cstring>
 #include <vector>
 
-#ifdef __AVX512F__
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
 namespace panel {
 
-using f32x16 = float __attribute__((vector_size(64)));
+// The widest float vector the CPU has: 16 lanes with AVX-512, else 8 (AVX2's 16
+// registers; vectors twice that wide left GCC building each broadcast in memory, a lane at
+// a time: 6 GFLOP/s instead of ~70 on an AVX2 machine, bench/README.md).
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+using fvec = float __attribute__((vector_size(4 * kLanes)));
 
-inline f32x16 Load(const float* p) {
-  f32x16 v;
+inline fvec Load(const float* p) {
+  fvec v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
@@ -37,24 +46,28 @@ inline f32x16 Load(const float* p) {
 constexpr int64_t kPanelRows = 32;  // weight rows of a panel (a work item's)
 constexpr int kTileRows = 4;        // weight rows of a tile
 #ifdef __AVX512F__
-constexpr int kTileVectors = 4;  // vectors of 16 rows of x in a tile: 16 sums, 32 registers
+constexpr int kTileVectors = 4;  // blocks of 16 rows of x in a tile: 16 sums, 32 registers
 #else
-constexpr int kTileVectors = 2;  // 16 registers of 8 lanes hold 8 such sums
+constexpr int kTileVectors = 1;  // 8 sums of 8 lanes, 2 rows of x and a weight: 11 of 16
 #endif
 
-inline f32x16 MultiplyAdd(f32x16 a, f32x16 b, f32x16 c) {
-#ifdef __AVX512F__
-  return f32x16(_mm512_fmadd_ps(__m512(a), __m512(b), __m512(c)));
+inline fvec MultiplyAdd(fvec a, fvec b, fvec c) {
+#if defined(__AVX512F__)
+  return fvec(_mm512_fmadd_ps(__m512(a), __m512(b), __m512(c)));
+#elif defined(__FMA__)
+  return fvec(_mm256_fmadd_ps(__m256(a), __m256(b), __m256(c)));
 #else
   return a * b + c;
 #endif
 }
 
-inline f32x16 Broadcast(float value) {
-#ifdef __AVX512F__
-  return f32x16(_mm512_set1_ps(value));  // one broadcast from memory
+inline fvec Broadcast(float value) {  // one broadcast from memory
+#if defined(__AVX512F__)
+  return fvec(_mm512_set1_ps(value));
+#elif defined(__AVX__)
+  return fvec(_mm256_set1_ps(value));
 #else
-  return f32x16{} + value;
+  return fvec{} + value;
 #endif
 }
 
@@ -89,32 +102,35 @@ struct XColumns {
 };
 
 // sums[r, t] += panel[r, i] * x[t, i] for rows r < JR of the panel, the rows t of x in TV
-// vectors from t0 on and the inputs i of [i0, i1): one block of inputs, whose products
-// are chained in registers and then added to the sums (a chain over all D inputs measured
-// up to 1.5e-6 of the largest output off, blocks 4x less).
+// blocks of 16 from t0 on and the inputs i of [i0, i1): one block of inputs, whose
+// products are chained in registers and then added to the sums (a chain over all D inputs
+// measured up to 1.5e-6 of the largest output off, blocks 4x less).
 template <int JR, int TV>
 void Tile(const float* panel, int64_t dim, const XColumns& x, int64_t t0, int64_t i0,
           int64_t i1, float* sums) {
-  f32x16 block[JR][TV] = {};
+  constexpr int kVectors = TV * 16 / kLanes;
+  fvec block[JR][kVectors] = {};
   const float* columns = x.Chunk(t0);
   const int64_t width = x.Width(t0);
   for (int64_t i = i0; i < i1; ++i) {
     // Each vector of x and each broadcast weight loaded once: a load per product (as GCC
     // folds them) measured the loads as the bound.
-    f32x16 w[JR];
-    for (int r = 0; r < JR; ++r) w[r] = Broadcast(panel[r * dim + i]);
-    for (int v = 0; v < TV; ++v) {
-      f32x16 row = Load(columns + i * width + v * 16);
-#ifdef __AVX512F__
-      __asm__("" : "+v"(row));  // in a register: GCC would fold the load into every product
+    fvec row[kVectors];
+    for (int v = 0; v < kVectors; ++v) {
+      row[v] = Load(columns + i * width + v * kLanes);
+#if defined(__AVX__)
+      __asm__("" : "+v"(row[v]));  // in a register: GCC would fold the load into every product
 #endif
-      for (int r = 0; r < JR; ++r) block[r][v] = MultiplyAdd(w[r], row, block[r][v]);
+    }
+    for (int r = 0; r < JR; ++r) {
+      const fvec w = Broadcast(panel[r * dim + i]);
+      for (int v = 0; v < kVectors; ++v) block[r][v] = MultiplyAdd(w, row[v], block[r][v]);
     }
   }
   for (int r = 0; r < JR; ++r)
-    for (int v = 0; v < TV; ++v) {
-      float* at = sums + r * x.padded + t0 + v * 16;
-      const f32x16 total = Load(at) + block[r][v];
+    for (int v = 0; v < kVectors; ++v) {
+      float* at = sums + r * x.padded + t0 + v * kLanes;
+      const fvec total = Load(at) + block[r][v];
       std::memcpy(at, &total, sizeof(total));
     }
 }
