@@ -38,6 +38,7 @@
 #include <thread>
 #include <vector>
 
+#include "avx2_dots.h"
 #include "integer_x.h"
 #include "panel.h"  // shared with stacked_matmul (pallas_kernels/include)
 #include "values.h"
@@ -95,6 +96,10 @@ void FloatDots(const Work& p, const Segment& s, int64_t j, int64_t t0, f32x16 (&
   const uint8_t* row = s.values + j * s.row_bytes;
   const S* scales = static_cast<const S*>(s.scales) + j * G;
   const float* x = p.x + t0 * D;
+#ifdef JENGINE_AVX2_DOTS
+  if constexpr (K != kFp8)
+    if (group == kGroup) return GroupDots<K, S, TR>(row, scales, G, x, D, acc);
+#endif
   if (group == kGroup) {
     // One widening per group (every GGUF format): two groups a pass, their products
     // independent of each other.

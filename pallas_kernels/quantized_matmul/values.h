@@ -9,7 +9,7 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -18,6 +18,8 @@ namespace quantized_matmul {
 using f32x16 = float __attribute__((vector_size(64)));
 using u8x16 = uint8_t __attribute__((vector_size(16)));
 using i32x16 = int32_t __attribute__((vector_size(64)));
+using f32x8 = float __attribute__((vector_size(32)));
+using i32x8 = int32_t __attribute__((vector_size(32)));
 constexpr int64_t kGroup = 32;  // inputs widened together: two vectors of 16
 
 enum Kind : int64_t { kInt8 = 0, kUint4 = 1, kFp8 = 2 };
@@ -26,6 +28,37 @@ inline f32x16 Load(const float* p) {
   f32x16 v;
   std::memcpy(&v, p, sizeof(v));
   return v;
+}
+
+// Two halves as one vector of 16 (AVX2: two registers).
+inline f32x16 Join(f32x8 low, f32x8 high) {
+  return __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+inline i32x16 Join(i32x8 low, i32x8 high) {
+  return __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+// 16 bytes widened to 16 int32s, as signed or unsigned bytes. On AVX2 one instruction per
+// 8: GCC's own conversion of a 16-byte vector to a 64-byte one moves each byte alone there
+// (a quantized decode step ran at ~1 GB/s on an AVX2 CPU, bench/README.md).
+template <bool Signed>
+inline i32x16 WidenBytes(u8x16 bytes) {
+#if defined(__AVX512F__)
+  const __m128i b = __m128i(bytes);
+  return i32x16(Signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+#elif defined(__AVX2__)
+  const __m128i b = __m128i(bytes), upper = _mm_unpackhi_epi64(b, b);
+  if constexpr (Signed)
+    return Join(i32x8(_mm256_cvtepi8_epi32(b)), i32x8(_mm256_cvtepi8_epi32(upper)));
+  else
+    return Join(i32x8(_mm256_cvtepu8_epi32(b)), i32x8(_mm256_cvtepu8_epi32(upper)));
+#else
+  using i8x16 = int8_t __attribute__((vector_size(16)));
+  if constexpr (Signed)
+    return __builtin_convertvector(i8x16(bytes), i32x16);
+  else
+    return __builtin_convertvector(bytes, i32x16);
+#endif
 }
 
 // float16 bits to float32, exactly.
@@ -65,8 +98,12 @@ inline f32x16 LoadScales(const S* p) {
   if constexpr (std::is_same_v<S, float>) {
     return Load(p);
   } else {
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
     return f32x16(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__F16C__)
+    const __m128i* halves = reinterpret_cast<const __m128i*>(p);
+    return Join(f32x8(_mm256_cvtph_ps(_mm_loadu_si128(halves))),
+                f32x8(_mm256_cvtph_ps(_mm_loadu_si128(halves + 1))));
 #else
     f32x16 v;
     for (int i = 0; i < 16; ++i) v[i] = HalfToFloat(p[i]);
@@ -85,7 +122,7 @@ inline float Sum(f32x16 v) {
 // float8 e4m3fn (OCP: 4 exponent bits of bias 7, 3 mantissa bits, no infinities, NaN at
 // S.1111.111) to float32, exactly: normals rebias the exponent, subnormals are m * 2^-9.
 inline f32x16 Fp8ToFloat(u8x16 bytes) {
-  const i32x16 u = __builtin_convertvector(bytes, i32x16);
+  const i32x16 u = WidenBytes<false>(bytes);
   const i32x16 sign = (u & 0x80) << 24, exponent = (u >> 3) & 0xF, mantissa = u & 7;
   const i32x16 normal = sign | ((exponent + 120) << 23) | (mantissa << 20);
   const f32x16 small = __builtin_convertvector(mantissa, f32x16) * (1.0f / 512.0f);
@@ -98,25 +135,15 @@ inline f32x16 Fp8ToFloat(u8x16 bytes) {
   return out;
 }
 
-// The 32 weights of `row` from input `i` on, as float q: two vectors of 16. Without
-// AVX-512 int8 is read as uint8 offset by 128 (exact): GCC widens unsigned byte vectors
-// with one instruction, signed ones one value at a time.
+// The 32 weights of `row` from input `i` on, as float q: two vectors of 16.
 template <Kind K>
 inline void Widen(const uint8_t* row, int64_t i, f32x16& low, f32x16& high) {
   if constexpr (K == kInt8) {
-#ifdef __AVX512F__
-    // One sign-extending load and one conversion per 16 values.
-    low = f32x16(_mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i)))));
-    high = f32x16(_mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i + 16)))));
-#else
     u8x16 a, b;
     std::memcpy(&a, row + i, 16);
     std::memcpy(&b, row + i + 16, 16);
-    low = __builtin_convertvector(__builtin_convertvector(a ^ 0x80, i32x16), f32x16) - 128.0f;
-    high = __builtin_convertvector(__builtin_convertvector(b ^ 0x80, i32x16), f32x16) - 128.0f;
-#endif
+    low = __builtin_convertvector(WidenBytes<true>(a), f32x16);
+    high = __builtin_convertvector(WidenBytes<true>(b), f32x16);
   } else if constexpr (K == kFp8) {
     u8x16 a, b;
     std::memcpy(&a, row + i, 16);
@@ -126,8 +153,8 @@ inline void Widen(const uint8_t* row, int64_t i, f32x16& low, f32x16& high) {
   } else {
     u8x16 bytes;
     std::memcpy(&bytes, row + i / 2, 16);
-    low = __builtin_convertvector(__builtin_convertvector(bytes & 0x0F, i32x16), f32x16);
-    high = __builtin_convertvector(__builtin_convertvector(bytes >> 4, i32x16), f32x16);
+    low = __builtin_convertvector(WidenBytes<false>(bytes & 0x0F), f32x16);
+    high = __builtin_convertvector(WidenBytes<false>(bytes >> 4), f32x16);
   }
 }
 
