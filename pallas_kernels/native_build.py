@@ -110,13 +110,22 @@ SHARED_HEADERS = Path(__file__).with_name("include")
 class NativeKernel:
     """One C++ source exporting one XLA FFI handler `symbol`, registered for the CPU
     platform as `target` (the name its `ffi_call` uses); `what` names it in logs.
-    `shared_headers`: the folder of headers kernels share (the tests point it elsewhere)."""
+    `shared_headers`: the folder of headers kernels share (the tests point it elsewhere);
+    `extra_flags`: compiler flags after CXX_FLAGS (the tests build an AVX2 CPU's code with
+    `-mno-avx512f` on an AVX-512 one)."""
 
     def __init__(
-        self, source: Path, symbol: str, target: str, what: str, shared_headers=SHARED_HEADERS
+        self,
+        source: Path,
+        symbol: str,
+        target: str,
+        what: str,
+        shared_headers=SHARED_HEADERS,
+        extra_flags: tuple[str, ...] = (),
     ):
         self.source, self.symbol, self.target, self.what = source, symbol, target, what
         self.shared_headers = Path(shared_headers)
+        self.flags = (*CXX_FLAGS, *extra_flags)
         self._lock = threading.Lock()
         self._reason: str | None = None
         self._loaded = False
@@ -131,7 +140,7 @@ class NativeKernel:
             _headers_digest(str(self.shared_headers), "*.h"),
             shlex.join(compiler).encode(),
             _run([*compiler, "--version"]).stdout.encode(),
-            shlex.join(CXX_FLAGS).encode(),
+            shlex.join(self.flags).encode(),
             _headers_digest(include_dir),
             jax.__version__.encode(),
             jaxlib.__version__.encode(),
@@ -148,7 +157,7 @@ class NativeKernel:
         with tempfile.TemporaryDirectory(dir=cache_dir) as build_dir:
             output = Path(build_dir) / library.name
             includes = [f"-I{self.shared_headers}", f"-I{include_dir}"]
-            _run([*compiler, *CXX_FLAGS, *includes, str(self.source), "-o", str(output)])
+            _run([*compiler, *self.flags, *includes, str(self.source), "-o", str(output)])
             os.replace(output, library)
         return library
 

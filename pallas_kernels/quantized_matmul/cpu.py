@@ -54,19 +54,22 @@ def supports(x, w: QuantizedWeight) -> bool:
     )
 
 
-def quantized_matmul_cpu(x: jax.Array, w: QuantizedWeight, layer) -> jax.Array:
+def quantized_matmul_cpu(
+    x: jax.Array, w: QuantizedWeight, layer, *, kernel: NativeKernel = KERNEL
+) -> jax.Array:
     """See `reference.quantized_matmul_reference`."""
-    return quantized_matmuls_cpu(x, (w,), layer)[0]
+    return quantized_matmuls_cpu(x, (w,), layer, kernel=kernel)[0]
 
 
 def quantized_matmuls_cpu(
-    x: jax.Array, ws, layer, *, integer_x: bool = True
+    x: jax.Array, ws, layer, *, integer_x: bool = True, kernel: NativeKernel = KERNEL
 ) -> tuple[jax.Array, ...]:
     """`x @ dequantize(w[layer]).T` for each w of `ws` (formats may differ) in one kernel
     call, each result as its own call gives, bit for bit. `integer_x`: 4-bit weights
     multiply x as integers where the CPU has AVX-512 VNNI (`integer_x.h`: exact to
     2^-23 of each run of 32 inputs' largest |x|; SmolLM2's 30 Q4_1 layers 4.25 against
-    4.91 ms, bench/README.md); False keeps float x for every weight."""
+    4.91 ms, bench/README.md); False keeps float x for every weight. `kernel`: the build
+    to call (the tests pass an AVX2 CPU's)."""
     for w in ws:
         if not supports(x, w):
             raise ValueError(
@@ -75,19 +78,20 @@ def quantized_matmuls_cpu(
                 f"{GROUP} inputs or of {GROUP // 2}; got x "
                 f"{x.dtype}{tuple(x.shape)}, a {w.format.name} weight {w.shape}"
             )
-    KERNEL.require()
-    return _matmuls(x, tuple(ws), jnp.asarray(layer, jnp.int32).reshape(1), integer_x)
+    kernel.require()
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    return _matmuls(x, tuple(ws), layer, integer_x, kernel.target)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
-def _matmuls(x, ws, layer, integer_x):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
+def _matmuls(x, ws, layer, integer_x, target):
     # A format without mins passes a one-element stand-in (the kernel does not read it).
     operands = []
     for w in ws:
         mins = w.mins if w.mins is not None else jnp.zeros((1,), jnp.float32)
         operands += [w.values, w.scales, mins]
     call = jax.ffi.ffi_call(
-        TARGET_NAME, [jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype) for w in ws]
+        target, [jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype) for w in ws]
     )
     return tuple(
         call(
@@ -102,7 +106,7 @@ def _matmuls(x, ws, layer, integer_x):
 
 
 @_matmuls.defjvp
-def _matmuls_jvp(integer_x, primals, tangents):
+def _matmuls_jvp(integer_x, target, primals, tangents):
     # The kernel has no derivative of its own; the reference computes the same function.
     x, ws, layer = primals
 

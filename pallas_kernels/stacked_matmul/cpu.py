@@ -13,6 +13,7 @@ wrote it once, and its GEMM packs the copy anew every call (bench/README.md has 
 measurements).
 """
 
+import functools
 from pathlib import Path
 
 import jax
@@ -45,14 +46,17 @@ def supports(x, w) -> bool:
     )
 
 
-def stacked_matmul_cpu(x: jax.Array, w: jax.Array, layer) -> jax.Array:
+def stacked_matmul_cpu(x: jax.Array, w: jax.Array, layer, *, kernel: NativeKernel = KERNEL):
     """See `reference.stacked_matmul_reference`."""
-    return stacked_matmuls_cpu(x, (w,), layer)[0]
+    return stacked_matmuls_cpu(x, (w,), layer, kernel=kernel)[0]
 
 
-def stacked_matmuls_cpu(x: jax.Array, ws, layer) -> tuple[jax.Array, ...]:
+def stacked_matmuls_cpu(
+    x: jax.Array, ws, layer, *, kernel: NativeKernel = KERNEL
+) -> tuple[jax.Array, ...]:
     """`x @ w[layer].T` for each w of `ws` in one kernel call (each result as its own call
-    gives, bit for bit): the work of all of them is shared out between the threads at once."""
+    gives, bit for bit): the work of all of them is shared out between the threads at once.
+    `kernel`: the build to call (the tests pass an AVX2 CPU's)."""
     for w in ws:
         if not supports(x, w):
             raise ValueError(
@@ -60,18 +64,18 @@ def stacked_matmuls_cpu(x: jax.Array, ws, layer) -> tuple[jax.Array, ...]:
                 f"[L, F, D] with D a multiple of {LANES}; got x {x.dtype}{tuple(x.shape)}, "
                 f"w {w.dtype}{tuple(w.shape)}"
             )
-    KERNEL.require()
-    return _matmuls(x, tuple(ws), jnp.asarray(layer, jnp.int32).reshape(1))
+    kernel.require()
+    return _matmuls(x, tuple(ws), jnp.asarray(layer, jnp.int32).reshape(1), kernel.target)
 
 
-@jax.custom_jvp
-def _matmuls(x, ws, layer):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _matmuls(x, ws, layer, target):
     results = [jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype) for w in ws]
-    return tuple(jax.ffi.ffi_call(TARGET_NAME, results)(x, layer, *ws))
+    return tuple(jax.ffi.ffi_call(target, results)(x, layer, *ws))
 
 
 @_matmuls.defjvp
-def _matmuls_jvp(primals, tangents):
+def _matmuls_jvp(target, primals, tangents):
     # The kernel has no derivative of its own; the reference computes the same function.
     x, ws, layer = primals
 

@@ -1,0 +1,122 @@
+"""The matmul kernels as a CPU without AVX-512 builds them, on whatever x86 CPU runs the
+suite: each built again with `-mno-avx512f` (no AVX-512 of any kind) under a target of its
+own, then held to the float64 oracle and the XLA reference as the native build is
+(test_quantized_matmul.py, test_stacked_matmul.py). On such a CPU the kernels take other
+paths (`panel.h` in 8 lanes, `quantized_matmul/avx2_dots.h`), which an AVX-512 machine's
+native build never compiles; they once ran ~10x slower than they should and only a speed
+measurement showed it, so the speed of the AVX2 build is checked too."""
+
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jengine.pallas_kernels.native_build import NativeKernel
+from jengine.pallas_kernels.quantized_matmul import cpu as quantized_cpu
+from jengine.pallas_kernels.quantized_matmul import quantized_matmul_reference
+from jengine.pallas_kernels.stacked_matmul import cpu as stacked_cpu
+from jengine.pallas_kernels.stacked_matmul import stacked_matmul_reference
+from tests.kernels.test_quantized_matmul import FORMATS, Q4_1, oracle, weight
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return set(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), []))
+
+
+pytestmark = pytest.mark.skipif(
+    not {"avx2", "fma", "f16c"} <= _cpu_flags(), reason="an x86 CPU with AVX2, FMA and F16C"
+)
+
+
+def _avx2_build(module) -> NativeKernel:
+    native = module.KERNEL
+    kernel = NativeKernel(
+        native.source,
+        native.symbol,
+        target=f"{native.target}_avx2",
+        what=f"{native.what} (AVX2 build)",
+        extra_flags=("-mno-avx512f",),
+    )
+    assert kernel.load() is None, kernel.load()
+    return kernel
+
+
+@pytest.fixture(scope="module")
+def quantized_avx2():
+    return _avx2_build(quantized_cpu)
+
+
+@pytest.fixture(scope="module")
+def stacked_avx2():
+    return _avx2_build(stacked_cpu)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize(
+    "rows, dim, outputs",
+    # Row by row (1-16 rows, passes of several rows and their remainders), then panels.
+    [(1, 576, 67), (2, 64, 17), (3, 128, 7), (5, 192, 33), (16, 256, 40), (33, 320, 45)],
+)
+def test_quantized_avx2_build_matches_reference_and_float64(
+    quantized_avx2, fmt, rows, dim, outputs
+):
+    w = weight(fmt, outputs, dim)
+    x = np.random.default_rng(1).standard_normal((rows, dim)).astype(np.float32)
+    ours = np.asarray(quantized_cpu.quantized_matmul_cpu(x, w, 1, kernel=quantized_avx2))
+    assert np.isfinite(ours).all()  # nothing read from the NaN layers
+    scale = np.abs(oracle(x, w, 1)).max()
+    np.testing.assert_allclose(ours, oracle(x, w, 1), rtol=0, atol=2e-6 * scale)
+    reference = quantized_matmul_reference(x, w, 1)
+    np.testing.assert_allclose(ours, reference, rtol=0, atol=2e-6 * scale)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 40, 128])
+def test_stacked_avx2_build_matches_reference_and_float64(stacked_avx2, rows):
+    rng = np.random.default_rng(rows)
+    w = rng.standard_normal((3, 45, 136)).astype(np.float32)
+    w[[0, 2]] = np.nan  # only w[1] may be read
+    x = rng.standard_normal((rows, 136)).astype(np.float32)
+    ours = np.asarray(stacked_cpu.stacked_matmul_cpu(x, w, 1, kernel=stacked_avx2))
+    exact = x.astype(np.float64) @ w[1].T.astype(np.float64)
+    np.testing.assert_allclose(ours, exact, rtol=1e-5, atol=2e-5 * 136**0.5)
+    np.testing.assert_allclose(ours, stacked_matmul_reference(x, w, 1), rtol=1e-5, atol=1e-4)
+
+
+def test_avx2_builds_are_not_slower_than_xla(quantized_avx2, stacked_avx2):
+    """A prefill-sized product (64 rows: panels) through each AVX2 build against XLA's own
+    dot of the same float weights, the three alternated so a busy machine slows each alike.
+    The slow float32 build took 10x XLA's time; the fixed builds take less than XLA's
+    (bench/README.md), so 2x leaves room."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((64, 512)), jnp.float32)
+    dense = jnp.asarray(np.random.default_rng(1).standard_normal((2, 1536, 512)), jnp.float32)
+    q4 = jax.device_put(weight(Q4_1, 1536, 512, layers=2, layer=1))
+    runs = {
+        "xla": (jax.jit(lambda x, w: x @ w[1].T), dense),
+        "stacked": (
+            jax.jit(lambda x, w: stacked_cpu.stacked_matmul_cpu(x, w, 1, kernel=stacked_avx2)),
+            dense,
+        ),
+        "quantized": (
+            jax.jit(
+                lambda x, w: quantized_cpu.quantized_matmul_cpu(x, w, 1, kernel=quantized_avx2)
+            ),
+            q4,
+        ),
+    }
+    times = {name: [] for name in runs}
+    for turn in range(16):
+        for name, (run, w) in runs.items():
+            started = time.perf_counter()
+            jax.block_until_ready(run(x, w))
+            if turn:  # the first call compiles
+                times[name].append(time.perf_counter() - started)
+    median = {name: float(np.median(t)) for name, t in times.items()}
+    assert median["stacked"] < 2 * median["xla"], median
+    assert median["quantized"] < 2 * median["xla"], median
