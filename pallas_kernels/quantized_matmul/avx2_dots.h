@@ -23,17 +23,6 @@
 
 namespace quantized_matmul {
 
-// 8 float8 e4m3fn bytes to float32, exactly, as `Fp8ToFloat` (values.h) does 16.
-inline __m256 Fp8ToFloat8(__m128i bytes) {
-  const i32x8 u = i32x8(_mm256_cvtepu8_epi32(bytes));
-  const i32x8 sign = (u & 0x80) << 24, exponent = (u >> 3) & 0xF, mantissa = u & 7;
-  const i32x8 normal = sign | ((exponent + 120) << 23) | (mantissa << 20);
-  const f32x8 small = __builtin_convertvector(mantissa, f32x8) * (1.0f / 512.0f);
-  i32x8 bits = exponent == 0 ? i32x8(small) | sign : normal;
-  bits = (u & 0x7F) == 0x7F ? sign | 0x7FC00000 : bits;
-  return __m256(bits);
-}
-
 // The 32 values of `row` from input `i` on as floats: q[0] inputs 0-7, ..., q[3] 24-31.
 template <Kind K>
 inline void Widen8(const uint8_t* row, int64_t i, __m256 (&q)[4]) {
@@ -51,7 +40,7 @@ inline void Widen8(const uint8_t* row, int64_t i, __m256 (&q)[4]) {
                              _mm_unpackhi_epi64(second, second)};
   for (int k = 0; k < 4; ++k) {
     if constexpr (K == kFp8)
-      q[k] = Fp8ToFloat8(eights[k]);
+      q[k] = __m256(Fp8BytesToFloat<f32x8>(i32x8(_mm256_cvtepu8_epi32(eights[k]))));
     else if constexpr (K == kInt8)
       q[k] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eights[k]));
     else

@@ -121,18 +121,23 @@ inline float Sum(f32x16 v) {
 
 // float8 e4m3fn (OCP: 4 exponent bits of bias 7, 3 mantissa bits, no infinities, NaN at
 // S.1111.111) to float32, exactly: normals rebias the exponent, subnormals are m * 2^-9.
-inline f32x16 Fp8ToFloat(u8x16 bytes) {
-  const i32x16 u = WidenBytes<false>(bytes);
-  const i32x16 sign = (u & 0x80) << 24, exponent = (u >> 3) & 0xF, mantissa = u & 7;
-  const i32x16 normal = sign | ((exponent + 120) << 23) | (mantissa << 20);
-  const f32x16 small = __builtin_convertvector(mantissa, f32x16) * (1.0f / 512.0f);
-  i32x16 subnormal;
+// `u`: the bytes widened to int32 lanes (16 here, 8 in avx2_dots.h); F: float lanes alike.
+template <typename F, typename I>
+inline F Fp8BytesToFloat(I u) {
+  const I sign = (u & 0x80) << 24, exponent = (u >> 3) & 0xF, mantissa = u & 7;
+  const I normal = sign | ((exponent + 120) << 23) | (mantissa << 20);
+  const F small = __builtin_convertvector(mantissa, F) * (1.0f / 512.0f);
+  I subnormal;
   std::memcpy(&subnormal, &small, sizeof(small));
-  i32x16 bits = exponent == 0 ? subnormal | sign : normal;
+  I bits = exponent == 0 ? subnormal | sign : normal;
   bits = (u & 0x7F) == 0x7F ? sign | 0x7FC00000 : bits;
-  f32x16 out;
+  F out;
   std::memcpy(&out, &bits, sizeof(out));
   return out;
+}
+
+inline f32x16 Fp8ToFloat(u8x16 bytes) {
+  return Fp8BytesToFloat<f32x16>(WidenBytes<false>(bytes));
 }
 
 // The 32 weights of `row` from input `i` on, as float q: two vectors of 16.
