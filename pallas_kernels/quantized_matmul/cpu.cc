@@ -97,6 +97,7 @@ void FloatDots(const Work& p, const Segment& s, int64_t j, int64_t t0, f32x16 (&
   const S* scales = static_cast<const S*>(s.scales) + j * G;
   const float* x = p.x + t0 * D;
 #ifdef JENGINE_AVX2_DOTS
+  // AVX2 without AVX-512: the same products in 8-lane registers (avx2_dots.h says why).
   return GroupDots<K, S, TR>(row, scales, G, group, x, D, acc);
 #endif
   if (group == kGroup) {
