@@ -12,41 +12,13 @@
 // rounding.
 #pragma once
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#define JENGINE_AVX2_DOTS 1
-
-#include <immintrin.h>
-
 #include <cstdint>
 
 #include "values.h"
 
-namespace quantized_matmul {
+#ifdef JENGINE_AVX2  // defined by values.h
 
-// The 32 values of `row` from input `i` on as floats: q[0] inputs 0-7, ..., q[3] 24-31.
-template <Kind K>
-inline void Widen8(const uint8_t* row, int64_t i, __m256 (&q)[4]) {
-  __m128i first, second;  // the bytes of inputs 0-15 and 16-31
-  if constexpr (K == kUint4) {  // input j in the low nibble of byte j, j + 16 in its high one
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i / 2));
-    const __m128i nibble = _mm_set1_epi8(0x0F);
-    first = _mm_and_si128(bytes, nibble);
-    second = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
-  } else {
-    first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i));
-    second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i + 16));
-  }
-  const __m128i eights[4] = {first, _mm_unpackhi_epi64(first, first), second,
-                             _mm_unpackhi_epi64(second, second)};
-  for (int k = 0; k < 4; ++k) {
-    if constexpr (K == kFp8)
-      q[k] = __m256(Fp8BytesToFloat<f32x8>(i32x8(_mm256_cvtepu8_epi32(eights[k]))));
-    else if constexpr (K == kInt8)
-      q[k] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eights[k]));
-    else
-      q[k] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eights[k]));
-  }
-}
+namespace quantized_matmul {
 
 // FloatDots: acc[t] += each group's products with row t of x, times the group's scale.
 // Groups of 16 (Q6_K): a widening of 32 spans two, its lanes 0-15 the first.
@@ -93,27 +65,6 @@ void GroupDots(const uint8_t* row, const S* scales, int64_t num_groups, int64_t 
     }
   }
   for (int t = 0; t < TR; ++t) acc[t] += Join(f32x8(low[t]), f32x8(high[t]));
-}
-
-// `Dequantize` (values.h) for panels, 8 values a register: q * scale, then + min.
-template <Kind K, typename S>
-void Dequantize8(const uint8_t* values, int64_t row_bytes, const S* scales, const S* mins,
-                 int64_t num_groups, int64_t dim, int64_t begin, int64_t end, float* panel) {
-  const int64_t group = dim / num_groups;
-  for (int64_t j = begin; j < end; ++j) {
-    const uint8_t* row = values + j * row_bytes;
-    float* out = panel + (j - begin) * dim;
-    for (int64_t i = 0; i < dim; i += kGroup) {
-      __m256 q[4];
-      Widen8<K>(row, i, q);
-      for (int k = 0; k < 4; ++k) {
-        const int64_t g = j * num_groups + (i + 8 * k) / group;
-        __m256 w = _mm256_mul_ps(q[k], _mm256_set1_ps(Scale(scales, g)));
-        if (mins) w = _mm256_add_ps(w, _mm256_set1_ps(Scale(mins, g)));
-        _mm256_storeu_ps(out + i + 8 * k, w);
-      }
-    }
-  }
 }
 
 }  // namespace quantized_matmul

@@ -96,7 +96,7 @@ void FloatDots(const Work& p, const Segment& s, int64_t j, int64_t t0, f32x16 (&
   const uint8_t* row = s.values + j * s.row_bytes;
   const S* scales = static_cast<const S*>(s.scales) + j * G;
   const float* x = p.x + t0 * D;
-#ifdef JENGINE_AVX2_DOTS
+#ifdef JENGINE_AVX2
   // AVX2 without AVX-512: the same products in 8-lane registers (avx2_dots.h says why).
   return GroupDots<K, S, TR>(row, scales, G, group, x, D, acc);
 #endif
@@ -202,15 +202,9 @@ template <Kind K, typename S>
 void RunPanelItem(const Work& p, const Segment& s, const Item& item) {
   thread_local std::vector<float> rows;  // reused across calls: no fresh pages a step
   rows.resize(panel::kPanelRows * p.dim);
-  const S* scales = static_cast<const S*>(s.scales);
-  const S* mins = static_cast<const S*>(s.mins);
-#ifdef JENGINE_AVX2_DOTS
-  Dequantize8<K, S>(s.values, s.row_bytes, scales, mins, s.num_groups, p.dim, item.begin,
-                    item.end, rows.data());
-#else
-  Dequantize<K, S>(s.values, s.row_bytes, scales, mins, s.num_groups, p.dim, item.begin,
-                   item.end, rows.data());
-#endif
+  Dequantize<K, S>(s.values, s.row_bytes, static_cast<const S*>(s.scales),
+                   static_cast<const S*>(s.mins), s.num_groups, p.dim, item.begin, item.end,
+                   rows.data());
   panel::PanelProducts(rows.data(), item.end - item.begin, p.dim, p.columns, s.out,
                        s.num_outputs, item.begin);
 }

@@ -13,6 +13,13 @@
 #include <immintrin.h>
 #endif
 
+// AVX2 and FMA without AVX-512: values are widened 8 to a register (`Widen8`), and
+// avx2_dots.h does the row-by-row products. 16-lane vectors are two registers each there,
+// and GCC moved their lanes through memory one at a time (bench/README.md).
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define JENGINE_AVX2 1
+#endif
+
 namespace quantized_matmul {
 
 using f32x16 = float __attribute__((vector_size(64)));
@@ -163,6 +170,34 @@ inline void Widen(const uint8_t* row, int64_t i, f32x16& low, f32x16& high) {
   }
 }
 
+#ifdef JENGINE_AVX2
+// The 32 values of `row` from input `i` on as floats: q[0] inputs 0-7, ..., q[3] 24-31.
+template <Kind K>
+inline void Widen8(const uint8_t* row, int64_t i, __m256 (&q)[4]) {
+  __m128i first, second;  // the bytes of inputs 0-15 and 16-31
+  if constexpr (K == kUint4) {  // input j in the low nibble of byte j, j + 16 in its high one
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i / 2));
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    first = _mm_and_si128(bytes, nibble);
+    second = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+  } else {
+    first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i));
+    second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i + 16));
+  }
+  const __m128i eights[4] = {first, _mm_unpackhi_epi64(first, first), second,
+                             _mm_unpackhi_epi64(second, second)};
+  for (int k = 0; k < 4; ++k) {
+    if constexpr (K == kFp8)
+      q[k] = __m256(Fp8BytesToFloat<f32x8>(i32x8(_mm256_cvtepu8_epi32(eights[k]))));
+    else if constexpr (K == kInt8)
+      q[k] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eights[k]));
+    else
+      q[k] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eights[k]));
+  }
+}
+
+#endif
+
 // Rows [begin, end) of one weight (`values`: row_bytes a row; scales and mins [F, G], mins
 // null where absent) dequantized into panel [end - begin, D] (`panel.h`'s batched
 // products), as the reference computes them: q * scale, then + min.
@@ -175,6 +210,16 @@ void Dequantize(const uint8_t* values, int64_t row_bytes, const S* scales, const
     const S* row_scales = scales + j * num_groups;
     float* out = panel + (j - begin) * dim;
     for (int64_t i = 0; i < dim; i += kGroup) {
+#ifdef JENGINE_AVX2
+      __m256 q[4];  // inputs i .. i + 7, ..., i + 24 .. i + 31
+      Widen8<K>(row, i, q);
+      for (int k = 0; k < 4; ++k) {
+        const int64_t g = (i + 8 * k) / group;
+        __m256 w = _mm256_mul_ps(q[k], _mm256_set1_ps(Scale(row_scales, g)));
+        if (mins) w = _mm256_add_ps(w, _mm256_set1_ps(Scale(mins + j * num_groups, g)));
+        _mm256_storeu_ps(out + i + 8 * k, w);
+      }
+#else
       f32x16 low, high;  // inputs i .. i + 15 and i + 16 .. i + 31
       Widen<K>(row, i, low, high);
       const int64_t g_low = i / group, g_high = (i + 16) / group;
@@ -186,6 +231,7 @@ void Dequantize(const uint8_t* values, int64_t row_bytes, const S* scales, const
       }
       std::memcpy(out + i, &low, sizeof(low));
       std::memcpy(out + i + 16, &high, sizeof(high));
+#endif
     }
   }
 }
