@@ -20,11 +20,11 @@
 
 namespace quantized_matmul {
 
-// FloatDots: acc[t] += each group's products with row t of x, times the group's scale.
-// Groups of 16 (Q6_K): a widening of 32 spans two, its lanes 0-15 the first.
+// FloatDots: dots[t] = the sum of each group's products with row t of x, times the group's
+// scale. Groups of 16 (Q6_K): a widening of 32 spans two, its lanes 0-15 the first.
 template <Kind K, typename S, int TR>
 void GroupDots(const uint8_t* row, const S* scales, int64_t num_groups, int64_t group,
-               const float* x, int64_t dim, f32x16 (&acc)[TR]) {
+               const float* x, int64_t dim, float (&dots)[TR]) {
   __m256 low[TR], high[TR];  // lanes 0-7 and 8-15 of FloatDots' 16
   for (int t = 0; t < TR; ++t) low[t] = high[t] = _mm256_setzero_ps();
   if (group == kGroup / 2) {
@@ -64,7 +64,7 @@ void GroupDots(const uint8_t* row, const S* scales, int64_t num_groups, int64_t 
       }
     }
   }
-  for (int t = 0; t < TR; ++t) acc[t] += Join(f32x8(low[t]), f32x8(high[t]));
+  for (int t = 0; t < TR; ++t) dots[t] = Sum(f32x8(low[t]), f32x8(high[t]));
 }
 
 }  // namespace quantized_matmul

@@ -91,15 +91,16 @@ struct Work {
 // are widened group by group; each group's products with the rows of x are summed, then
 // scaled.
 template <Kind K, typename S, int TR>
-void FloatDots(const Work& p, const Segment& s, int64_t j, int64_t t0, f32x16 (&acc)[TR]) {
+void FloatDots(const Work& p, const Segment& s, int64_t j, int64_t t0, float (&dots)[TR]) {
   const int64_t D = p.dim, G = s.num_groups, group = D / G;
   const uint8_t* row = s.values + j * s.row_bytes;
   const S* scales = static_cast<const S*>(s.scales) + j * G;
   const float* x = p.x + t0 * D;
 #ifdef JENGINE_AVX2
   // AVX2 without AVX-512: the same products in 8-lane registers (avx2_dots.h says why).
-  return GroupDots<K, S, TR>(row, scales, G, group, x, D, acc);
+  return GroupDots<K, S, TR>(row, scales, G, group, x, D, dots);
 #endif
+  f32x16 acc[TR] = {};
   if (group == kGroup) {
     // One widening per group (every GGUF format): two groups a pass, their products
     // independent of each other.
@@ -151,6 +152,29 @@ void FloatDots(const Work& p, const Segment& s, int64_t j, int64_t t0, f32x16 (&
       for (int t = 0; t < TR; ++t) acc[t] += dot[t] * scale;
     }
   }
+  for (int t = 0; t < TR; ++t) dots[t] = Sum(acc[t]);
+}
+
+// A row's mins times x's group sums: sum over groups g of min[g] * sums[g], 16 groups a
+// step (on AVX2 in two 8-lane registers: see Sum).
+template <typename S>
+float MinsShift(const S* mins, const float* sums, int64_t num_groups) {
+  float shift = 0.0f;
+  int64_t g = 0;
+#ifdef JENGINE_AVX2
+  __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps();
+  for (; g + 16 <= num_groups; g += 16) {
+    low = _mm256_fmadd_ps(LoadScales8(mins + g), _mm256_loadu_ps(sums + g), low);
+    high = _mm256_fmadd_ps(LoadScales8(mins + g + 8), _mm256_loadu_ps(sums + g + 8), high);
+  }
+  for (; g < num_groups; ++g) shift += Scale(mins, g) * sums[g];
+  return shift + Sum(f32x8(low), f32x8(high));
+#else
+  f32x16 lanes = {};
+  for (; g + 16 <= num_groups; g += 16) lanes += LoadScales(mins + g) * Load(sums + g);
+  for (; g < num_groups; ++g) shift += Scale(mins, g) * sums[g];
+  return shift + Sum(lanes);
+#endif
 }
 
 // out[t0 + t, j] for t < TR: the products (with integer x where every row has it), then
@@ -158,25 +182,17 @@ void FloatDots(const Work& p, const Segment& s, int64_t j, int64_t t0, f32x16 (&
 template <Kind K, typename S, int TR>
 void Output(const Work& p, const Segment& s, int64_t j, int64_t t0) {
   const int64_t G = s.num_groups;
-  f32x16 acc[TR] = {};
+  float dots[TR];
   if (K == kUint4 && p.integer_x.Covers(t0, TR))
     IntegerDots<S, TR>(p.integer_x, s.values + j * s.row_bytes,
-                       static_cast<const S*>(s.scales) + j * G, G, p.dim, t0, acc);
+                       static_cast<const S*>(s.scales) + j * G, G, p.dim, t0, dots);
   else
-    FloatDots<K, S, TR>(p, s, j, t0, acc);
+    FloatDots<K, S, TR>(p, s, j, t0, dots);
   for (int t = 0; t < TR; ++t) {
-    float shift = 0.0f;
-    if (s.mins) {
-      // sum over groups of min * (the group's sum of x), 16 groups a vector.
-      const S* mins = static_cast<const S*>(s.mins) + j * G;
-      const float* sums = s.x_sums.data() + (t0 + t) * G;
-      f32x16 lanes = {};
-      int64_t g = 0;
-      for (; g + 16 <= G; g += 16) lanes += LoadScales(mins + g) * Load(sums + g);
-      for (; g < G; ++g) shift += Scale(mins, g) * sums[g];
-      shift += Sum(lanes);
-    }
-    s.out[(t0 + t) * s.num_outputs + j] = Sum(acc[t]) + shift;
+    const float shift =
+        s.mins ? MinsShift(static_cast<const S*>(s.mins) + j * G, &s.x_sums[(t0 + t) * G], G)
+               : 0.0f;
+    s.out[(t0 + t) * s.num_outputs + j] = dots[t] + shift;
   }
 }
 

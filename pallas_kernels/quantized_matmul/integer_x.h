@@ -1,13 +1,14 @@
-// x as integers for `cpu.cc`'s 4-bit weights, on CPUs with AVX-512 VNNI (elsewhere
-// `IntegerX::Prepare` holds no row and the kernel keeps float x). Included by cpu.cc only.
+// x as integers for `cpu.cc`'s 4-bit weights, on CPUs with AVX-512 VNNI and on CPUs with
+// AVX2 but not AVX-512 (elsewhere `IntegerX::Prepare` holds no row and the kernel keeps
+// float x). Included by cpu.cc only.
 //
 // Why: on these cores a decode step's 4-bit matmuls are bound by compute, the widening of
-// every weight to float, not by the bytes read. A byte product-sum instruction multiplies
-// 64 weights with 64 bytes of x at once, so x is made integers that bytes hold exactly:
-// each run of 32 inputs is scaled by a power of two that puts its largest |x| below 2^22
-// and rounded to integers (an error of at most 2^-23 of the run's largest |x| in each;
-// float x carries 2^-24 of its own), each the sum of three signed bytes a * 2^16 + b * 2^8
-// + c. Every product, and every sum over a block of 4 runs, is then an exact 32-bit
+// every weight to float, not by the bytes read. Byte product-sum instructions multiply 32
+// or 64 weights with as many bytes of x at once, so x is made integers that bytes hold
+// exactly: each run of 32 inputs is scaled by a power of two that puts its largest |x|
+// below 2^22 and rounded to integers (an error of at most 2^-23 of the run's largest |x| in
+// each; float x carries 2^-24 of its own), each the sum of three signed bytes a * 2^16 +
+// b * 2^8 + c. Every product, and every sum over a block of runs, is then an exact 32-bit
 // integer (at most 8 * 15 * 2^22 < 2^31 in a lane), scaled once per block: the result is
 // float x's to float32 rounding. This is not llama.cpp's x rounded to int8 (7 bits a run,
 // which moved SmolLM2's answers: bench/README.md). A row of x holding a non-finite value
@@ -23,13 +24,24 @@
 
 namespace quantized_matmul {
 
-// Rows of x as integers: per row and block of 4 runs of 32 inputs, three pieces of 128
-// signed bytes (a, b, c), each laid out [the runs' inputs 0-15 | their inputs 16-31] as a
-// block's unpacked 4-bit weights lie, and each run's scale.
+// Where x becomes integers: CPUs with AVX-512 VNNI (a block is 4 runs, a byte product-sum
+// instruction's 64 bytes) and CPUs with AVX2 but not AVX-512 (a block is 1 run, multiplied
+// through `vpmaddubsw` and `vpmaddwd`, 32 bytes of weights at a time).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define JENGINE_INTEGER_X 1
+constexpr int64_t kRunsPerBlock = 4;
+#elif defined(JENGINE_AVX2)  // values.h: AVX2 and FMA without AVX-512
+#define JENGINE_INTEGER_X 1
+constexpr int64_t kRunsPerBlock = 1;
+#endif
+
+// Rows of x as integers: per row and block of kRunsPerBlock runs of 32 inputs, three pieces
+// (a, b, c) of 32 * kRunsPerBlock signed bytes, each laid out [the runs' inputs 0-15 | their
+// inputs 16-31] as a block's unpacked 4-bit weights lie, and each run's scale.
 struct IntegerX {
   int64_t num_blocks = 0;
-  std::vector<int8_t> pieces;      // [T, blocks, 3, 128]
-  std::vector<float> run_scales;   // [T, blocks * 4]
+  std::vector<int8_t> pieces;      // [T, blocks, 3, 32 * kRunsPerBlock]
+  std::vector<float> run_scales;   // [T, blocks * kRunsPerBlock]
   std::vector<uint8_t> has_row;    // [T]: row t is in pieces (else it keeps float x)
 
   // Whether rows t0 .. t0 + rows - 1 all have integer x.
@@ -40,47 +52,93 @@ struct IntegerX {
     return true;
   }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#ifdef JENGINE_INTEGER_X
   static constexpr int kBits = 22;  // |x| * scale <= 2^22: a within [-65, 65]
+  static constexpr int64_t kPieceBytes = 32 * kRunsPerBlock;
 
   void Prepare(const float* x, int64_t num_rows, int64_t dim) {
     const int64_t runs = dim / kGroup;
-    num_blocks = (runs + 3) / 4;
-    pieces.assign(num_rows * num_blocks * 384, 0);
-    run_scales.assign(num_rows * num_blocks * 4, 0.0f);
+    num_blocks = (runs + kRunsPerBlock - 1) / kRunsPerBlock;
+    pieces.assign(num_rows * num_blocks * 3 * kPieceBytes, 0);
+    run_scales.assign(num_rows * num_blocks * kRunsPerBlock, 0.0f);
     has_row.assign(num_rows, 1);
-    const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
     for (int64_t t = 0; t < num_rows; ++t) {
       for (int64_t r = 0; r < runs && has_row[t]; ++r) {
         const float* run = x + t * dim + r * kGroup;
-        const __m512 halves[2] = {_mm512_loadu_ps(run), _mm512_loadu_ps(run + 16)};
-        const float largest = _mm512_reduce_max_ps(_mm512_max_ps(
-            _mm512_and_ps(halves[0], magnitude), _mm512_and_ps(halves[1], magnitude)));
-        if (largest == 0.0f) continue;
-        uint32_t bits;
-        std::memcpy(&bits, &largest, 4);
+        const uint32_t bits = LargestMagnitudeBits(run);
+        if (bits == 0) continue;
         const int e = int(bits >> 23) - 126;  // largest < 2^e
-        if (!(largest <= 3.4028235e38f) || e < -104) {  // NaN, inf, or scales out of range
+        if (bits > 0x7F7FFFFFu || e < -104) {  // NaN, inf, or scales out of range
           has_row[t] = 0;
           break;
         }
-        run_scales[t * num_blocks * 4 + r] = std::ldexp(1.0f, e - kBits);
-        const __m512 up = _mm512_set1_ps(std::ldexp(1.0f, kBits - e));
-        int8_t* block = pieces.data() + (t * num_blocks + r / 4) * 384 + (r % 4) * 16;
-        for (int half = 0; half < 2; ++half) {
-          // Balanced digits: c and b within [-128, 127], a what is left.
-          const __m512i value = _mm512_cvtps_epi32(_mm512_mul_ps(halves[half], up));
-          const __m512i c = _mm512_srai_epi32(_mm512_slli_epi32(value, 24), 24);
-          const __m512i rest = _mm512_srai_epi32(_mm512_sub_epi32(value, c), 8);
-          const __m512i b = _mm512_srai_epi32(_mm512_slli_epi32(rest, 24), 24);
-          const __m512i a = _mm512_srai_epi32(_mm512_sub_epi32(rest, b), 8);
-          int8_t* at = block + half * 64;
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(at), _mm512_cvtepi32_epi8(a));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(at + 128), _mm512_cvtepi32_epi8(b));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(at + 256), _mm512_cvtepi32_epi8(c));
-        }
+        run_scales[t * num_blocks * kRunsPerBlock + r] = std::ldexp(1.0f, e - kBits);
+        const float up = std::ldexp(1.0f, kBits - e);
+        int8_t* block = pieces.data() + (t * num_blocks + r / kRunsPerBlock) * 3 * kPieceBytes +
+                        (r % kRunsPerBlock) * 16;
+        for (int half = 0; half < 2; ++half)
+          Digits(run + 16 * half, up, block + half * 16 * kRunsPerBlock);
       }
     }
+  }
+
+ private:
+  // The bits of the run's largest |x|: as integers, non-negative floats order as their
+  // values do, inf and NaN above every finite one (a float max could drop a NaN).
+  static uint32_t LargestMagnitudeBits(const float* run) {
+#if defined(__AVX512F__)
+    const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
+    const __m512i first = _mm512_and_si512(_mm512_loadu_si512(run), magnitude);
+    const __m512i second = _mm512_and_si512(_mm512_loadu_si512(run + 16), magnitude);
+    return uint32_t(_mm512_reduce_max_epi32(_mm512_max_epi32(first, second)));
+#else
+    const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+    __m256i largest = _mm256_setzero_si256();
+    for (int k = 0; k < 4; ++k)
+      largest = _mm256_max_epi32(largest, _mm256_and_si256(_mm256_loadu_si256(
+                                     reinterpret_cast<const __m256i*>(run + 8 * k)), magnitude));
+    __m128i four = _mm_max_epi32(_mm256_castsi256_si128(largest),
+                                 _mm256_extracti128_si256(largest, 1));
+    four = _mm_max_epi32(four, _mm_shuffle_epi32(four, 0x4E));
+    four = _mm_max_epi32(four, _mm_shuffle_epi32(four, 0xB1));
+    return uint32_t(_mm_cvtsi128_si32(four));
+#endif
+  }
+
+  // 16 inputs times `up`, rounded, as balanced digits: c and b within [-128, 127], a what is
+  // left; a's 16 bytes to `at`, b's and c's one and two pieces on.
+  static void Digits(const float* sixteen, float up, int8_t* at) {
+#if defined(__AVX512F__)
+    const __m512i value = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(sixteen), _mm512_set1_ps(up)));
+    const __m512i c = _mm512_srai_epi32(_mm512_slli_epi32(value, 24), 24);
+    const __m512i rest = _mm512_srai_epi32(_mm512_sub_epi32(value, c), 8);
+    const __m512i b = _mm512_srai_epi32(_mm512_slli_epi32(rest, 24), 24);
+    const __m512i a = _mm512_srai_epi32(_mm512_sub_epi32(rest, b), 8);
+    const __m512i digits[3] = {a, b, c};
+    for (int piece = 0; piece < 3; ++piece)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(at + piece * kPieceBytes),
+                       _mm512_cvtepi32_epi8(digits[piece]));
+#else
+    __m256i digits[3][2];  // a, b, c of inputs 0-7 and 8-15
+    for (int k = 0; k < 2; ++k) {
+      const __m256i value =
+          _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(sixteen + 8 * k), _mm256_set1_ps(up)));
+      const __m256i c = _mm256_srai_epi32(_mm256_slli_epi32(value, 24), 24);
+      const __m256i rest = _mm256_srai_epi32(_mm256_sub_epi32(value, c), 8);
+      const __m256i b = _mm256_srai_epi32(_mm256_slli_epi32(rest, 24), 24);
+      digits[0][k] = _mm256_srai_epi32(_mm256_sub_epi32(rest, b), 8);
+      digits[1][k] = b;
+      digits[2][k] = c;
+    }
+    for (int piece = 0; piece < 3; ++piece) {
+      // 16 int32s to 16 bytes in order (each fits: packing's saturation never acts).
+      const __m256i words = _mm256_permute4x64_epi64(
+          _mm256_packs_epi32(digits[piece][0], digits[piece][1]), 0xD8);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(at + piece * kPieceBytes),
+                       _mm_packs_epi16(_mm256_castsi256_si128(words),
+                                       _mm256_extracti128_si256(words, 1)));
+    }
+#endif
   }
 #else
   void Prepare(const float*, int64_t, int64_t) {}
@@ -105,13 +163,13 @@ inline __m128 BlockScales(const S* scales, int64_t b, int64_t runs, int64_t grou
 #endif
 
 // A row of 4-bit weights (`row`: dim / 2 bytes; `scales`: its groups of dim / num_groups)
-// times TR rows of integer x from t0 on, without the mins, into acc: a block's 64 packed
+// times TR rows of integer x from t0 on, without the mins, into dots: a block's 64 packed
 // bytes widen to two vectors of bytes (low nibbles: each run's inputs 0-15; high: 16-31)
 // whose lane k holds inputs of run k / 4, as the pieces lie; the three pieces' products
 // chain into exact sums, scaled once per block.
 template <typename S, int TR>
 void IntegerDots(const IntegerX& x, const uint8_t* row, const S* scales, int64_t num_groups,
-                 int64_t dim, int64_t t0, f32x16 (&acc)[TR]) {
+                 int64_t dim, int64_t t0, float (&dots)[TR]) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   const int64_t runs = dim / kGroup, group = dim / num_groups;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -140,7 +198,36 @@ void IntegerDots(const IntegerX& x, const uint8_t* row, const S* scales, int64_t
       sums[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), lanes, sums[t]);
     }
   }
-  for (int t = 0; t < TR; ++t) acc[t] = f32x16(sums[t]);
+  for (int t = 0; t < TR; ++t) dots[t] = Sum(f32x16(sums[t]));
+#elif defined(JENGINE_INTEGER_X)
+  // AVX2: a run's 16 packed bytes widen to 32 bytes in input order. `vpmaddubsw` sums pairs
+  // of byte products into 16 bits (at most 2 * 15 * 128 < 2^15), `vpmaddwd` pairs of those
+  // into 32 bits, a's times 2^8 on the way: (a * 2^8 + b) * 2^8 + c, exact in each lane
+  // (4 inputs of the run: at most 4 * 15 * 2^22 < 2^28), scaled once per run.
+  const int64_t runs_per_group = dim / num_groups / kGroup;  // (no division a run)
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1), times_256 = _mm256_set1_epi16(256);
+  __m256 sums[TR];
+  for (int t = 0; t < TR; ++t) sums[t] = _mm256_setzero_ps();
+  for (int64_t r = 0; r < x.num_blocks; ++r) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + r * 16));
+    const __m256i q =
+        _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), nibble);
+    const float weight_scale = Scale(scales, runs_per_group == 1 ? r : r / runs_per_group);
+    for (int t = 0; t < TR; ++t) {
+      const int64_t at = (t0 + t) * x.num_blocks + r;
+      const __m256i* pieces = reinterpret_cast<const __m256i*>(x.pieces.data() + at * 96);
+      const __m256i ab = _mm256_add_epi32(
+          _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256(pieces)), times_256),
+          _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256(pieces + 1)), ones));
+      const __m256i dot = _mm256_add_epi32(
+          _mm256_slli_epi32(ab, 8),
+          _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256(pieces + 2)), ones));
+      sums[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                _mm256_set1_ps(weight_scale * x.run_scales[at]), sums[t]);
+    }
+  }
+  for (int t = 0; t < TR; ++t) dots[t] = Sum(f32x8(sums[t]), f32x8{});
 #endif
 }
 

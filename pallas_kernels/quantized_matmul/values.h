@@ -119,11 +119,42 @@ inline f32x16 LoadScales(const S* p) {
   }
 }
 
+#ifdef JENGINE_AVX2
+// 8 of them from p on, in one register.
+template <typename S>
+inline __m256 LoadScales8(const S* p) {
+  if constexpr (std::is_same_v<S, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+#ifdef __F16C__
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+    return _mm256_setr_ps(HalfToFloat(p[0]), HalfToFloat(p[1]), HalfToFloat(p[2]),
+                          HalfToFloat(p[3]), HalfToFloat(p[4]), HalfToFloat(p[5]),
+                          HalfToFloat(p[6]), HalfToFloat(p[7]));
+#endif
+  }
+}
+#endif
+
+// The sum of 16 lanes [low | high], pairwise so the result does not depend on how lanes
+// were filled: ((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7)), s_i = lane i + lane i + 8.
+// In whole-vector shuffles: on AVX2 GCC moves a 16-lane vector's single lanes through
+// memory.
+inline float Sum(f32x8 low, f32x8 high) {
+  using f32x4 = float __attribute__((vector_size(16)));
+  using f32x2 = float __attribute__((vector_size(8)));
+  const f32x8 s = low + high;
+  const f32x4 quad =
+      __builtin_shufflevector(s, s, 0, 1, 2, 3) + __builtin_shufflevector(s, s, 4, 5, 6, 7);
+  const f32x2 pair =
+      __builtin_shufflevector(quad, quad, 0, 1) + __builtin_shufflevector(quad, quad, 2, 3);
+  return pair[0] + pair[1];
+}
+
 inline float Sum(f32x16 v) {
-  // Pairwise, so the result does not depend on how lanes were filled.
-  float s[8];
-  for (int i = 0; i < 8; ++i) s[i] = v[i] + v[i + 8];
-  return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+  return Sum(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7),
+             __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 
 // float8 e4m3fn (OCP: 4 exponent bits of bias 7, 3 mantissa bits, no infinities, NaN at

@@ -7,7 +7,6 @@ native build never compiles; they once ran ~10x slower than they should and only
 measurement showed it, so the speed of the AVX2 build is checked too."""
 
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,19 +18,18 @@ from jengine.pallas_kernels.quantized_matmul import cpu as quantized_cpu
 from jengine.pallas_kernels.quantized_matmul import quantized_matmul_reference
 from jengine.pallas_kernels.stacked_matmul import cpu as stacked_cpu
 from jengine.pallas_kernels.stacked_matmul import stacked_matmul_reference
-from tests.kernels.test_quantized_matmul import FORMATS, Q4_1, oracle, weight
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return set()
-    return set(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), []))
-
+from tests.kernels.test_quantized_matmul import (
+    FORMATS,
+    FOUR_BIT,
+    Q4_1,
+    check_integer_x,
+    cpu_flags,
+    oracle,
+    weight,
+)
 
 pytestmark = pytest.mark.skipif(
-    not {"avx2", "fma", "f16c"} <= _cpu_flags(), reason="an x86 CPU with AVX2, FMA and F16C"
+    not {"avx2", "fma", "f16c"} <= cpu_flags(), reason="an x86 CPU with AVX2, FMA and F16C"
 )
 
 
@@ -75,6 +73,12 @@ def test_quantized_avx2_build_matches_reference_and_float64(
     np.testing.assert_allclose(ours, oracle(x, w, 1), rtol=0, atol=2e-6 * scale)
     reference = quantized_matmul_reference(x, w, 1)
     np.testing.assert_allclose(ours, reference, rtol=0, atol=2e-6 * scale)
+
+
+@pytest.mark.parametrize("fmt", FOUR_BIT, ids=lambda f: f.name)
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_quantized_avx2_build_multiplies_4_bit_weights_by_integer_x(quantized_avx2, fmt, rows):
+    check_integer_x(fmt, rows, quantized_avx2, integer_runs=True)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 16, 17, 40, 128])

@@ -6,6 +6,7 @@ read outside `w[layer]` shows, derivatives through the reference, operands it mu
 refuse, and the entry point's choice (kernel for a few float32 rows, reference otherwise)."""
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,6 @@ import numpy as np
 import pytest
 
 from jengine.models.quantize import FP8, GGUF_KEPT, INT8_PER_CHANNEL
-from jengine.pallas_kernels import native_build
 from jengine.pallas_kernels.quantized_matmul import (
     QuantFormat,
     QuantizedWeight,
@@ -179,25 +179,42 @@ def test_several_weights_in_one_call_give_each_ones_own_bits(rows):
         np.testing.assert_allclose(out, reference, rtol=0, atol=2e-6 * np.abs(reference).max())
 
 
-@pytest.mark.parametrize(
-    "fmt",
-    [Q4_1, Q4_0, GGUF_KEPT["Q4_K"], UINT4_GROUPS_OF_64, UINT4_PER_CHANNEL],
-    ids=lambda f: f.name,
-)
-@pytest.mark.parametrize("rows", [1, 5, 16])
-def test_4_bit_weights_with_integer_x_give_float_xs_result(fmt, rows):
-    """4-bit weights multiply x as integers where the CPU has AVX-512 VNNI (cpu.cc's
-    `IntegerX`: each run of 32 inputs exact to 2^-23 of its largest |x|): float64's result
-    to float32 rounding like float x's, with outliers 300x the rest in x; 576 inputs are
-    4 whole blocks of 4 runs and a part. A row holding inf, or only values below 2^-104,
-    keeps float x: the same bits as float x, inf and NaN where those put them."""
+FOUR_BIT = [Q4_1, Q4_0, GGUF_KEPT["Q4_K"], UINT4_GROUPS_OF_64, UINT4_PER_CHANNEL]
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's /proc/cpuinfo flags (none where there is no such file)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return set(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), []))
+
+
+def integer_x_builds(flags: set[str]) -> bool:
+    """Whether a build for a CPU with these /proc/cpuinfo flags multiplies 4-bit weights
+    by integer x (integer_x.h): AVX-512 VNNI, or AVX2 and FMA without AVX-512."""
+    return {"avx512_vnni", "avx512bw"} <= flags or (
+        {"avx2", "fma"} <= flags and "avx512f" not in flags
+    )
+
+
+def check_integer_x(fmt, rows: int, build=cpu.KERNEL, integer_runs: bool | None = None):
+    """4-bit weights multiply x as integers where the build can (integer_x.h: each run of
+    32 inputs exact to 2^-23 of its largest |x|): float64's result to float32 rounding like
+    float x's, with outliers 300x the rest in x; 576 inputs are 4 whole blocks of 4 runs
+    and a part. A row holding inf or NaN, or only values below 2^-104, keeps float x: the
+    same bits as float x, inf and NaN where those put them. `integer_runs`: whether the
+    build has integer products (then their rounding is not float x's)."""
     w = weight(fmt, 100, 576)
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((rows, 576)).astype(np.float32)
     x[:, ::37] *= 300.0
 
     def run(x, integer_x):
-        call = jax.jit(lambda x, w: cpu.quantized_matmuls_cpu(x, [w], 1, integer_x=integer_x))
+        call = jax.jit(
+            lambda x, w: cpu.quantized_matmuls_cpu(x, [w], 1, integer_x=integer_x, kernel=build)
+        )
         return np.asarray(call(x, w)[0])
 
     exact = oracle(x, w, 1)
@@ -205,18 +222,27 @@ def test_4_bit_weights_with_integer_x_give_float_xs_result(fmt, rows):
     integer, floats = run(x, True), run(x, False)
     np.testing.assert_allclose(integer, exact, rtol=0, atol=2e-6 * scale)
     np.testing.assert_allclose(floats, exact, rtol=0, atol=2e-6 * scale)
-    # On a CPU the kernel builds for with VNNI, the integer products ran: their rounding
-    # is not float x's.
-    if "avx512_vnni" in native_build._cpu_signature():
+    if integer_runs:
         assert not np.array_equal(integer, floats)
 
+    # The last row's pass is its own where rows % 4 == 1. A NaN among a run's first 16
+    # inputs, where a float maximum would drop it.
+    for value, at in ((np.inf, 100), (np.nan, 3)):
+        special = x.copy()
+        special[-1, at] = value
+        np.testing.assert_array_equal(run(special, True)[-1], run(special, False)[-1])
     special = x.copy()
-    special[-1, 100] = np.inf  # the last row's pass is its own where rows % 4 == 1
-    np.testing.assert_array_equal(run(special, True)[-1], run(special, False)[-1])
     special[-1] = x[-1] * 1e-38
     tiny = run(special, True)[-1]
     assert (tiny != 0).any()
     np.testing.assert_array_equal(tiny, run(special, False)[-1])
+
+
+@pytest.mark.parametrize("fmt", FOUR_BIT, ids=lambda f: f.name)
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_4_bit_weights_with_integer_x_give_float_xs_result(fmt, rows):
+    """`check_integer_x` on the native build (test_avx2_build.py: an AVX2 CPU's build)."""
+    check_integer_x(fmt, rows, integer_runs=integer_x_builds(cpu_flags()))
 
 
 def test_a_layer_outside_the_stack_is_refused():
