@@ -3,9 +3,9 @@
 // float x). Included by cpu.cc only.
 //
 // Why: on these cores a decode step's 4-bit matmuls are bound by compute, the widening of
-// every weight to float, not by the bytes read. Byte product-sum instructions multiply 32
-// or 64 weights with as many bytes of x at once, so x is made integers that bytes hold
-// exactly: each run of 32 inputs is scaled by a power of two that puts its largest |x|
+// every weight to float, not by the bytes read. Integer product-sum instructions multiply
+// 16 or 64 weights with as many integers of x at once, so x is made integers that these
+// hold exactly: each run of 32 inputs is scaled by a power of two that puts its largest |x|
 // below 2^22 and rounded to integers (an error of at most 2^-23 of the run's largest |x| in
 // each; float x carries 2^-24 of its own), each the sum of three signed bytes a * 2^16 +
 // b * 2^8 + c. Every product, and every sum over a block of runs, is then an exact 32-bit
@@ -24,23 +24,28 @@
 
 namespace quantized_matmul {
 
-// Where x becomes integers: CPUs with AVX-512 VNNI (a block is 4 runs, a byte product-sum
-// instruction's 64 bytes) and CPUs with AVX2 but not AVX-512 (a block is 1 run, multiplied
-// through `vpmaddubsw` and `vpmaddwd`, 32 bytes of weights at a time).
+// Where x becomes integers, and how a block of runs lies (`IntegerX::pieces`):
+// - CPUs with AVX-512 VNNI: a block is 4 runs, a byte product-sum instruction's 64 bytes;
+//   three pieces (a, b, c) of 128 signed bytes, each [the runs' inputs 0-15 | their inputs
+//   16-31] as a block's unpacked 4-bit weights lie.
+// - CPUs with AVX2 but not AVX-512: a block is 1 run, multiplied through `vpmaddwd` (pairs
+//   of 16-bit products) with the weights widened to 16 bits: two pieces of 32 int16s in
+//   input order, a * 2^8 + b (at most 2^14 + 1 in magnitude) and c. Two multiplies for each 16
+//   weights instead of three byte ones (`vpmaddubsw` and `vpmaddwd` for each piece: this
+//   CPU's one integer multiply pipe is the bound).
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define JENGINE_INTEGER_X 1
-constexpr int64_t kRunsPerBlock = 4;
+constexpr int64_t kRunsPerBlock = 4, kBlockBytes = 384, kHalfBytes = 64;
 #elif defined(JENGINE_AVX2)  // values.h: AVX2 and FMA without AVX-512
 #define JENGINE_INTEGER_X 1
-constexpr int64_t kRunsPerBlock = 1;
+constexpr int64_t kRunsPerBlock = 1, kBlockBytes = 128, kHalfBytes = 32;
 #endif
 
-// Rows of x as integers: per row and block of kRunsPerBlock runs of 32 inputs, three pieces
-// (a, b, c) of 32 * kRunsPerBlock signed bytes, each laid out [the runs' inputs 0-15 | their
-// inputs 16-31] as a block's unpacked 4-bit weights lie, and each run's scale.
+// Rows of x as integers: per row and block of runs of 32 inputs, the pieces (above) and
+// each run's scale.
 struct IntegerX {
   int64_t num_blocks = 0;
-  std::vector<int8_t> pieces;      // [T, blocks, 3, 32 * kRunsPerBlock]
+  std::vector<int8_t> pieces;      // [T, blocks, kBlockBytes]
   std::vector<float> run_scales;   // [T, blocks * kRunsPerBlock]
   std::vector<uint8_t> has_row;    // [T]: row t is in pieces (else it keeps float x)
 
@@ -54,12 +59,11 @@ struct IntegerX {
 
 #ifdef JENGINE_INTEGER_X
   static constexpr int kBits = 22;  // |x| * scale <= 2^22: a within [-65, 65]
-  static constexpr int64_t kPieceBytes = 32 * kRunsPerBlock;
 
   void Prepare(const float* x, int64_t num_rows, int64_t dim) {
     const int64_t runs = dim / kGroup;
     num_blocks = (runs + kRunsPerBlock - 1) / kRunsPerBlock;
-    pieces.assign(num_rows * num_blocks * 3 * kPieceBytes, 0);
+    pieces.assign(num_rows * num_blocks * kBlockBytes, 0);
     run_scales.assign(num_rows * num_blocks * kRunsPerBlock, 0.0f);
     has_row.assign(num_rows, 1);
     for (int64_t t = 0; t < num_rows; ++t) {
@@ -74,10 +78,9 @@ struct IntegerX {
         }
         run_scales[t * num_blocks * kRunsPerBlock + r] = std::ldexp(1.0f, e - kBits);
         const float up = std::ldexp(1.0f, kBits - e);
-        int8_t* block = pieces.data() + (t * num_blocks + r / kRunsPerBlock) * 3 * kPieceBytes +
+        int8_t* block = pieces.data() + (t * num_blocks + r / kRunsPerBlock) * kBlockBytes +
                         (r % kRunsPerBlock) * 16;
-        for (int half = 0; half < 2; ++half)
-          Digits(run + 16 * half, up, block + half * 16 * kRunsPerBlock);
+        for (int half = 0; half < 2; ++half) Digits(run + 16 * half, up, block + half * kHalfBytes);
       }
     }
   }
@@ -106,7 +109,7 @@ struct IntegerX {
   }
 
   // 16 inputs times `up`, rounded, as balanced digits: c and b within [-128, 127], a what is
-  // left; a's 16 bytes to `at`, b's and c's one and two pieces on.
+  // left; stored as the pieces lie from `at` on (the first piece's part of this half).
   static void Digits(const float* sixteen, float up, int8_t* at) {
 #if defined(__AVX512F__)
     const __m512i value = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(sixteen), _mm512_set1_ps(up)));
@@ -116,28 +119,20 @@ struct IntegerX {
     const __m512i a = _mm512_srai_epi32(_mm512_sub_epi32(rest, b), 8);
     const __m512i digits[3] = {a, b, c};
     for (int piece = 0; piece < 3; ++piece)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(at + piece * kPieceBytes),
-                       _mm512_cvtepi32_epi8(digits[piece]));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(at + piece * 128), _mm512_cvtepi32_epi8(digits[piece]));
 #else
-    __m256i digits[3][2];  // a, b, c of inputs 0-7 and 8-15
+    __m256i high[2], low[2];  // a * 2^8 + b and c, of inputs 0-7 and 8-15
     for (int k = 0; k < 2; ++k) {
       const __m256i value =
           _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(sixteen + 8 * k), _mm256_set1_ps(up)));
-      const __m256i c = _mm256_srai_epi32(_mm256_slli_epi32(value, 24), 24);
-      const __m256i rest = _mm256_srai_epi32(_mm256_sub_epi32(value, c), 8);
-      const __m256i b = _mm256_srai_epi32(_mm256_slli_epi32(rest, 24), 24);
-      digits[0][k] = _mm256_srai_epi32(_mm256_sub_epi32(rest, b), 8);
-      digits[1][k] = b;
-      digits[2][k] = c;
+      low[k] = _mm256_srai_epi32(_mm256_slli_epi32(value, 24), 24);
+      high[k] = _mm256_srai_epi32(_mm256_sub_epi32(value, low[k]), 8);
     }
-    for (int piece = 0; piece < 3; ++piece) {
-      // 16 int32s to 16 bytes in order (each fits: packing's saturation never acts).
-      const __m256i words = _mm256_permute4x64_epi64(
-          _mm256_packs_epi32(digits[piece][0], digits[piece][1]), 0xD8);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(at + piece * kPieceBytes),
-                       _mm_packs_epi16(_mm256_castsi256_si128(words),
-                                       _mm256_extracti128_si256(words, 1)));
-    }
+    // 16 int32s to 16 int16s in order (each fits: packing's saturation never acts).
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), _mm256_permute4x64_epi64(
+                            _mm256_packs_epi32(high[0], high[1]), 0xD8));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(at + 64), _mm256_permute4x64_epi64(
+                            _mm256_packs_epi32(low[0], low[1]), 0xD8));
 #endif
   }
 #else
@@ -200,34 +195,39 @@ void IntegerDots(const IntegerX& x, const uint8_t* row, const S* scales, int64_t
   }
   for (int t = 0; t < TR; ++t) dots[t] = Sum(f32x16(sums[t]));
 #elif defined(JENGINE_INTEGER_X)
-  // AVX2: a run's 16 packed bytes widen to 32 bytes in input order. `vpmaddubsw` sums pairs
-  // of byte products into 16 bits (at most 2 * 15 * 128 < 2^15), `vpmaddwd` pairs of those
-  // into 32 bits, a's times 2^8 on the way: (a * 2^8 + b) * 2^8 + c, exact in each lane
-  // (4 inputs of the run: at most 4 * 15 * 2^22 < 2^28), scaled once per run.
+  // AVX2: a run's 16 packed bytes widen to 16-bit weights, inputs 0-15 (low nibbles) and
+  // 16-31 (high). `vpmaddwd` sums pairs of products into 32 bits: 2^8 * (the weights times
+  // a * 2^8 + b) + (the weights times c), exact in each lane (4 inputs of the run: at most
+  // 4 * 15 * 2^22 < 2^28), scaled once per run.
   const int64_t runs_per_group = dim / num_groups / kGroup;  // (no division a run)
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1), times_256 = _mm256_set1_epi16(256);
-  __m256 sums[TR];
-  for (int t = 0; t < TR; ++t) sums[t] = _mm256_setzero_ps();
-  for (int64_t r = 0; r < x.num_blocks; ++r) {
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + r * 16));
-    const __m256i q =
-        _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), nibble);
+  const __m256i nibble = _mm256_set1_epi16(0x0F);
+  // Even and odd runs into sums of their own: one chain of additions would wait on each.
+  __m256 even[TR], odd[TR];
+  for (int t = 0; t < TR; ++t) even[t] = odd[t] = _mm256_setzero_ps();
+  auto add_run = [&](int64_t r, __m256 (&sums)[TR]) {
+    const __m256i bytes =
+        _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + r * 16)));
+    const __m256i first = _mm256_and_si256(bytes, nibble), second = _mm256_srli_epi16(bytes, 4);
     const float weight_scale = Scale(scales, runs_per_group == 1 ? r : r / runs_per_group);
     for (int t = 0; t < TR; ++t) {
       const int64_t at = (t0 + t) * x.num_blocks + r;
-      const __m256i* pieces = reinterpret_cast<const __m256i*>(x.pieces.data() + at * 96);
-      const __m256i ab = _mm256_add_epi32(
-          _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256(pieces)), times_256),
-          _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256(pieces + 1)), ones));
-      const __m256i dot = _mm256_add_epi32(
-          _mm256_slli_epi32(ab, 8),
-          _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256(pieces + 2)), ones));
+      const __m256i* pieces = reinterpret_cast<const __m256i*>(x.pieces.data() + at * 128);
+      const __m256i high = _mm256_add_epi32(_mm256_madd_epi16(first, _mm256_loadu_si256(pieces)),
+                                            _mm256_madd_epi16(second, _mm256_loadu_si256(pieces + 1)));
+      const __m256i low = _mm256_add_epi32(_mm256_madd_epi16(first, _mm256_loadu_si256(pieces + 2)),
+                                           _mm256_madd_epi16(second, _mm256_loadu_si256(pieces + 3)));
+      const __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(high, 8), low);
       sums[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
                                 _mm256_set1_ps(weight_scale * x.run_scales[at]), sums[t]);
     }
+  };
+  int64_t r = 0;
+  for (; r + 2 <= x.num_blocks; r += 2) {
+    add_run(r, even);
+    add_run(r + 1, odd);
   }
-  for (int t = 0; t < TR; ++t) dots[t] = Sum(f32x8(sums[t]), f32x8{});
+  if (r < x.num_blocks) add_run(r, even);
+  for (int t = 0; t < TR; ++t) dots[t] = Sum(f32x8(even[t]), f32x8(odd[t]));
 #endif
 }
 
