@@ -10,10 +10,11 @@
 // 4 bytes per weight, every step); here each group of packed values is widened to float
 // in registers and multiplied with x at once, so a step reads the packed bytes and
 // nothing else. The result is the dequantized weight's to float32 rounding: x stays float,
-// or for 4-bit weights on CPUs with AVX-512 VNNI becomes integers exact to 2^-23 of each
-// run's largest |x| (`integer_x.h`: not llama.cpp's x rounded to int8). Work items (blocks
-// of output rows, of all the call's weights at once) are shared between the calling thread
-// and XLA's intra-op thread pool, as in the stacked float32 kernel. `values.h` widens the
+// or for 4-bit weights on CPUs with AVX-512 VNNI or AVX2 (without AVX-512) becomes integers
+// exact to 2^-23 of each run's largest |x| (`integer_x.h`: not llama.cpp's x rounded to
+// int8). Work items (blocks of output rows, of all the call's weights at once) are shared
+// between the calling thread and XLA's intra-op thread pool, as in the stacked float32
+// kernel. `values.h` widens the
 // stored values and scales. Past kRowByRowRows rows (batched decode steps, short prefill
 // chunks) the products are compute-bound: an item's 32 output rows are dequantized once
 // into a float panel in L2 and multiply every row of x through `panel.h`'s register tiles
@@ -153,28 +154,6 @@ void FloatDots(const Work& p, const Segment& s, int64_t j, int64_t t0, float (&d
     }
   }
   for (int t = 0; t < TR; ++t) dots[t] = Sum(acc[t]);
-}
-
-// A row's mins times x's group sums: sum over groups g of min[g] * sums[g], 16 groups a
-// step (on AVX2 in two 8-lane registers: see Sum).
-template <typename S>
-float MinsShift(const S* mins, const float* sums, int64_t num_groups) {
-  float shift = 0.0f;
-  int64_t g = 0;
-#ifdef JENGINE_AVX2
-  __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps();
-  for (; g + 16 <= num_groups; g += 16) {
-    low = _mm256_fmadd_ps(LoadScales8(mins + g), _mm256_loadu_ps(sums + g), low);
-    high = _mm256_fmadd_ps(LoadScales8(mins + g + 8), _mm256_loadu_ps(sums + g + 8), high);
-  }
-  for (; g < num_groups; ++g) shift += Scale(mins, g) * sums[g];
-  return shift + Sum(f32x8(low), f32x8(high));
-#else
-  f32x16 lanes = {};
-  for (; g + 16 <= num_groups; g += 16) lanes += LoadScales(mins + g) * Load(sums + g);
-  for (; g < num_groups; ++g) shift += Scale(mins, g) * sums[g];
-  return shift + Sum(lanes);
-#endif
 }
 
 // out[t0 + t, j] for t < TR: the products (with integer x where every row has it), then

@@ -157,6 +157,28 @@ inline float Sum(f32x16 v) {
              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 
+// A row's mins times x's group sums: sum over groups g of min[g] * sums[g], 16 groups a
+// step (on AVX2 in two 8-lane registers: see Sum).
+template <typename S>
+float MinsShift(const S* mins, const float* sums, int64_t num_groups) {
+  float shift = 0.0f;
+  int64_t g = 0;
+#ifdef JENGINE_AVX2
+  __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps();
+  for (; g + 16 <= num_groups; g += 16) {
+    low = _mm256_fmadd_ps(LoadScales8(mins + g), _mm256_loadu_ps(sums + g), low);
+    high = _mm256_fmadd_ps(LoadScales8(mins + g + 8), _mm256_loadu_ps(sums + g + 8), high);
+  }
+  for (; g < num_groups; ++g) shift += Scale(mins, g) * sums[g];
+  return shift + Sum(f32x8(low), f32x8(high));
+#else
+  f32x16 lanes = {};
+  for (; g + 16 <= num_groups; g += 16) lanes += LoadScales(mins + g) * Load(sums + g);
+  for (; g < num_groups; ++g) shift += Scale(mins, g) * sums[g];
+  return shift + Sum(lanes);
+#endif
+}
+
 // float8 e4m3fn (OCP: 4 exponent bits of bias 7, 3 mantissa bits, no infinities, NaN at
 // S.1111.111) to float32, exactly: normals rebias the exponent, subnormals are m * 2^-9.
 // `u`: the bytes widened to int32 lanes (16 here, 8 in avx2_dots.h); F: float lanes alike.
