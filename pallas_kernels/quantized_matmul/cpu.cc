@@ -14,12 +14,11 @@
 // exact to 2^-23 of each run's largest |x| (`integer_x.h`: not llama.cpp's x rounded to
 // int8). Work items (blocks of output rows, of all the call's weights at once) are shared
 // between the calling thread and XLA's intra-op thread pool, as in the stacked float32
-// kernel. `values.h` widens the
-// stored values and scales. Past kRowByRowRows rows (batched decode steps, short prefill
-// chunks) the products are compute-bound: an item's 32 output rows are dequantized once
-// into a float panel in L2 and multiply every row of x through `panel.h`'s register tiles
-// (pallas_kernels/include), where XLA would write the whole layer dequantized to a fresh
-// buffer and its GEMM pack it once more.
+// kernel. `values.h` widens the stored values and scales. Past kRowByRowRows rows
+// (batched decode steps, short prefill chunks) the products are compute-bound: an item's
+// 32 output rows are dequantized once into a float panel in L2 and multiply every row of x
+// through `panel.h`'s register tiles (pallas_kernels/include), where XLA would write the
+// whole layer dequantized to a fresh buffer and its GEMM pack it once more.
 //
 // Layouts (row-major; `layout.py` is the definition): x [T, D]; layer [1]; then for each
 // weight values [L, F, D] int8 or float8 e4m3fn, or [L, F, D / 2] uint8 (uint4, GGUF's nibble
