@@ -179,7 +179,10 @@ def test_several_weights_in_one_call_give_each_ones_own_bits(rows):
         np.testing.assert_allclose(out, reference, rtol=0, atol=2e-6 * np.abs(reference).max())
 
 
-FOUR_BIT = [Q4_1, Q4_0, GGUF_KEPT["Q4_K"], UINT4_GROUPS_OF_64, UINT4_PER_CHANNEL]
+# Every 4-bit format a loader makes has mins, whose term (min times x's group sum) carries
+# a NaN of x to the output whatever the products do; one without them shows the products'.
+UINT4_NO_MINS = QuantFormat("uint4-no-mins", "uint4", group_size=32)
+FOUR_BIT = [Q4_1, Q4_0, GGUF_KEPT["Q4_K"], UINT4_GROUPS_OF_64, UINT4_PER_CHANNEL, UINT4_NO_MINS]
 
 
 def cpu_flags() -> set[str]:
