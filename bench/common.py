@@ -63,8 +63,8 @@ def add_common_args(parser: argparse.ArgumentParser, name: str) -> None:
         "--model",
         default=None,
         help="a GGUF to run instead of the benchmark model ('smollm2' or a .gguf path): "
-        "jengine and transformers dequantize it to float32, llama.cpp runs it as it is and "
-        "as an F32 copy",
+        "jengine and llama.cpp each run it as it is (kept quantized) and as float32, "
+        "transformers dequantizes it to float32",
     )
     parser.add_argument(
         "--out", default=str(RESULTS_DIR / f"{name}.json"), help="where the JSON goes"
