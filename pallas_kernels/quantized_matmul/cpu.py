@@ -69,8 +69,8 @@ def quantized_matmuls_cpu(
     multiply x as integers where the CPU has AVX-512 VNNI or is an AVX2 CPU without
     AVX-512 (`integer_x.h`: exact to 2^-23 of each run of 32 inputs' largest |x|;
     SmolLM2's 30 Q4_1 layers 4.25 against 4.91 ms with VNNI, bench/README.md); False
-    keeps float x for every weight. `kernel`: the build
-    to call (the tests pass an AVX2 CPU's)."""
+    keeps float x for every weight. `kernel`: the build to call (the tests pass an AVX2
+    CPU's)."""
     for w in ws:
         if not supports(x, w):
             raise ValueError(

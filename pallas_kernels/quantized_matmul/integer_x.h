@@ -17,7 +17,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "values.h"
@@ -30,15 +29,18 @@ namespace quantized_matmul {
 //   16-31] as a block's unpacked 4-bit weights lie.
 // - CPUs with AVX2 but not AVX-512: a block is 1 run, multiplied through `vpmaddwd` (pairs
 //   of 16-bit products) with the weights widened to 16 bits: two pieces of 32 int16s in
-//   input order, a * 2^8 + b (at most 2^14 + 1 in magnitude) and c. Two multiplies for each 16
-//   weights instead of three byte ones (`vpmaddubsw` and `vpmaddwd` for each piece: this
-//   CPU's one integer multiply pipe is the bound).
+//   input order, a * 2^8 + b (at most 2^14 + 1 in magnitude) and c. Two multiplies for
+//   each 16 weights instead of three byte ones (`vpmaddubsw` and `vpmaddwd` for each
+//   piece: this CPU's one integer multiply pipe is the bound).
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define JENGINE_INTEGER_X 1
-constexpr int64_t kRunsPerBlock = 4, kBlockBytes = 384, kHalfBytes = 64;
+constexpr int64_t kRunsPerBlock = 4, kPieceBytes = 128, kPieces = 3, kHalfBytes = 64;
 #elif defined(JENGINE_AVX2)  // values.h: AVX2 and FMA without AVX-512
 #define JENGINE_INTEGER_X 1
-constexpr int64_t kRunsPerBlock = 1, kBlockBytes = 128, kHalfBytes = 32;
+constexpr int64_t kRunsPerBlock = 1, kPieceBytes = 64, kPieces = 2, kHalfBytes = 32;
+#endif
+#ifdef JENGINE_INTEGER_X
+constexpr int64_t kBlockBytes = kPieces * kPieceBytes;
 #endif
 
 // Rows of x as integers: per row and block of runs of 32 inputs, the pieces (above) and
@@ -112,14 +114,16 @@ struct IntegerX {
   // left; stored as the pieces lie from `at` on (the first piece's part of this half).
   static void Digits(const float* sixteen, float up, int8_t* at) {
 #if defined(__AVX512F__)
-    const __m512i value = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(sixteen), _mm512_set1_ps(up)));
+    const __m512i value =
+        _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(sixteen), _mm512_set1_ps(up)));
     const __m512i c = _mm512_srai_epi32(_mm512_slli_epi32(value, 24), 24);
     const __m512i rest = _mm512_srai_epi32(_mm512_sub_epi32(value, c), 8);
     const __m512i b = _mm512_srai_epi32(_mm512_slli_epi32(rest, 24), 24);
     const __m512i a = _mm512_srai_epi32(_mm512_sub_epi32(rest, b), 8);
     const __m512i digits[3] = {a, b, c};
     for (int piece = 0; piece < 3; ++piece)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(at + piece * 128), _mm512_cvtepi32_epi8(digits[piece]));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(at + piece * kPieceBytes),
+                       _mm512_cvtepi32_epi8(digits[piece]));
 #else
     __m256i high[2], low[2];  // a * 2^8 + b and c, of inputs 0-7 and 8-15
     for (int k = 0; k < 2; ++k) {
@@ -131,7 +135,7 @@ struct IntegerX {
     // 16 int32s to 16 int16s in order (each fits: packing's saturation never acts).
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), _mm256_permute4x64_epi64(
                             _mm256_packs_epi32(high[0], high[1]), 0xD8));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(at + 64), _mm256_permute4x64_epi64(
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(at + kPieceBytes), _mm256_permute4x64_epi64(
                             _mm256_packs_epi32(low[0], low[1]), 0xD8));
 #endif
   }
@@ -180,13 +184,13 @@ void IntegerDots(const IntegerX& x, const uint8_t* row, const S* scales, int64_t
     const __m128 weight_scales = BlockScales(scales, b, block_runs, group);
     for (int t = 0; t < TR; ++t) {
       const int64_t at = (t0 + t) * x.num_blocks + b;
-      const int8_t* pieces = x.pieces.data() + at * 384;
+      const int8_t* pieces = x.pieces.data() + at * kBlockBytes;
       __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), low, _mm512_loadu_si512(pieces));
       dot = _mm512_dpbusd_epi32(dot, high, _mm512_loadu_si512(pieces + 64));
       for (int piece = 1; piece < 3; ++piece) {
         dot = _mm512_slli_epi32(dot, 8);
-        dot = _mm512_dpbusd_epi32(dot, low, _mm512_loadu_si512(pieces + piece * 128));
-        dot = _mm512_dpbusd_epi32(dot, high, _mm512_loadu_si512(pieces + piece * 128 + 64));
+        dot = _mm512_dpbusd_epi32(dot, low, _mm512_loadu_si512(pieces + piece * kPieceBytes));
+        dot = _mm512_dpbusd_epi32(dot, high, _mm512_loadu_si512(pieces + piece * kPieceBytes + 64));
       }
       const __m128 four = _mm_mul_ps(weight_scales, _mm_loadu_ps(&x.run_scales[at * 4]));
       const __m512 lanes = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(four));
@@ -211,11 +215,15 @@ void IntegerDots(const IntegerX& x, const uint8_t* row, const S* scales, int64_t
     const float weight_scale = Scale(scales, runs_per_group == 1 ? r : r / runs_per_group);
     for (int t = 0; t < TR; ++t) {
       const int64_t at = (t0 + t) * x.num_blocks + r;
-      const __m256i* pieces = reinterpret_cast<const __m256i*>(x.pieces.data() + at * 128);
-      const __m256i high = _mm256_add_epi32(_mm256_madd_epi16(first, _mm256_loadu_si256(pieces)),
-                                            _mm256_madd_epi16(second, _mm256_loadu_si256(pieces + 1)));
-      const __m256i low = _mm256_add_epi32(_mm256_madd_epi16(first, _mm256_loadu_si256(pieces + 2)),
-                                           _mm256_madd_epi16(second, _mm256_loadu_si256(pieces + 3)));
+      const __m256i* pieces =
+          reinterpret_cast<const __m256i*>(x.pieces.data() + at * kBlockBytes);
+      // Piece 0 (a * 2^8 + b) times inputs 0-15 and 16-31, then piece 1 (c).
+      const __m256i high =
+          _mm256_add_epi32(_mm256_madd_epi16(first, _mm256_loadu_si256(pieces)),
+                           _mm256_madd_epi16(second, _mm256_loadu_si256(pieces + 1)));
+      const __m256i low =
+          _mm256_add_epi32(_mm256_madd_epi16(first, _mm256_loadu_si256(pieces + 2)),
+                           _mm256_madd_epi16(second, _mm256_loadu_si256(pieces + 3)));
       const __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(high, 8), low);
       sums[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
                                 _mm256_set1_ps(weight_scale * x.run_scales[at]), sums[t]);

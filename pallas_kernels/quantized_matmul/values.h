@@ -9,7 +9,7 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -99,28 +99,8 @@ inline float Scale(const S* p, int64_t i) {
     return HalfToFloat(p[i]);
 }
 
-// 16 of them from p on.
-template <typename S>
-inline f32x16 LoadScales(const S* p) {
-  if constexpr (std::is_same_v<S, float>) {
-    return Load(p);
-  } else {
-#if defined(__AVX512F__)
-    return f32x16(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
-#elif defined(__F16C__)
-    const __m128i* halves = reinterpret_cast<const __m128i*>(p);
-    return Join(f32x8(_mm256_cvtph_ps(_mm_loadu_si128(halves))),
-                f32x8(_mm256_cvtph_ps(_mm_loadu_si128(halves + 1))));
-#else
-    f32x16 v;
-    for (int i = 0; i < 16; ++i) v[i] = HalfToFloat(p[i]);
-    return v;
-#endif
-  }
-}
-
-#ifdef JENGINE_AVX2
-// 8 of them from p on, in one register.
+#ifdef __AVX__
+// 8 scales or mins from p on, in one register.
 template <typename S>
 inline __m256 LoadScales8(const S* p) {
   if constexpr (std::is_same_v<S, float>) {
@@ -137,10 +117,28 @@ inline __m256 LoadScales8(const S* p) {
 }
 #endif
 
+// 16 of them from p on.
+template <typename S>
+inline f32x16 LoadScales(const S* p) {
+  if constexpr (std::is_same_v<S, float>) {
+    return Load(p);
+  } else {
+#if defined(__AVX512F__)
+    return f32x16(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__AVX__)
+    return Join(f32x8(LoadScales8(p)), f32x8(LoadScales8(p + 8)));
+#else
+    f32x16 v;
+    for (int i = 0; i < 16; ++i) v[i] = HalfToFloat(p[i]);
+    return v;
+#endif
+  }
+}
+
 // The sum of 16 lanes [low | high], pairwise so the result does not depend on how lanes
-// were filled: ((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7)), s_i = lane i + lane i + 8.
-// In whole-vector shuffles: on AVX2 GCC moves a 16-lane vector's single lanes through
-// memory.
+// were filled: ((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7)), s_i the sum of lanes i
+// and i + 8. In whole-vector shuffles: on AVX2 GCC moves a 16-lane vector's single lanes
+// through memory.
 inline float Sum(f32x8 low, f32x8 high) {
   using f32x4 = float __attribute__((vector_size(16)));
   using f32x2 = float __attribute__((vector_size(8)));
