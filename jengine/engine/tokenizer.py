@@ -70,10 +70,14 @@ def gguf_tokenizer(path: str):
     jengine's reader: transformers' GGUF reader needs torch, which a serving install lacks.
     None when the file carries no tokenizer."""
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-        GGUF_TOKENIZER_MAPPING,
-        convert_gguf_tokenizer,
-    )
+
+    try:  # transformers >= 5.18
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
+    except ImportError:  # before, the whole GGUF integration was one module
+        from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
     metadata = read_gguf(path, string_arrays=_GGUF_STRING_ARRAYS).metadata
     if "tokenizer.ggml.model" not in metadata:
@@ -97,7 +101,9 @@ def gguf_tokenizer(path: str):
         token_id = metadata.get(f"tokenizer.ggml.{key}")
         tokenizer_config[name] = tokens[token_id] if token_id is not None else None
     backend, extra = convert_gguf_tokenizer(metadata["general.architecture"], tokenizer_dict)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
+    # The file's special tokens win: before 5.18 the converter's settings repeat them, and
+    # for SmolLM2 named <|im_start|> (the BOS) as the EOS where the file says <|im_end|>.
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **{**extra, **tokenizer_config})
 
 
 def eos_token_ids_of(path: str | None, tokenizer) -> list[int]:
