@@ -10,7 +10,8 @@ request has a 128-token prompt and never finishes while the steps are timed; tim
 starts once every request is decoding.
 
 Then, with `--device` (on by default), the real engine on the benchmark model: the
-median engine step while N requests decode, with async scheduling and without, beside the
+median engine step while N requests decode, with async scheduling and without (and two
+parts of it: the runner queueing a step, and waiting for a step's tokens), beside the
 device time of the same decode step (its programs run back to back, inputs prepared, each
 step waited for). With async scheduling the host's work overlaps the device's, so the step
 should come close to the device time. The two engines and the device timing take turns
@@ -158,8 +159,9 @@ def device_step_times(
             row = {}
             for mode, llm in engines.items():
                 times, prepared = _decode(llm, n, steps, rng, f"{n}-{round_index}")
-                # Steady decoding: past the prefills, before the requests end.
-                row[f"{mode}_step_ms"] = 1000 * statistics.median(times[-steps // 2 : -5])
+                for part, seconds in times.items():
+                    # Steady decoding: past the prefills, before the requests end.
+                    row[f"{mode}_{part}_ms"] = 1000 * statistics.median(seconds[-steps // 2 : -5])
                 if mode == "sync":
                     # A decode step from the middle (its blocks are free now: rewriting
                     # them harms nothing).
@@ -172,23 +174,42 @@ def device_step_times(
     return results
 
 
-def _decode(llm, n: int, steps: int, rng, prefix: str) -> tuple[list[float], list]:
-    """n requests with random prompts decoding `steps` tokens: each engine step's time,
-    and every step the runner prepared."""
+def _decode(llm, n: int, steps: int, rng, prefix: str) -> tuple[dict[str, list[float]], list]:
+    """n requests with random prompts decoding `steps` tokens: each engine step's time
+    ("step") and two parts of it, the runner queueing a step's programs ("dispatch") and
+    waiting for a step's sampled tokens ("collect"); and every step the runner prepared."""
     engine, runner = llm.llm_engine, llm.engine_core.runner
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
     for index in range(n):
         prompt = rng.integers(100, 31000, size=PROMPT_LEN).tolist()
         engine.add_request(f"{prefix}-{index}", {"prompt_token_ids": prompt}, params)
-    times, prepared = [], []
+    times = {"step": [], "dispatch": [], "collect": []}
+    prepared = []
     prepare = runner.input_batch.prepare
     runner.input_batch.prepare = _recording(prepare, prepared)
-    while engine.has_unfinished_requests():
-        started = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - started)
-    runner.input_batch.prepare = prepare
+    runner.dispatch = _timed(runner.dispatch, times["dispatch"])
+    runner.collect = _timed(runner.collect, times["collect"])
+    try:
+        while engine.has_unfinished_requests():
+            started = time.perf_counter()
+            engine.step()
+            times["step"].append(time.perf_counter() - started)
+    finally:
+        runner.input_batch.prepare = prepare
+        del runner.dispatch, runner.collect  # the class's methods again
     return times, prepared
+
+
+def _timed(method, into: list):
+    """`method` that also appends each call's duration to `into`."""
+
+    def timed(*args):
+        started = time.perf_counter()
+        result = method(*args)
+        into.append(time.perf_counter() - started)
+        return result
+
+    return timed
 
 
 def _device_ms(runner, step) -> float:
@@ -240,7 +261,10 @@ def main(argv: list[str] | None = None) -> None:
                 f"{row['num_running']:4d} running, real engine (median of {len(row['rounds'])} "
                 f"rounds): step {row['async_step_ms']:.3f} ms async / {row['sync_step_ms']:.3f} "
                 f"ms sync; device {row['device_ms']:.3f} ms (async - device = "
-                f"{row['async_minus_device_ms']:+.3f} ms; by round {by_round})"
+                f"{row['async_minus_device_ms']:+.3f} ms; by round {by_round}); of a step, "
+                f"dispatch {row['async_dispatch_ms']:.3f} / {row['sync_dispatch_ms']:.3f} ms, "
+                f"waiting for the tokens {row['async_collect_ms']:.3f} / "
+                f"{row['sync_collect_ms']:.3f} ms"
             )
     write_result(
         "overhead",
