@@ -224,10 +224,11 @@ def section_quant(args) -> dict:
 
 def section_overhead(args) -> dict:
     """Where a decode step of the 1.1B bf16 model goes on the GPU: the engine's median step
-    at each `--num-running` count of requests, with async scheduling and without, beside the time of
-    the same step's programs run alone and waited for (`jengine bench overhead`'s device
-    part). The step minus that time is the host's share; that time minus the weights' read
-    time (the roofline) is the device programs' own overhead (launches, small kernels)."""
+    at each `--num-running` count of requests, with async scheduling and without (and its
+    dispatch and collect parts), beside the time of the same step's programs run alone and
+    waited for (`jengine bench overhead`'s device part). The step minus that time is the
+    host's share; that time minus the weights' read time (the roofline) is the device
+    programs' own overhead (launches, small kernels)."""
     from .overhead import device_step_times
 
     path = _build_speed_model(os.path.join(args.workdir, "llama-1b"))
