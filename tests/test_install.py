@@ -129,11 +129,15 @@ def test_llm_chat_from_the_wheel_beside_a_users_packages(venv, user_repo):
 
 GGUF_TOKENIZER_SCRIPT = """
 import json, sys
+from jengine.engine.token_table import llguidance_tokenizer
 from jengine.engine.tokenizer import gguf_tokenizer
 tokenizer = gguf_tokenizer(sys.argv[1])
+grammar_view, _ = llguidance_tokenizer(tokenizer, len(tokenizer))
 messages = [{"role": "user", "content": "Hello"}]
+texts = json.loads(sys.argv[2])
 print(json.dumps(dict(
-    ids=[tokenizer.encode(text) for text in json.loads(sys.argv[2])],
+    ids=[tokenizer.encode(text) for text in texts],
+    grammar_bytes=[grammar_view.decode_bytes(tokenizer.encode(t)).hex() for t in texts],
     special=[getattr(tokenizer, f"{name}_token") for name in ("bos", "eos", "unk", "pad")],
     chat=tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
 )))
@@ -143,8 +147,8 @@ print(json.dumps(dict(
 def test_the_oldest_transformers_declared(wheel, user_repo, tmp_path):
     """pyproject.toml's floor for transformers holds: with it, a GGUF's tokenizer is the one
     the newest gives (transformers moved its GGUF converter in 5.18: jengine reads it from
-    either place, and before 5.18 the converter named SmolLM2's BOS as its EOS), and the
-    bundled model chats."""
+    either place, and before 5.18 the converter named SmolLM2's BOS as its EOS and led its
+    decoder with ByteFallback, which broke every grammar), and the bundled model chats."""
     from tests.engine.test_gguf_tokenizer import TEXTS
 
     [floor] = [r.split(">=")[1] for r in PROJECT["dependencies"] if r.startswith("transformers")]
@@ -157,6 +161,8 @@ def test_the_oldest_transformers_declared(wheel, user_repo, tmp_path):
     old = json.loads(result.stdout)
     newest = gguf_tokenizer(path)
     assert old["ids"] == [newest.encode(text) for text in TEXTS]
+    # The bytes the grammar library sees each text's tokens add: the text itself.
+    assert old["grammar_bytes"] == [text.encode().hex() for text in TEXTS]
     assert old["special"] == [
         newest.bos_token,
         newest.eos_token,

@@ -101,6 +101,13 @@ def gguf_tokenizer(path: str):
         token_id = metadata.get(f"tokenizer.ggml.{key}")
         tokenizer_config[name] = tokens[token_id] if token_id is not None else None
     backend, extra = convert_gguf_tokenizer(metadata["general.architecture"], tokenizer_dict)
+    if "ByteLevel" in json.dumps(json.loads(backend.to_str()).get("pre_tokenizer")):
+        # Before 5.18 transformers led a GPT-2 vocabulary's decoder with ByteFallback
+        # (decoding the same), which llguidance reads as a vocabulary of literal pieces:
+        # every grammar then failed at the first space ('Ġ').
+        from tokenizers import decoders
+
+        backend.decoder = decoders.ByteLevel()
     # The file's special tokens win: before 5.18 the converter's settings repeat them, and
     # for SmolLM2 named <|im_start|> (the BOS) as the EOS where the file says <|im_end|>.
     return PreTrainedTokenizerFast(tokenizer_object=backend, **{**extra, **tokenizer_config})
