@@ -58,10 +58,15 @@ def with_byte_level_decoder(tokenizer):
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or backend.decoder is not None:
         return tokenizer
-    if "ByteLevel" in json.dumps(json.loads(backend.to_str()).get("pre_tokenizer")):
+    if _byte_level(backend):
         logger.warning("the tokenizer has a ByteLevel pre-tokenizer and no decoder; decoding it")
         backend.decoder = decoders.ByteLevel()
     return tokenizer
+
+
+def _byte_level(backend) -> bool:
+    """Whether a `tokenizers.Tokenizer` splits text into the GPT-2 byte alphabet."""
+    return "ByteLevel" in json.dumps(json.loads(backend.to_str()).get("pre_tokenizer"))
 
 
 def gguf_tokenizer(path: str):
@@ -101,7 +106,7 @@ def gguf_tokenizer(path: str):
         token_id = metadata.get(f"tokenizer.ggml.{key}")
         tokenizer_config[name] = tokens[token_id] if token_id is not None else None
     backend, extra = convert_gguf_tokenizer(metadata["general.architecture"], tokenizer_dict)
-    if "ByteLevel" in json.dumps(json.loads(backend.to_str()).get("pre_tokenizer")):
+    if _byte_level(backend):
         # Before 5.18 transformers led a GPT-2 vocabulary's decoder with ByteFallback
         # (decoding the same), which llguidance reads as a vocabulary of literal pieces:
         # every grammar then failed at the first space ('Ġ').

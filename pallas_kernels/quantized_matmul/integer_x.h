@@ -186,11 +186,12 @@ void IntegerDots(const IntegerX& x, const uint8_t* row, const S* scales, int64_t
       const int64_t at = (t0 + t) * x.num_blocks + b;
       const int8_t* pieces = x.pieces.data() + at * kBlockBytes;
       __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), low, _mm512_loadu_si512(pieces));
-      dot = _mm512_dpbusd_epi32(dot, high, _mm512_loadu_si512(pieces + 64));
+      dot = _mm512_dpbusd_epi32(dot, high, _mm512_loadu_si512(pieces + kHalfBytes));
       for (int piece = 1; piece < 3; ++piece) {
         dot = _mm512_slli_epi32(dot, 8);
         dot = _mm512_dpbusd_epi32(dot, low, _mm512_loadu_si512(pieces + piece * kPieceBytes));
-        dot = _mm512_dpbusd_epi32(dot, high, _mm512_loadu_si512(pieces + piece * kPieceBytes + 64));
+        dot = _mm512_dpbusd_epi32(dot, high,
+                                  _mm512_loadu_si512(pieces + piece * kPieceBytes + kHalfBytes));
       }
       const __m128 four = _mm_mul_ps(weight_scales, _mm_loadu_ps(&x.run_scales[at * 4]));
       const __m512 lanes = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(four));
