@@ -71,6 +71,15 @@ def add_common_args(parser: argparse.ArgumentParser, name: str) -> None:
     )
 
 
+def add_scheduler_steps_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        default=1,
+        help="jengine's decode steps per program launch (the engine flag; default 1: off)",
+    )
+
+
 def add_llama_cpp_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--llama-cpp-dir",

@@ -27,6 +27,7 @@ import time
 from .common import (
     add_common_args,
     add_llama_cpp_args,
+    add_scheduler_steps_arg,
     gguf_model,
     jengine_rows,
     llama_cpp_models,
@@ -123,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     add_common_args(parser, "latency")
     add_llama_cpp_args(parser)
+    add_scheduler_steps_arg(parser)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--rounds",
@@ -163,7 +165,13 @@ def main(argv: list[str] | None = None) -> None:
     # (F32)"), beside llama.cpp's rows of the same names.
     rows = jengine_rows(path, args.int8)
     engines = {
-        name: LLM(path, dtype="float32", max_model_len=512, quantization=quantization)
+        name: LLM(
+            path,
+            dtype="float32",
+            max_model_len=512,
+            quantization=quantization,
+            num_scheduler_steps=args.num_scheduler_steps,
+        )
         for name, quantization in rows.items()
     }
     peer = None if args.skip_llama_cpp else llama_cpp_peer(args, path)

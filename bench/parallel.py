@@ -20,6 +20,7 @@ import sys
 
 from .common import (
     add_common_args,
+    add_scheduler_steps_arg,
     compare_outputs,
     model_config,
     package_versions,
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         prog="jengine bench parallel", description=__doc__.splitlines()[0]
     )
     add_common_args(parser, "parallel")
+    add_scheduler_steps_arg(parser)
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2, help="passes of each engine")
     parser.add_argument("--max-num-seqs", type=int, default=None)

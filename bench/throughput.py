@@ -30,6 +30,7 @@ import time
 from .common import (
     add_common_args,
     add_llama_cpp_args,
+    add_scheduler_steps_arg,
     compare_outputs,
     gguf_model,
     jengine_rows,
@@ -62,6 +63,7 @@ class JengineOffline:
             dtype="float32",
             max_model_len=MAX_MODEL_LEN,
             kv_cache_memory_bytes=args.kv_cache_gib << 30,
+            num_scheduler_steps=args.num_scheduler_steps,
             **{name: value for name, value in limits.items() if value is not None},
             **engine_kwargs,
         )
@@ -93,7 +95,8 @@ class JengineServe:
         self.name = name
         flags = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
                  "--kv-cache-memory-bytes", str(args.kv_cache_gib << 30),
-                 "--no-enable-prefix-caching"]  # fmt: skip
+                 "--no-enable-prefix-caching",
+                 "--num-scheduler-steps", str(args.num_scheduler_steps)]  # fmt: skip
         self.server = JengineServer(path, flags)
         self.configs = ["defaults"] * args.rounds
 
@@ -260,6 +263,7 @@ def main(argv: list[str] | None = None) -> None:
         prog="jengine bench throughput", description=__doc__.splitlines()[0]
     )
     add_common_args(parser, "throughput")
+    add_scheduler_steps_arg(parser)
     add_llama_cpp_args(parser)
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2, help="passes of each jengine engine")

@@ -27,6 +27,11 @@ from jengine.pooling import PoolerConfig
 QUANTIZATION_CHOICES = (None, "none", "gguf", "compressed-tensors", "int8", "fp8")
 
 
+# The multi-step program's sampled tokens are [K, S]; past a few dozen the host's share
+# of a token is already negligible, and a stop wastes up to K - 1 tokens of compute.
+MAX_SCHEDULER_STEPS = 64
+
+
 def _require(ok: bool, field: str, msg: str, value: object) -> None:
     if not ok:
         raise ValueError(f"{field} {msg}, got {value!r}")
@@ -98,6 +103,12 @@ class SchedulerConfig:
     async_scheduling: schedule and dispatch step N+1 before step N's sampled tokens reach
         the host (vLLM's --async-scheduling); the engine core turns it off where it is
         not exact (speculative decoding).
+    num_scheduler_steps: decode steps run by one program launch (vLLM V0's
+        --num-scheduler-steps): while every running request decodes and none waits to
+        start, each step samples this many tokens per request on the device, so the host's
+        work and the launch are paid once per that many tokens. The tokens are exactly
+        those of single steps; tokens sampled past a stop are discarded. Streams receive
+        tokens in bursts of this size. 1: off.
     """
 
     # vLLM's CPU server defaults; EngineArgs raises the budget to max_num_seqs if needed.
@@ -107,6 +118,7 @@ class SchedulerConfig:
     policy: SchedulingPolicy = "fcfs"
     long_prefill_token_threshold: int = 0
     async_scheduling: bool = True
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1", self.max_num_seqs)
@@ -135,6 +147,12 @@ class SchedulerConfig:
             "long_prefill_token_threshold",
             "must be >= 0",
             self.long_prefill_token_threshold,
+        )
+        _require(
+            1 <= self.num_scheduler_steps <= MAX_SCHEDULER_STEPS,
+            "num_scheduler_steps",
+            f"must be between 1 and {MAX_SCHEDULER_STEPS}",
+            self.num_scheduler_steps,
         )
 
 

@@ -65,6 +65,12 @@ class KVCacheManager:
         """All blocks but the null block: the free count once every request has ended."""
         return self.num_blocks - 1
 
+    def num_blocks_to_grow(self, request: Request, num_tokens: int) -> int:
+        """Blocks the request lacks to hold `num_tokens` tokens (within max_model_len)."""
+        num_tokens = min(num_tokens, self.max_model_len)
+        held = len(self.req_to_blocks.get(request.request_id, ()))
+        return max(0, cdiv(num_tokens, self.block_size) - held)
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 

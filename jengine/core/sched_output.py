@@ -75,6 +75,11 @@ class SchedulerOutput:
     # Draft-model speculation: after this step the runner drafts this many tokens for
     # each request that samples (0: it does not); their slots are allocated.
     num_lookahead_tokens: int = 0
+    # Multi-step decoding (`SchedulerConfig.num_scheduler_steps`): every scheduled request
+    # runs one token and then this many - 1 more decode steps in the same program, each on
+    # the token the one before sampled; it samples this many tokens (their slots are
+    # allocated). 1: an ordinary step.
+    num_decode_steps: int = 1
 
     @property
     def is_empty(self) -> bool:

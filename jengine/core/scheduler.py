@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 from jengine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from jengine.core.kv_cache_manager import KVCacheManager
+from jengine.core.multi_step import MultiStep
 from jengine.core.ngram_proposer import NgramProposer
 from jengine.core.preemption import Preemption
 from jengine.core.request_queue import WaitingQueue
@@ -63,9 +64,10 @@ class _StepPlan:
     # Slots allocated past each request's scheduled tokens for the draft model's decode
     # steps after this step (0: no draft model, or speculation off at this batch size).
     lookahead: int = 0
+    num_decode_steps: int = 1  # multi-step decoding (`multi_step.py`)
 
 
-class Scheduler(StepResults, Preemption):
+class Scheduler(StepResults, Preemption, MultiStep):
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -207,7 +209,9 @@ class Scheduler(StepResults, Preemption):
         if self.waiting_for_grammar:
             self._admit_compiled_grammars()
         step = _StepPlan(
-            budget=self.config.max_num_batched_tokens, lookahead=self._num_lookahead_tokens()
+            budget=self.config.max_num_batched_tokens,
+            lookahead=self._num_lookahead_tokens(),
+            num_decode_steps=self._num_decode_steps(),
         )
         self._schedule_running(step)
         # Waiting requests start only if memory was not just too tight for running ones.
@@ -235,7 +239,9 @@ class Scheduler(StepResults, Preemption):
         # take only rows no waiting request could start in: speculation never holds back
         # admission.
         spec_rows = max(0, self.config.max_num_seqs - len(running) - len(self.waiting))
-        lookahead = step.lookahead
+        # A multi-step decode runs K - 1 tokens past each request's one scheduled token.
+        extra = step.num_decode_steps - 1
+        lookahead = step.lookahead + extra
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -275,9 +281,9 @@ class Scheduler(StepResults, Preemption):
                 new_block_ids = [b.block_id for b in blocks]
             num_scheduled[req_id] = n
             cached[req_id] = CachedRequestData(req_id, new_block_ids, num_computed)
-            request.num_computed_tokens = num_computed + n
+            request.num_computed_tokens = num_computed + n + extra
             if num_computed + n >= len(request.all_token_ids) + placeholders:
-                request.num_output_placeholders = placeholders + 1  # it samples
+                request.num_output_placeholders = placeholders + 1 + extra  # it samples
             budget -= n
             if spec and n > 1:
                 step.spec[req_id] = spec
@@ -376,6 +382,7 @@ class Scheduler(StepResults, Preemption):
             removed_req_ids=removed,
             scheduled_spec_decode_tokens=step.spec,
             num_lookahead_tokens=step.lookahead,
+            num_decode_steps=step.num_decode_steps,
         )
         if self.constrained_ids:
             self._add_grammar_bitmask(output)

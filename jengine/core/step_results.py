@@ -115,6 +115,7 @@ class StepResults:
         any_stopped = False
         running = RequestStatus.RUNNING
         spec = scheduler_output.scheduled_spec_decode_tokens
+        num_decode_steps = scheduler_output.num_decode_steps
         for req_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(req_id)
             # Aborted (or preempted) while the step ran: its results are void.
@@ -122,7 +123,7 @@ class StepResults:
                 continue
             sampled = sampled_token_ids[index[req_id]]
             if sampled:
-                request.num_output_placeholders -= 1
+                request.num_output_placeholders -= num_decode_steps
             if spec and req_id in spec:
                 # The accepted drafts and one more token came back; the rejected drafts'
                 # slots are computed again (and overwritten) from the next step on.

@@ -48,6 +48,7 @@ class EngineArgs:
     gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
     scheduling_policy: str = SchedulerConfig.policy
     async_scheduling: bool = SchedulerConfig.async_scheduling
+    num_scheduler_steps: int = SchedulerConfig.num_scheduler_steps
     seed: int = ModelConfig.seed
     attention_impl: str | None = ModelConfig.attention_impl
     # None leaves jax's process-wide compilation cache setting alone.
@@ -90,6 +91,12 @@ class EngineArgs:
             min(SchedulerConfig.max_num_batched_tokens, self.max_num_seqs * max_model_len),
         )
         speculative = SpeculativeConfig.from_value(self.speculative_config)
+        if self.num_scheduler_steps > 1 and (speculative is not None or self.runner == "pooling"):
+            # Drafts are verified, and pooled vectors taken, one step at a time.
+            raise ValueError(
+                "num_scheduler_steps > 1 combines with neither speculative decoding nor the "
+                "pooling runner"
+            )
         pooler = self._pooler_config(model, hf_config, speculative)
         return EngineConfig(
             model=ModelConfig(
@@ -120,6 +127,7 @@ class EngineArgs:
                 policy=self.scheduling_policy,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 async_scheduling=self.async_scheduling,
+                num_scheduler_steps=self.num_scheduler_steps,
             ),
             compilation=CompilationConfig(
                 cache_dir=self.compilation_cache_dir or None, warmup=self.warmup
@@ -215,6 +223,12 @@ class EngineArgs:
             action=argparse.BooleanOptionalAction,
             help="schedule the next step while the device runs this one (default on; off "
             "with speculative decoding)",
+        )
+        add(
+            "--num-scheduler-steps",
+            type=int,
+            help="decode steps per program launch while every request decodes (tokens "
+            "stream in bursts of this size; 1: off)",
         )
         add("--seed", type=int)
         add("--attention-impl", choices=["reference", "cpu", "gpu", "tpu"])

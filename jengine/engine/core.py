@@ -97,6 +97,7 @@ class EngineCore:
             num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
             lora_config=config.lora,
             pooling_type=None if config.model.pooler is None else config.model.pooler.pooling_type,
+            num_decode_steps=scheduler_config.num_scheduler_steps,
         )
         logger.info(
             "model %s: %s, %s, %.1fM parameters; attention: %s",

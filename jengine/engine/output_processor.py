@@ -277,22 +277,12 @@ class OutputProcessor:
                 raise RequestFailedError(error)
             raise RequestRejectedError(error)
         new_token_ids = output.new_token_ids
-        state.output_token_ids.extend(new_token_ids)
         state.num_cached_tokens = output.num_cached_tokens
         if state.parent.pooling_params is not None:
             state.pooled = output.pooled
             if output.finish_reason is not None and output.pooled is None:
                 raise RequestFailedError("the engine finished an embedding request without one")
-        if output.new_logprobs is not None and state.logprobs is not None:
-            for row in self._logprob_dicts(output.new_logprobs, state.num_logprobs or 0):
-                state.logprobs.append(row)
-            chosen = output.new_logprobs.logprobs
-            state.cumulative_logprob += sum(r[0] for r in chosen)
-        if output.new_prompt_logprobs is not None:
-            rows = self._logprob_dicts(output.new_prompt_logprobs, state.num_prompt_logprobs or 0)
-            if state.prompt_logprobs is None:
-                state.prompt_logprobs = [None]
-            state.prompt_logprobs.extend(rows)
+        text_token_ids = new_token_ids
         finish_reason = output.finish_reason
         if finish_reason is not None:
             if state.finish_reason is None:
@@ -311,14 +301,30 @@ class OutputProcessor:
                     or new_token_ids[-1] in params.stop_token_ids
                 )
             ):
-                new_token_ids = new_token_ids[:-1]
+                text_token_ids = new_token_ids[:-1]
         if state.finish_reason is None:
+            num_before = state.detokenizer.num_output_tokens
             stop = state.detokenizer.update(new_token_ids)
             if stop is not None:
                 state.finish_reason, state.stop_reason = "stop", stop
                 reqs_to_abort.append(state.request_id)
+                # Several tokens at once (multi-step decoding, accepted drafts) may go on
+                # past the one that completed the stop string: as with one token a step,
+                # the output ends with that one.
+                new_token_ids = new_token_ids[: state.detokenizer.num_output_tokens - num_before]
         else:
-            state.detokenizer.update(new_token_ids)
+            state.detokenizer.update(text_token_ids)
+        state.output_token_ids.extend(new_token_ids)
+        if output.new_logprobs is not None and state.logprobs is not None:
+            num = len(new_token_ids)
+            for row in self._logprob_dicts(output.new_logprobs, state.num_logprobs or 0)[:num]:
+                state.logprobs.append(row)
+            state.cumulative_logprob += sum(r[0] for r in output.new_logprobs.logprobs[:num])
+        if output.new_prompt_logprobs is not None:
+            rows = self._logprob_dicts(output.new_prompt_logprobs, state.num_prompt_logprobs or 0)
+            if state.prompt_logprobs is None:
+                state.prompt_logprobs = [None]
+            state.prompt_logprobs.extend(rows)
 
     def _logprob_dicts(self, lists: LogprobsLists, num: int) -> list[dict[int, Logprob]]:
         decode = self.tokenizer.decode if self.tokenizer is not None else (lambda ids: None)

@@ -198,17 +198,19 @@ class InputBatch:
                 self.num_tokens[slot] = end + len(tokens)
 
     def mark_sampling(self, prepared: PreparedStep) -> None:
-        """The requests of `prepared` that sample have one more token pending."""
+        """The requests of `prepared` that sample have one more token pending (a
+        multi-step decode's: one per step)."""
         num = len(prepared.req_ids)
         slots = prepared.sampling["slots"][:num]
-        self.num_pending[slots[prepared.sample_mask[:num]]] += 1
+        self.num_pending[slots[prepared.sample_mask[:num]]] += prepared.num_steps
 
     def record_sampled_rows(
         self, prepared: PreparedStep, sampled: np.ndarray, num_removals: int
     ) -> None:
         """Append `sampled[i]` to request i of `prepared` wherever its sample mask is set,
-        in place of its pending token. `num_removals`: `self.num_removals` when the step
-        was prepared; requests dropped since (their slots may be someone else's now) are
+        in place of its pending token (a multi-step decode's `sampled` is [rows, steps]:
+        its tokens in order). `num_removals`: `self.num_removals` when the step was
+        prepared; requests dropped since (their slots may be someone else's now) are
         skipped."""
         num = len(prepared.req_ids)
         slots = prepared.sampling["slots"][:num]
@@ -226,9 +228,14 @@ class InputBatch:
         sampled = sampled[:num]
         if not mask.all():
             slots, sampled = slots[mask], sampled[mask]
-        self.token_ids[slots, self.num_tokens[slots]] = sampled
-        self.num_tokens[slots] += 1
-        self.num_pending[slots] -= 1
+        num_steps = prepared.num_steps
+        if num_steps == 1:
+            self.token_ids[slots, self.num_tokens[slots]] = sampled
+        else:
+            columns = self.num_tokens[slots][:, None] + np.arange(num_steps)
+            self.token_ids[slots[:, None], columns] = sampled
+        self.num_tokens[slots] += num_steps
+        self.num_pending[slots] -= num_steps
 
     # -- building the padded step --------------------------------------------------------
 
@@ -262,8 +269,10 @@ class InputBatch:
                 end = int(self.num_tokens[slot])
                 self.token_ids[slot, end : end + len(drafts)] = drafts
             num_rows += sum(map(len, spec.values()))
-        # A draft model's decode steps after this step reach num_lookahead_tokens further.
-        reach = int(kv_lens.max()) + scheduler_output.num_lookahead_tokens
+        # A draft model's decode steps after this step reach num_lookahead_tokens further,
+        # a multi-step decode's steps num_decode_steps - 1.
+        num_steps = scheduler_output.num_decode_steps
+        reach = int(kv_lens.max()) + scheduler_output.num_lookahead_tokens + num_steps - 1
         num_pages = min(cdiv(reach, self.block_size), self.buckets.max_pages)
         shape = self.buckets.shape_for(total, num_rows, num_pages)
         T, R, P = shape.num_tokens, shape.num_reqs, shape.num_pages
@@ -315,6 +324,7 @@ class InputBatch:
             num_logprobs=order.num_logprobs.copy(),
             prompt_logprob_rows=prompt_logprob_rows,
             prompt_targets=prompt_targets,
+            num_steps=num_steps,
         )
         if spec:
             self._add_verification_rows(prepared, spec, order, query_start_loc)

@@ -65,6 +65,7 @@ from jengine.runner.step import (
     decode_step,
     first_rows,
     forward_step,
+    multi_decode_step,
     prompt_logprobs_step,
     sample_step,
     sampling_args,
@@ -96,12 +97,14 @@ class ModelRunner:
         num_speculative_tokens: int = 0,
         lora_config: LoRAConfig | None = None,
         pooling_type: str | None = None,
+        num_decode_steps: int = 1,
     ):
         """`devices`: where to run (default: the first of `jax.devices()`), e.g. the
         devices of the mesh a user's params live on. `draft_model`: speculative decoding's
         draft (`draft_model.py`), proposing `num_speculative_tokens` per step.
         `lora_config`: serve LoRA adapters (`lora_slots.py`). `pooling_type`: an
-        embedding engine's pooling (`pooler.py`; None: a generating engine)."""
+        embedding engine's pooling (`pooler.py`; None: a generating engine).
+        `num_decode_steps`: K > 1 compiles multi-step decodes of K steps too."""
         if draft_model is not None:
             check_draft_model(draft_model, model, tensor_parallel_size)
         if lora_config is not None:
@@ -174,6 +177,16 @@ class ModelRunner:
         self._decode_fn = StaticJit(
             decode_step, self.graphdef, self.attention_impl, mesh, donate_argnums=(1, 3)
         )
+        self.num_decode_steps = num_decode_steps
+        self._multi_decode_fn = StaticJit(
+            multi_decode_step,
+            self.graphdef,
+            self.attention_impl,
+            mesh,
+            block_size,
+            num_decode_steps,
+            donate_argnums=(1, 3),
+        )
         self._first_rows = jax.jit(first_rows, static_argnums=1)
         self._sample_fn = StaticJit(sample_step, self.graphdef, mesh, donate_argnums=(0,))
         self._prompt_logprobs_fn = StaticJit(prompt_logprobs_step, self.graphdef, mesh)
@@ -231,6 +244,10 @@ class ModelRunner:
         """
         shapes = self.buckets.all_shapes()
         lora = self.lora is not None
+        steps = [PreparedStep.padding(shape, lora) for shape in shapes]
+        if self.num_decode_steps > 1:
+            K = self.num_decode_steps
+            steps += [PreparedStep.padding(s, lora, K) for s in shapes if s.is_decode]
         token_counts = sorted({s.num_tokens for s in shapes})
         hidden_size = self.config.hidden_size
         hidden = {
@@ -238,11 +255,7 @@ class ModelRunner:
             for t in token_counts
         }  # committed, like the forward's output it stands in for
         targets = {t: np.zeros(t, np.int32) for t in token_counts}
-        programs = [
-            program
-            for shape in shapes
-            for program in self._step_programs(PreparedStep.padding(shape, lora))
-        ]
+        programs = [program for step in steps for program in self._step_programs(step)]
         # The dummy steps sample S = R rows; the selections of fewer rows run alone.
         selections = [
             (
@@ -258,7 +271,7 @@ class ModelRunner:
         if self.draft is not None:
             programs += self.draft.programs(map(PreparedStep.padding, shapes), self.replicated)
         compile_ahead_of_time(programs)
-        outputs = [self._run(PreparedStep.padding(shape, lora))[:2] for shape in shapes]
+        outputs = [self._run(step)[:2] for step in steps]
         if lora:  # the slot writer (slots are empty: writing zeros changes nothing)
             self.params = self.lora.write(self.params, 1, None)
         if self.draft is not None:
@@ -296,7 +309,12 @@ class ModelRunner:
         device. A decode step is one program (`decode_step`), any other two."""
         inputs = ForwardInputs.from_prepared(prepared)
         sampling = sampling_args(prepared, self.bitmasks)
-        if prepared.shape.is_decode:
+        if prepared.num_steps > 1:
+            hidden = None
+            self.kv_cache, self.sampling_state, sampled = self._multi_decode_fn(
+                self.params, self.kv_cache, inputs, self.sampling_state, *sampling
+            )
+        elif prepared.shape.is_decode:
             self.kv_cache, self.sampling_state, hidden, sampled = self._decode_fn(
                 self.params, self.kv_cache, inputs, self.sampling_state, *sampling
             )
@@ -321,7 +339,8 @@ class ModelRunner:
         sampling = sampling_args(prepared, self.bitmasks)
         state, params = self.sampling_state, self.params
         if prepared.shape.is_decode:
-            return [(self._decode_fn, params, self.kv_cache, inputs, state, *sampling)]
+            decode = self._multi_decode_fn if prepared.num_steps > 1 else self._decode_fn
+            return [(decode, params, self.kv_cache, inputs, state, *sampling)]
         rows = jax.ShapeDtypeStruct(
             (prepared.num_sample_rows, self.config.hidden_size),
             self.dtype,

@@ -45,6 +45,9 @@ class PreparedStep:
     spec_drafts: list[list[int]] | None = None
     # [T] each token's LoRA slot (0: the base model); None in an engine without LoRA.
     lora_slots: np.ndarray | None = None
+    # Multi-step decoding: decode steps the one program runs, each request sampling one
+    # token per step (`SchedulerOutput.num_decode_steps`; its block tables reach them all).
+    num_steps: int = 1
 
     @property
     def sample_mask(self) -> np.ndarray:
@@ -57,10 +60,10 @@ class PreparedStep:
         return len(self.logits_indices)
 
     @classmethod
-    def padding(cls, shape: StepShape, lora: bool = False) -> "PreparedStep":
+    def padding(cls, shape: StepShape, lora: bool = False, num_steps: int = 1) -> "PreparedStep":
         """A step of `shape` with no request in it (warmup runs these): every token writes
         the null page, every row samples nothing. `lora`: as an engine serving LoRA runs
-        it (every token on slot 0)."""
+        it (every token on slot 0); `num_steps`: as a multi-step decode."""
         T, R, P = shape.num_tokens, shape.num_reqs, shape.num_pages
         zeros_t = np.zeros(T, np.int32)
         return cls(
@@ -77,6 +80,7 @@ class PreparedStep:
             sampling=neutral_sampling_arrays(R),
             num_logprobs=[],
             lora_slots=np.zeros(T, np.int32) if lora else None,
+            num_steps=num_steps,
         )
 
 

@@ -40,7 +40,7 @@ sampling program compiles per S rather than per forward shape.
 Axis letters: T tokens, R requests, S sampling rows (S <= R), D hidden, k MAX_LOGPROBS.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -213,6 +213,72 @@ def decode_step(
         use_grammar,
     )
     return kv_cache, sampling_state, hidden, sampled
+
+
+def multi_decode_step(
+    graphdef,
+    attention_impl,
+    mesh,
+    block_size: int,
+    num_steps: int,
+    params,
+    kv_cache,
+    inputs: ForwardInputs,
+    sampling_state,
+    meta: SamplingMetadata,
+    want_logprobs,
+    grammar_bitmask,
+    use_grammar,
+):
+    """`num_steps` decode steps in one program (multi-step decoding): `decode_step`, then
+    again on the tokens it sampled, one position further. `(..., the arguments of
+    decode_step) -> (kv_cache, sampling_state, SampleOutputs [num_steps, S, ...])`.
+
+    Step j > 0 of a request reads its slot's `last_token` (what step j - 1 sampled), at
+    output index + j, and writes its K/V where its block table (which the scheduler grew
+    for all the steps) has position + j; padding rows keep writing the null page and
+    attending to nothing. Every row samples in every step, with the same grammar and
+    suppressed ids (the scheduler runs multi-step decodes only where these do not change
+    within the steps: no grammar, min_tokens not reached in between).
+    """
+    sampling_rows = meta.sample_mask  # [R]: T = R = S rows, one token each
+
+    def one_step(carry, _):
+        kv_cache, sampling_state, inputs, meta = carry
+        kv_cache, sampling_state, _, sampled = decode_step(
+            graphdef,
+            attention_impl,
+            mesh,
+            params,
+            kv_cache,
+            inputs,
+            sampling_state,
+            meta,
+            want_logprobs,
+            grammar_bitmask,
+            use_grammar,
+        )
+        positions = inputs.positions + 1
+        pages = jnp.take_along_axis(
+            inputs.attention.block_tables, (positions // block_size)[:, None], axis=1
+        )[:, 0]
+        attention = replace(
+            inputs.attention,
+            slot_mapping=jnp.where(sampling_rows, pages * block_size + positions % block_size, 0),
+            kv_lens=jnp.where(sampling_rows, inputs.attention.kv_lens + 1, 0),
+        )
+        inputs = replace(
+            inputs,
+            positions=positions,
+            from_slot=jnp.where(sampling_rows, meta.slots, -1),
+            attention=attention,
+        )
+        meta = replace(meta, output_index=meta.output_index + 1)
+        return (kv_cache, sampling_state, inputs, meta), sampled
+
+    carry = (kv_cache, sampling_state, inputs, meta)
+    (kv_cache, sampling_state, _, _), sampled = jax.lax.scan(one_step, carry, length=num_steps)
+    return kv_cache, sampling_state, sampled
 
 
 def prompt_logprobs_step(graphdef, mesh, params, hidden, targets):

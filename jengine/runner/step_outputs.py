@@ -43,6 +43,8 @@ def collected_output(step: InFlightStep, batch: InputBatch) -> ModelRunnerOutput
         wants_logprobs = any(n is not None for n in prepared.num_logprobs)
         rows = kept_rows if wants_logprobs else None
         return runner_output(prepared, outputs, prompt_logprobs, sampled_token_ids, rows)
+    if prepared.num_steps > 1:
+        return _multi_step_output(step, batch)
     num = len(prepared.req_ids)
     sampled = np.asarray(outputs.sampled)[:num]
     mask = prepared.sample_mask[:num]
@@ -56,6 +58,27 @@ def collected_output(step: InFlightStep, batch: InputBatch) -> ModelRunnerOutput
     wants_logprobs = prepared.num_logprobs.count(None) != num
     rows = np.nonzero(mask)[0] if wants_logprobs else None
     return runner_output(prepared, outputs, prompt_logprobs, sampled_token_ids, rows)
+
+
+def _multi_step_output(step: InFlightStep, batch: InputBatch) -> ModelRunnerOutput:
+    """`collected_output` of a multi-step decode: outputs are [K, S, ...], every request
+    sampled K tokens; the logprob rows are laid out request by request, as the
+    ModelRunnerOutput lists them."""
+    prepared, outputs = step.prepared, step.outputs
+    num, num_steps = len(prepared.req_ids), prepared.num_steps
+    sampled = np.asarray(outputs.sampled)[:, :num].T  # [requests, K]
+    batch.record_sampled_rows(prepared, sampled, step.num_removals)
+    rows = None
+    if prepared.num_logprobs.count(None) != num:
+
+        def request_major(x):  # [K, S, ...] -> [S * K, ...]
+            x = np.asarray(x)
+            return np.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
+
+        logprobs = (outputs.logprob_ids, outputs.logprobs, outputs.ranks)
+        outputs = SampleOutputs(None, *map(request_major, logprobs))
+        rows = np.arange(num * num_steps)
+    return runner_output(prepared, outputs, None, sampled.tolist(), rows)
 
 
 def runner_output(

@@ -98,3 +98,33 @@ def hf_teacher_forced(
     logprobs = torch.log_softmax(logits.float(), -1)
     chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
     return logprobs.argmax(-1).tolist(), chosen.tolist()
+
+
+def completions(output) -> tuple[list, list]:
+    """What a request sees of its completions: (tokens, text, finish and stop reasons of
+    each), and its logprob rows (each completion's, then the prompt's) as {token: value}."""
+    seen = [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in output.outputs]
+    rows = [row for c in output.outputs for row in c.logprobs or []]
+    rows += [row for row in output.prompt_logprobs or [] if row is not None]
+    return seen, [{t: lp.logprob for t, lp in row.items()} for row in rows]
+
+
+# Async scheduling and multi-step decoding admit and retire requests at other steps, so a
+# token may be computed in a step of another shape (row or page bucket, kernel or GEMM): a
+# few float32 ulps apart.
+LOGPROB_TOLERANCE = 1e-5
+
+
+def assert_same_outputs(got: list, expected: list, how: str) -> None:
+    """The RequestOutputs `got` are what a user sees in `expected`: the same completions,
+    and logprobs within LOGPROB_TOLERANCE. `how`: what differs, for the message."""
+    for i, (output, reference) in enumerate(zip(got, expected, strict=True)):
+        (seen, rows), (seen_expected, rows_expected) = completions(output), completions(reference)
+        assert seen == seen_expected, f"request {i} differs {how}"
+        if output.prompt_logprobs is not None:  # one row per prompt token, the first None
+            assert len(output.prompt_logprobs) == len(output.prompt_token_ids)
+        assert len(rows) == len(rows_expected)
+        for row, row_expected in zip(rows, rows_expected):
+            assert row.keys() == row_expected.keys(), f"request {i}: other top logprobs {how}"
+            for token, value in row.items():
+                assert abs(value - row_expected[token]) <= LOGPROB_TOLERANCE, (i, token, how)

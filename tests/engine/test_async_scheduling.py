@@ -14,7 +14,7 @@ import pytest
 
 from jengine import LLM, SamplingParams
 from jengine.sampling_params import StructuredOutputsParams
-from tests.engine.engine_helpers import TIGHT_ENGINE_ARGS
+from tests.engine.engine_helpers import TIGHT_ENGINE_ARGS, assert_same_outputs
 from tests.entrypoints.tiny_model import make_tiny_model
 
 MODES = {"async": True, "sync": False}
@@ -26,35 +26,12 @@ def engines(tmp_path_factory):
     return {name: LLM(path, async_scheduling=on, **TIGHT_ENGINE_ARGS) for name, on in MODES.items()}
 
 
-def completions(output) -> tuple[list, list]:
-    """What a request sees of its completions: (tokens, text, finish and stop reasons of
-    each), and its logprob rows (each completion's, then the prompt's) as {token: value}."""
-    seen = [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in output.outputs]
-    rows = [row for c in output.outputs for row in c.logprobs or []]
-    rows += [row for row in output.prompt_logprobs or [] if row is not None]
-    return seen, [{t: lp.logprob for t, lp in row.items()} for row in rows]
-
-
 def both(engines, prompts, params) -> dict[str, list]:
     return {name: llm.generate(prompts, params, use_tqdm=False) for name, llm in engines.items()}
 
 
-# Async scheduling admits and retires requests one step later, so a token may be computed
-# in a step of another shape (row bucket, kernel or GEMM): a few float32 ulps apart.
-LOGPROB_TOLERANCE = 1e-5
-
-
 def assert_same(outputs: dict[str, list]) -> None:
-    for i, (got, expected) in enumerate(zip(outputs["async"], outputs["sync"], strict=True)):
-        (seen, rows), (seen_sync, rows_sync) = completions(got), completions(expected)
-        assert seen == seen_sync, f"request {i} differs with async scheduling"
-        if got.prompt_logprobs is not None:  # one row per prompt token, the first None
-            assert len(got.prompt_logprobs) == len(got.prompt_token_ids)
-        assert len(rows) == len(rows_sync)
-        for row, row_sync in zip(rows, rows_sync):
-            assert row.keys() == row_sync.keys(), f"request {i}: other top logprobs"
-            for token, value in row.items():
-                assert abs(value - row_sync[token]) <= LOGPROB_TOLERANCE, (i, token)
+    assert_same_outputs(outputs["async"], outputs["sync"], "with async scheduling")
 
 
 def assert_clean(engines) -> None:
