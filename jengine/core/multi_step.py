@@ -9,9 +9,10 @@ the token the step before sampled on the device, and returns K tokens per reques
 
 What it promises: K > 1 only when it changes no token, only when the tokens arrive:
 - every running request is decoding (its next token is its last), unconstrained (a
-  grammar advances on each token on the host), not crossing min_tokens within the K
-  steps (the EOS and stop ids it masks are the same for all K: masked in every step or
-  in none), short of max_tokens, and has room for K more tokens within max_model_len;
+  grammar advances on each token on the host), not crossing min_tokens within the tokens
+  it may emit (the EOS and stop ids it masks are the same for all of them: masked in
+  every step or in none; tokens past max_tokens are dropped anyway), short of max_tokens,
+  and has room for K more tokens within max_model_len;
 - no waiting request could start now (it would wait K steps), and no grammar is compiling;
 - the free pool holds every block the K tokens need, so the step never preempts for them.
 Tokens sampled past a request's stop are discarded by `update_from_output` like any token
@@ -45,12 +46,15 @@ class MultiStep:
             placeholders = request.num_output_placeholders
             num_output = len(request.output_token_ids) + placeholders
             params = request.sampling_params
+            max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
+            # Output tokens it may have after this step (any past max_tokens are dropped).
+            num_emitted = min(num_output + num_steps, max_tokens)
             if (
                 len(request.all_token_ids) + placeholders - num_computed != 1
                 or request.structured_output is not None
                 or num_computed + num_steps > max_model_len
-                or num_output < params.min_tokens < num_output + num_steps
-                or (params.max_tokens is not None and num_output >= params.max_tokens)
+                or num_output < params.min_tokens < num_emitted
+                or num_output >= max_tokens
             ):
                 return 1
             num_new_blocks += kv_cache_manager.num_blocks_to_grow(request, num_computed + num_steps)

@@ -12,13 +12,14 @@ Promises:
 - a request's tokens are prompt + the tokens this runner sampled for it, so the scheduler
   only sends deltas (see jengine/core/sched_output.py);
 - async scheduling: a step may be prepared before the previous one's sampled tokens
-  reach the host. `mark_sampling` counts each sampling request's token as pending until
-  `record_sampled_rows` brings it; a pending token's input position reads the device's
-  last sampled token of its slot (`from_slot`), and output indices count it;
-- every request keeps one slot (row of the on-device sampling history) while it runs, and
-  its tokens, block table, counters and sampling parameters live in that row of
-  preallocated per-slot arrays, so `prepare` gathers a step with a fixed number of
-  vectorized numpy calls (as vLLM V1's persistent batch) rather than a loop per request;
+  reach the host. `mark_sampling` counts each sampling request's tokens (a multi-step
+  decode's K) as pending until `record_sampled_rows` brings them; a pending token's input
+  position reads the device's last sampled token of its slot (`from_slot`), and output
+  indices count them;
+- every request keeps one slot (row of the on-device sampling history) while it runs, its
+  tokens, block table, counters and sampling parameters in that row of preallocated
+  per-slot arrays: `prepare` gathers a step with a fixed number of vectorized numpy calls
+  (as vLLM V1's persistent batch), not a loop per request;
 - the arrays of a `PreparedStep` are read-only: the request-only sampling columns are
   shared by the steps that schedule the same requests in the same order;
 - with speculative decoding, a request's drafts sit after its known tokens in its row
@@ -198,8 +199,7 @@ class InputBatch:
                 self.num_tokens[slot] = end + len(tokens)
 
     def mark_sampling(self, prepared: PreparedStep) -> None:
-        """The requests of `prepared` that sample have one more token pending (a
-        multi-step decode's: one per step)."""
+        """The requests of `prepared` that sample have its tokens pending."""
         num = len(prepared.req_ids)
         slots = prepared.sampling["slots"][:num]
         self.num_pending[slots[prepared.sample_mask[:num]]] += prepared.num_steps
@@ -208,10 +208,9 @@ class InputBatch:
         self, prepared: PreparedStep, sampled: np.ndarray, num_removals: int
     ) -> None:
         """Append `sampled[i]` to request i of `prepared` wherever its sample mask is set,
-        in place of its pending token (a multi-step decode's `sampled` is [rows, steps]:
-        its tokens in order). `num_removals`: `self.num_removals` when the step was
-        prepared; requests dropped since (their slots may be someone else's now) are
-        skipped."""
+        in place of its pending token (a multi-step decode's `sampled` is [rows, K]).
+        `num_removals`: `self.num_removals` when the step was prepared; requests dropped
+        since (their slots may be someone else's now) are skipped."""
         num = len(prepared.req_ids)
         slots = prepared.sampling["slots"][:num]
         mask = prepared.sample_mask[:num]
@@ -229,11 +228,8 @@ class InputBatch:
         if not mask.all():
             slots, sampled = slots[mask], sampled[mask]
         num_steps = prepared.num_steps
-        if num_steps == 1:
-            self.token_ids[slots, self.num_tokens[slots]] = sampled
-        else:
-            columns = self.num_tokens[slots][:, None] + np.arange(num_steps)
-            self.token_ids[slots[:, None], columns] = sampled
+        columns = self.num_tokens[slots][:, None] + np.arange(num_steps)
+        self.token_ids[slots[:, None], columns] = sampled.reshape(-1, num_steps)
         self.num_tokens[slots] += num_steps
         self.num_pending[slots] -= num_steps
 
@@ -269,8 +265,8 @@ class InputBatch:
                 end = int(self.num_tokens[slot])
                 self.token_ids[slot, end : end + len(drafts)] = drafts
             num_rows += sum(map(len, spec.values()))
-        # A draft model's decode steps after this step reach num_lookahead_tokens further,
-        # a multi-step decode's steps num_decode_steps - 1.
+        # A draft model's decode steps after this step reach num_lookahead_tokens further, a
+        # multi-step decode's steps num_decode_steps - 1.
         num_steps = scheduler_output.num_decode_steps
         reach = int(kv_lens.max()) + scheduler_output.num_lookahead_tokens + num_steps - 1
         num_pages = min(cdiv(reach, self.block_size), self.buckets.max_pages)

@@ -4,18 +4,19 @@ Where it sits: `EngineCore` owns one ModelRunner; each step it calls
 `dispatch(SchedulerOutput) -> InFlightStep`, which queues the step's device work, and
 later `collect(InFlightStep) -> ModelRunnerOutput`, which waits for its sampled tokens
 (`execute` is both at once). Under async scheduling the engine dispatches step N+1
-before it collects step N. This is the only place that holds jax
-arrays; the scheduler sees numbers and lists only. The runner follows the scheduler with
+before it collects step N. This is the only place that holds jax arrays; the
+scheduler sees numbers and lists only. The runner follows the scheduler with
 `input_batch.InputBatch` (host arrays), runs the jitted functions of `step.py` on them,
 sizes its KV cache with `kv_cache_sizing.py` and compiles through `compilation.py`.
 
 Promises:
 - the KV cache and the sampling state are donated to the step functions (updated in
   place); params, cache and state are committed to one device from the start;
-- `warmup()` compiles every shape in `BucketSpec.all_shapes()`, every row selection of
-  `BucketSpec.all_row_selections()` (and the slot-history
-  writer); afterwards serving compiles nothing, and `compiles_after_warmup` counts any
-  compile that happens inside `execute` anyway (tests assert it stays 0);
+- `warmup()` compiles every shape in `BucketSpec.all_shapes()` (the decode shapes also
+  as multi-step decodes when `num_decode_steps` > 1), every row selection of
+  `BucketSpec.all_row_selections()` and the slot-history writer; afterwards serving
+  compiles nothing, and `compiles_after_warmup` counts any compile inside `execute`
+  anyway (tests assert it stays 0);
 - the KV capacity comes from a memory budget (`kv_cache_memory_bytes`, or a fraction of
   accelerator memory) unless `num_blocks` is given, and `capacity_report()` reports it as
   tokens and max concurrency;
@@ -171,21 +172,12 @@ class ModelRunner:
         )
         self.attention_impl = resolve_impl(attention_impl, q, self.kv_cache, self.device.platform)
         mesh = tp.mesh if tp else None
-        self._forward_fn = StaticJit(
-            forward_step, self.graphdef, self.attention_impl, mesh, donate_argnums=(1,)
-        )
-        self._decode_fn = StaticJit(
-            decode_step, self.graphdef, self.attention_impl, mesh, donate_argnums=(1, 3)
-        )
+        bound = (self.graphdef, self.attention_impl, mesh)  # the model steps' static arguments
+        self._forward_fn = StaticJit(forward_step, *bound, donate_argnums=(1,))
+        self._decode_fn = StaticJit(decode_step, *bound, donate_argnums=(1, 3))
         self.num_decode_steps = num_decode_steps
         self._multi_decode_fn = StaticJit(
-            multi_decode_step,
-            self.graphdef,
-            self.attention_impl,
-            mesh,
-            block_size,
-            num_decode_steps,
-            donate_argnums=(1, 3),
+            multi_decode_step, *bound, block_size, num_decode_steps, donate_argnums=(1, 3)
         )
         self._first_rows = jax.jit(first_rows, static_argnums=1)
         self._sample_fn = StaticJit(sample_step, self.graphdef, mesh, donate_argnums=(0,))
@@ -244,26 +236,18 @@ class ModelRunner:
         """
         shapes = self.buckets.all_shapes()
         lora = self.lora is not None
-        steps = [PreparedStep.padding(shape, lora) for shape in shapes]
-        if self.num_decode_steps > 1:
-            K = self.num_decode_steps
-            steps += [PreparedStep.padding(s, lora, K) for s in shapes if s.is_decode]
+        steps = PreparedStep.warmup_steps(shapes, lora, self.num_decode_steps)
         token_counts = sorted({s.num_tokens for s in shapes})
-        hidden_size = self.config.hidden_size
-        hidden = {
-            t: jax.device_put(jnp.zeros((t, hidden_size), self.dtype), self.replicated)
-            for t in token_counts
-        }  # committed, like the forward's output it stands in for
+
+        def zero_rows(num_rows: int):  # committed, like the forward's outputs they stand for
+            zeros = jnp.zeros((num_rows, self.config.hidden_size), self.dtype)
+            return jax.device_put(zeros, self.replicated)
+
+        hidden = {t: zero_rows(t) for t in token_counts}
         targets = {t: np.zeros(t, np.int32) for t in token_counts}
         programs = [program for step in steps for program in self._step_programs(step)]
         # The dummy steps sample S = R rows; the selections of fewer rows run alone.
-        selections = [
-            (
-                jax.device_put(jnp.zeros((r, hidden_size), self.dtype), self.replicated),
-                s,
-            )
-            for r, s in self.buckets.all_row_selections()
-        ]
+        selections = [(zero_rows(r), s) for r, s in self.buckets.all_row_selections()]
         programs += [(self._first_rows, *args) for args in selections]
         programs += [
             (self._prompt_logprobs_fn, self.params, hidden[t], targets[t]) for t in token_counts
@@ -275,10 +259,8 @@ class ModelRunner:
         if lora:  # the slot writer (slots are empty: writing zeros changes nothing)
             self.params = self.lora.write(self.params, 1, None)
         if self.draft is not None:
-            dummies = map(PreparedStep.padding, shapes)
-            outputs += [
-                self.draft.propose(*p[3:]) for p in self.draft.programs(dummies, self.replicated)
-            ]
+            drafts = self.draft.programs(map(PreparedStep.padding, shapes), self.replicated)
+            outputs += [self.draft.propose(*program[3:]) for program in drafts]
         outputs += [
             self._prompt_logprobs_fn(self.params, hidden[t], targets[t]) for t in token_counts
         ]
@@ -286,11 +268,9 @@ class ModelRunner:
         # inside their own program; the other shapes' dummy steps sampled their R rows).
         for rows, num_rows in selections:
             dummy = PreparedStep.padding(StepShape(num_rows, num_rows, 1, 1))
+            rows, args = self._first_rows(rows, num_rows), sampling_args(dummy, self.bitmasks)
             self.sampling_state, sampled = self._sample_fn(
-                self.sampling_state,
-                self.params,
-                self._first_rows(rows, num_rows),
-                *sampling_args(dummy, self.bitmasks),
+                self.sampling_state, self.params, rows, *args
             )
             outputs.append(sampled)
         history = slot_history_args(self.max_model_len)  # compiles the slot-history writer
@@ -306,15 +286,16 @@ class ModelRunner:
 
     def _run(self, prepared: PreparedStep):
         """Dispatch one step; returns (SampleOutputs, prompt logprobs or None, hidden) on
-        device. A decode step is one program (`decode_step`), any other two."""
+        device. A decode step is one program (`decode_step`, or `multi_decode_step` for
+        several), any other two."""
         inputs = ForwardInputs.from_prepared(prepared)
         sampling = sampling_args(prepared, self.bitmasks)
         if prepared.num_steps > 1:
-            hidden = None
             self.kv_cache, self.sampling_state, sampled = self._multi_decode_fn(
                 self.params, self.kv_cache, inputs, self.sampling_state, *sampling
             )
-        elif prepared.shape.is_decode:
+            return sampled, None, None
+        if prepared.shape.is_decode:
             self.kv_cache, self.sampling_state, hidden, sampled = self._decode_fn(
                 self.params, self.kv_cache, inputs, self.sampling_state, *sampling
             )

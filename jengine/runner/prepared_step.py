@@ -83,6 +83,15 @@ class PreparedStep:
             num_steps=num_steps,
         )
 
+    @classmethod
+    def warmup_steps(cls, shapes, lora: bool, num_decode_steps: int) -> list["PreparedStep"]:
+        """The padding steps warmup runs: one per shape, and with `num_decode_steps` > 1
+        one multi-step decode per decode shape too."""
+        steps = [cls.padding(shape, lora) for shape in shapes]
+        if num_decode_steps > 1:
+            steps += [cls.padding(s, lora, num_decode_steps) for s in shapes if s.is_decode]
+        return steps
+
 
 def neutral_sampling_arrays(num_reqs: int) -> dict[str, np.ndarray]:
     """SamplingMetadata fields for `num_reqs` rows that ask for nothing: greedy, no

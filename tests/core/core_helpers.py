@@ -67,6 +67,7 @@ def make_scheduler(
     policy: str = "fcfs",
     enable_prefix_caching: bool = True,
     long_prefill_token_threshold: int = 0,
+    num_scheduler_steps: int = 1,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -75,6 +76,7 @@ def make_scheduler(
             max_model_len=max_model_len,
             policy=policy,
             long_prefill_token_threshold=long_prefill_token_threshold,
+            num_scheduler_steps=num_scheduler_steps,
         ),
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
         num_blocks=num_blocks,

@@ -2,6 +2,7 @@
 equality suite runs under, prompts and the HF oracle."""
 
 import os
+from collections import Counter
 
 import jax
 import numpy as np
@@ -128,3 +129,18 @@ def assert_same_outputs(got: list, expected: list, how: str) -> None:
             assert row.keys() == row_expected.keys(), f"request {i}: other top logprobs {how}"
             for token, value in row.items():
                 assert abs(value - row_expected[token]) <= LOGPROB_TOLERANCE, (i, token, how)
+
+
+def count_step_kinds(llm) -> Counter:
+    """A Counter of the steps `llm` schedules from now on, by `num_decode_steps` (1: an
+    ordinary step, K: a multi-step decode)."""
+    scheduler = llm.engine_core.scheduler
+    schedule, counts = scheduler.schedule, Counter()
+
+    def counted():
+        output = schedule()
+        counts[output.num_decode_steps] += 1
+        return output
+
+    scheduler.schedule = counted
+    return counts

@@ -18,7 +18,7 @@ import pytest
 from jengine import LLM, SamplingParams
 from jengine.engine.arg_utils import EngineArgs
 from jengine.sampling_params import StructuredOutputsParams
-from tests.engine.engine_helpers import TIGHT_ENGINE_ARGS, assert_same_outputs
+from tests.engine.engine_helpers import TIGHT_ENGINE_ARGS, assert_same_outputs, count_step_kinds
 from tests.entrypoints.tiny_model import make_tiny_model
 
 NUM_STEPS = 4
@@ -27,20 +27,6 @@ MODES = {  # name: (num_scheduler_steps, async_scheduling)
     "multi": (NUM_STEPS, True),
     "multi-sync": (NUM_STEPS, False),
 }
-
-
-def count_step_kinds(llm) -> Counter:
-    """A Counter of the steps `llm` schedules from now on, by `num_decode_steps`."""
-    scheduler = llm.engine_core.scheduler
-    schedule, counts = scheduler.schedule, Counter()
-
-    def counted():
-        output = schedule()
-        counts[output.num_decode_steps] += 1
-        return output
-
-    scheduler.schedule = counted
-    return counts
 
 
 @pytest.fixture(scope="module")
@@ -118,12 +104,14 @@ def test_every_sampling_feature_under_chunking_prefix_hits_and_preemption(engine
 
 def test_a_few_requests_decode_in_multi_steps_from_their_first_token(engines):
     """Nothing waits: after the prefill every step is a multi-step decode, also for
-    max_tokens that are no multiple of K (the tokens past it are dropped)."""
+    max_tokens that are no multiple of K (the tokens past it are dropped) and min_tokens
+    up to max_tokens."""
     prompts = ["The sea is", "Once upon a time", "Numbers: 1 2 3"]
     params = [
         SamplingParams(temperature=0, max_tokens=23, logprobs=2),
         SamplingParams(temperature=0.9, seed=3, max_tokens=18, frequency_penalty=0.5),
-        SamplingParams(temperature=1.0, seed=4, top_k=5, max_tokens=26),
+        # EOS masked to the end: min_tokens is never crossed among the tokens emitted.
+        SamplingParams(temperature=1.0, seed=4, top_k=5, max_tokens=26, min_tokens=26),
     ]
     outputs = run_all(engines, prompts, params)
     assert_same(outputs)

@@ -70,6 +70,9 @@ def test_sizes_agree_with_each_other_and_transformers(checkpoint, results):
         assert results[tp]["tokens"] == one["tokens"], tp
         for ours, theirs in zip(results[tp]["logprobs"], one["logprobs"], strict=True):
             np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+    # Multi-step decoding (4 steps a launch) under TP=2: the same again.
+    _assert_runs_agree(results, keys=("2, multi-step",))
+    assert results["2, multi-step"]["multi_step_decodes"] > 0
     for tp in ("1", "2", "4"):
         run = results[tp]
         assert run["attention"] == "cpu" and run["compiles_after_warmup"] == 0

@@ -6,6 +6,7 @@ compiles. Prints one JSON object.
     ... PATH.gguf gguf | PATH int8: the same with quantized weights (sizes 1, 2, 4 only)
     ... PATH experts: a mixture-of-experts model at size 1 and at 4, each expert split and
         whole experts spread (expert parallelism)
+    (and TP=2 with multi-step decoding, --num-scheduler-steps 4)
     ... PATH lora A B: LoRA adapters A and B (PEFT folders) and the base model mixed, at
         sizes 1, 2 and 4 (4: each KV head repeated, and the adapters' k/v with it)
 """
@@ -27,6 +28,7 @@ from jengine.models import load_model
 from jengine.pallas_kernels.ragged_paged_attention import cpu
 from jengine.runner.prepared_step import PreparedStep
 from jengine.runner.sharding import step_collectives
+from tests.engine.engine_helpers import count_step_kinds
 
 SHARED = list(range(10, 42))  # two full 16-token blocks: the second prompt hits them
 PROMPTS = [
@@ -64,6 +66,7 @@ def token_ids(outputs) -> list[list[int]]:
 
 def run(path: str, tp: int, lora_request=None, **kwargs) -> tuple[dict, LLM]:
     llm = LLM(path, tensor_parallel_size=tp, **ENGINE, **kwargs)
+    step_kinds = count_step_kinds(llm)
     # The shared prefix the second prompt computes is a cache hit for the fourth.
     outputs = generate(llm, logprobs=2, lora_request=lora_request)
     core = llm.engine_core
@@ -78,6 +81,7 @@ def run(path: str, tp: int, lora_request=None, **kwargs) -> tuple[dict, LLM]:
             preemptions=core.num_preemptions,
             compiles_after_warmup=core.compiles_after_warmup(),
             attention=core.runner.attention_impl,
+            multi_step_decodes=sum(n for k, n in step_kinds.items() if k > 1),
         ),
         llm,
     )
@@ -231,6 +235,7 @@ def main() -> None:
         print(json.dumps(quantized(path, quantization)))
         return
     results = {}
+    results["2, multi-step"], _ = run(path, 2, num_scheduler_steps=4)
     for tp in (1, 2, 4):
         results[tp], llm = run(path, tp)
     results["layout"] = layout(llm)
