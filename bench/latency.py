@@ -17,6 +17,7 @@ The roofline of a decode step is the weight bytes it must read over the measured
 bandwidth (a multi-threaded read of 1 GiB through XLA).
 
     jengine bench latency [--repeats 5] [--rounds 3] [--skip-llama-cpp]
+        [--num-scheduler-steps K]
 """
 
 import argparse

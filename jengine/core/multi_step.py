@@ -7,7 +7,7 @@ counters advance by K: the runner runs K decode steps in one program, each step'
 the token the step before sampled on the device, and returns K tokens per request
 (`SchedulerOutput.num_decode_steps`).
 
-What it promises: K > 1 only when it changes no token, only when the tokens arrive:
+What it promises: K > 1 only where it changes no token a request emits:
 - every running request is decoding (its next token is its last), unconstrained (a
   grammar advances on each token on the host), not crossing min_tokens within the tokens
   it may emit (the EOS and stop ids it masks are the same for all of them: masked in

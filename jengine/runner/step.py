@@ -239,7 +239,7 @@ def multi_decode_step(
     for all the steps) has position + j; padding rows keep writing the null page and
     attending to nothing. Every row samples in every step, with the same grammar and
     suppressed ids (the scheduler runs multi-step decodes only where these do not change
-    within the steps: no grammar, min_tokens not reached in between).
+    within the tokens a request may emit: no grammar, min_tokens not crossed).
     """
     sampling_rows = meta.sample_mask  # [R]: T = R = S rows, one token each
 
