@@ -3,8 +3,8 @@ tokens, logprobs (1e-5) and finish reasons as single steps, with async schedulin
 off, for every sampling feature, n > 1, structured outputs beside free requests, chunked
 prefill, prefix hits and preemption; a stop inside the K tokens emits nothing past it;
 an abort while a multi-step decode is in flight frees its blocks; nothing compiles after
-warmup. Each test also shows that multi-step decodes ran, and that a step that would not
-be exact (a waiting request, a grammar, min_tokens crossed) ran single.
+warmup. Each test also shows that multi-step decodes ran (which steps must run single:
+tests/core/test_multi_step_scheduling.py).
 
 The engines run the tiny model with a real tokenizer, a 24-token budget and 24 blocks of
 16 tokens for 8 running requests (tests/engine/engine_helpers.py, TIGHT_ENGINE_ARGS).
