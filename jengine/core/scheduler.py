@@ -13,13 +13,9 @@ What it promises (vLLM V1 rules):
   ``max_num_batched_tokens`` tokens so every request's ``num_computed_tokens`` catches up
   with its ``num_tokens``: chunked prefill, prefix hits, resumed requests and decodes are
   the same subtraction. Running requests are served first, then waiting ones.
-- At most ``max_num_seqs`` requests run; ``num_computed_tokens`` never exceeds
-  ``max_model_len``.
-- When the pool runs dry for a running request, another running request is preempted by
-  recompute (FCFS: the latest; priority: the lowest priority, latest arrival): its blocks
-  are freed and it re-enters the front of the waiting queue, so its eventual output is
-  what it would have been without preemption. No new request is admitted in a step that
-  preempted.
+- At most ``max_num_seqs`` requests run; ``num_computed_tokens`` <= ``max_model_len``.
+- When the pool runs dry for a running request, another is preempted by recompute
+  (``preemption.py``); no new request is admitted in a step that preempted.
 - ``num_computed_tokens`` is advanced when a step is scheduled, so the next ``schedule``
   can run before the previous results arrive (async scheduling): a request that will
   sample counts a placeholder (``num_output_placeholders``) for its token still on the
@@ -27,9 +23,8 @@ What it promises (vLLM V1 rules):
   token on the host first, or that would run past max_tokens, waits a step instead:
   constrained requests (their grammar advances on the token) and draft-verifying ones.
 - A request with structured outputs waits (``WAITING_FOR_GRAMMAR``) until its grammar has
-  compiled, without holding up anything else; each step the SchedulerOutput carries the
-  token-bitmask rows of the constrained requests it samples, and a request whose grammar
-  is complete ends with ``stop`` (``core/structured_output.py``).
+  compiled, holding up nothing else; each step carries the bitmask rows of the
+  constrained requests it samples (``core/structured_output.py``).
 """
 
 from __future__ import annotations

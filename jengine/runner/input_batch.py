@@ -7,19 +7,15 @@ arrays in one of the shapes of `buckets.py`, then `record_sampled_rows` with wha
 back. It never touches jax; the runner moves the arrays to the device.
 
 Promises:
-- padding tokens write into the null page 0 and belong to no request; padding requests
-  have q_len 0 and kv_len 0, so attention ignores them;
-- a request's tokens are prompt + the tokens this runner sampled for it, so the scheduler
-  only sends deltas (see jengine/core/sched_output.py);
-- async scheduling: a step may be prepared before the previous one's sampled tokens
-  reach the host. `mark_sampling` counts each sampling request's tokens (a multi-step
+- padding tokens write the null page 0; padding requests (q_len 0, kv_len 0) attend to none;
+- a request's tokens are prompt + what this runner sampled for it: the scheduler sends
+  deltas only (jengine/core/sched_output.py);
+- async scheduling: `mark_sampling` counts each sampling request's tokens (a multi-step
   decode's K) as pending until `record_sampled_rows` brings them; a pending token's input
-  position reads the device's last sampled token of its slot (`from_slot`), and output
-  indices count them;
-- every request keeps one slot (row of the on-device sampling history) while it runs, its
-  tokens, block table, counters and sampling parameters in that row of preallocated
-  per-slot arrays: `prepare` gathers a step with a fixed number of vectorized numpy calls
-  (as vLLM V1's persistent batch), not a loop per request;
+  reads its slot's last sampled token on the device (`from_slot`); output indices count it;
+- each running request keeps one slot (row of the on-device sampling history and of
+  preallocated per-slot arrays: tokens, block table, counters, sampling parameters), so
+  `prepare` gathers a step in a fixed number of vectorized numpy calls (vLLM V1's way);
 - the arrays of a `PreparedStep` are read-only: the request-only sampling columns are
   shared by the steps that schedule the same requests in the same order;
 - with speculative decoding, a request's drafts sit after its known tokens in its row
@@ -27,8 +23,7 @@ Promises:
   (laid out by `spec_decode.verification_rows`), at the output index it would have without
   drafts; the rows of a step
   never outnumber its request bucket (the scheduler keeps them within max_num_seqs);
-- the sampling rows (logits_indices, the sampling arrays) are padded to the step's own
-  row bucket S (`BucketSpec.sample_rows`), not to its request bucket R.
+- the sampling rows (logits_indices, sampling arrays) are padded to their own bucket S.
 
 Axis letters: T tokens, R requests, P pages per request.
 """
@@ -265,8 +260,7 @@ class InputBatch:
                 end = int(self.num_tokens[slot])
                 self.token_ids[slot, end : end + len(drafts)] = drafts
             num_rows += sum(map(len, spec.values()))
-        # A draft model's decode steps after this step reach num_lookahead_tokens further, a
-        # multi-step decode's steps num_decode_steps - 1.
+        # Draft-model steps reach num_lookahead_tokens further, multi-step decodes K - 1.
         num_steps = scheduler_output.num_decode_steps
         reach = int(kv_lens.max()) + scheduler_output.num_lookahead_tokens + num_steps - 1
         num_pages = min(cdiv(reach, self.block_size), self.buckets.max_pages)
