@@ -131,6 +131,52 @@ def assert_same_outputs(got: list, expected: list, how: str) -> None:
                 assert abs(value - row_expected[token]) <= LOGPROB_TOLERANCE, (i, token, how)
 
 
+def every_feature_batch(seed: int) -> tuple[list[str], list]:
+    """16 text prompts (chunked when long; every other one behind a shared 40-word prefix:
+    prefix-cache hits) with every sampling feature among their params: greedy with logprobs
+    and prompt logprobs, top-p/k, min-p, seeds, penalties, logit bias, min_tokens, n = 2 and
+    a request that ends with its first token. On a tight engine (TIGHT_ENGINE_ARGS) they
+    also preempt. max_tokens are mostly no multiple of 4 (multi-step decoding's K)."""
+    from jengine import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    words = ["the", "of", "and", "a", "to", "in", "is", "was", "for", "on", "that", "with",
+             "as", "by", "at"]  # fmt: skip
+    prefix = " ".join(rng.choice(words, 40))
+    prompts = [
+        (prefix if i % 2 else "") + " ".join(rng.choice(words, int(rng.integers(3, 70))))
+        for i in range(16)
+    ]
+    params = [
+        SamplingParams(temperature=0, max_tokens=41, logprobs=3, prompt_logprobs=2),
+        SamplingParams(temperature=1.0, top_p=0.9, top_k=40, seed=11, max_tokens=48),
+        SamplingParams(temperature=0.8, min_p=0.05, seed=12, max_tokens=33, logprobs=1),
+        SamplingParams(
+            temperature=0.7,
+            seed=13,
+            presence_penalty=0.6,
+            frequency_penalty=0.4,
+            repetition_penalty=1.2,
+            max_tokens=45,
+        ),
+        SamplingParams(temperature=0, logit_bias={40: 4.0, 41: -100.0}, max_tokens=30),
+        SamplingParams(temperature=1.0, seed=14, min_tokens=21, max_tokens=30),
+        SamplingParams(temperature=1.0, seed=15, n=2, max_tokens=38),
+        SamplingParams(temperature=0, max_tokens=1),  # ends with its first token
+    ]
+    return prompts, (params * 2)[: len(prompts)]
+
+
+def assert_engines_clean(engines: dict) -> None:
+    """Every engine of `engines` ({name: LLM}) is idle, leaked no block and compiled
+    nothing after warmup."""
+    for llm in engines.values():
+        core = llm.engine_core
+        assert not core.has_unfinished_requests()
+        assert core.num_free_blocks() == core.runner.num_blocks - 1  # nothing leaked
+        assert core.compiles_after_warmup() == 0
+
+
 def count_step_kinds(llm) -> Counter:
     """A Counter of the steps `llm` schedules from now on, by `num_decode_steps` (1: an
     ordinary step, K: a multi-step decode)."""

@@ -9,12 +9,16 @@ budget (long prompts are chunked) and 24 blocks of 16 tokens for 8 running reque
 (preemption).
 """
 
-import numpy as np
 import pytest
 
 from jengine import LLM, SamplingParams
 from jengine.sampling_params import StructuredOutputsParams
-from tests.engine.engine_helpers import TIGHT_ENGINE_ARGS, assert_same_outputs
+from tests.engine.engine_helpers import (
+    TIGHT_ENGINE_ARGS,
+    assert_engines_clean,
+    assert_same_outputs,
+    every_feature_batch,
+)
 from tests.entrypoints.tiny_model import make_tiny_model
 
 MODES = {"async": True, "sync": False}
@@ -34,50 +38,18 @@ def assert_same(outputs: dict[str, list]) -> None:
     assert_same_outputs(outputs["async"], outputs["sync"], "with async scheduling")
 
 
-def assert_clean(engines) -> None:
-    for llm in engines.values():
-        core = llm.engine_core
-        assert not core.has_unfinished_requests()
-        assert core.num_free_blocks() == core.runner.num_blocks - 1  # nothing leaked
-        assert core.compiles_after_warmup() == 0
-
-
 def test_the_engines_run_in_the_modes_they_were_asked_for(engines):
     assert engines["async"].engine_core.async_scheduling
     assert not engines["sync"].engine_core.async_scheduling
 
 
 def test_every_sampling_feature_under_chunking_prefix_hits_and_preemption(engines):
-    rng = np.random.default_rng(0)
-    words = ["the", "of", "and", "a", "to", "in", "is", "was", "for", "on", "that", "with",
-             "as", "by", "at"]  # fmt: skip
-    prefix = " ".join(rng.choice(words, 40))  # shared: prefix-cache hits
-    prompts = [
-        (prefix if i % 2 else "") + " ".join(rng.choice(words, int(rng.integers(3, 70))))
-        for i in range(16)
-    ]
-    params = [
-        SamplingParams(temperature=0, max_tokens=40, logprobs=3, prompt_logprobs=2),
-        SamplingParams(temperature=1.0, top_p=0.9, top_k=40, seed=11, max_tokens=48),
-        SamplingParams(temperature=0.8, min_p=0.05, seed=12, max_tokens=33, logprobs=1),
-        SamplingParams(
-            temperature=0.7,
-            seed=13,
-            presence_penalty=0.6,
-            frequency_penalty=0.4,
-            repetition_penalty=1.2,
-            max_tokens=45,
-        ),
-        SamplingParams(temperature=0, logit_bias={40: 4.0, 41: -100.0}, max_tokens=30),
-        SamplingParams(temperature=1.0, seed=14, min_tokens=20, max_tokens=30),
-        SamplingParams(temperature=1.0, seed=15, n=2, max_tokens=36),
-        SamplingParams(temperature=0, max_tokens=1),  # ends with its first token
-    ]
-    outputs = both(engines, prompts, (params * 2)[: len(prompts)])
+    prompts, params = every_feature_batch(seed=0)
+    outputs = both(engines, prompts, params)
     assert_same(outputs)
     assert engines["async"].engine_core.num_preemptions > 0
     assert any(o.num_cached_tokens > 0 for o in outputs["async"])
-    assert_clean(engines)
+    assert_engines_clean(engines)
 
 
 def test_structured_outputs_mixed_with_free_requests(engines):
@@ -99,7 +71,7 @@ def test_structured_outputs_mixed_with_free_requests(engines):
     outputs = both(engines, prompts, params)
     assert_same(outputs)
     assert outputs["async"][2].outputs[0].text in ("yes", "no", "maybe so")
-    assert_clean(engines)
+    assert_engines_clean(engines)
 
 
 def test_a_stop_emits_nothing_past_it(engines):
@@ -123,7 +95,7 @@ def test_a_stop_emits_nothing_past_it(engines):
     assert (by_token.finish_reason, by_token.stop_reason) == ("stop", tokens[5])
     assert by_string.finish_reason == "stop" and by_string.text == text[: text.index(text[8:12])]
     assert by_eos.token_ids == by_eos.token_ids[:3] + [eos] and by_eos.finish_reason == "stop"
-    assert_clean(engines)
+    assert_engines_clean(engines)
 
 
 def test_an_abort_while_its_step_is_in_flight_frees_its_blocks(engines):
@@ -143,7 +115,7 @@ def test_an_abort_while_its_step_is_in_flight_frees_its_blocks(engines):
     # requests.
     outputs = both(engines, ["After the abort"], SamplingParams(temperature=0, max_tokens=12))
     assert_same(outputs)
-    assert_clean(engines)
+    assert_engines_clean(engines)
 
 
 def test_speculative_decoding_runs_synchronously(tmp_path_factory):

@@ -12,13 +12,18 @@ The engines run the tiny model with a real tokenizer, a 24-token budget and 24 b
 
 from collections import Counter
 
-import numpy as np
 import pytest
 
 from jengine import LLM, SamplingParams
 from jengine.engine.arg_utils import EngineArgs
 from jengine.sampling_params import StructuredOutputsParams
-from tests.engine.engine_helpers import TIGHT_ENGINE_ARGS, assert_same_outputs, count_step_kinds
+from tests.engine.engine_helpers import (
+    TIGHT_ENGINE_ARGS,
+    assert_engines_clean,
+    assert_same_outputs,
+    count_step_kinds,
+    every_feature_batch,
+)
 from tests.entrypoints.tiny_model import make_tiny_model
 
 NUM_STEPS = 4
@@ -60,46 +65,14 @@ def assert_multi_steps_ran(engines) -> None:
     assert set(engines["single"].step_kinds) == {1}
 
 
-def assert_clean(engines) -> None:
-    for llm in engines.values():
-        core = llm.engine_core
-        assert not core.has_unfinished_requests()
-        assert core.num_free_blocks() == core.runner.num_blocks - 1  # nothing leaked
-        assert core.compiles_after_warmup() == 0
-
-
 def test_every_sampling_feature_under_chunking_prefix_hits_and_preemption(engines):
-    rng = np.random.default_rng(1)
-    words = ["the", "of", "and", "a", "to", "in", "is", "was", "for", "on", "that", "with",
-             "as", "by", "at"]  # fmt: skip
-    prefix = " ".join(rng.choice(words, 40))  # shared: prefix-cache hits
-    prompts = [
-        (prefix if i % 2 else "") + " ".join(rng.choice(words, int(rng.integers(3, 70))))
-        for i in range(16)
-    ]
-    params = [
-        SamplingParams(temperature=0, max_tokens=41, logprobs=3, prompt_logprobs=2),
-        SamplingParams(temperature=1.0, top_p=0.9, top_k=40, seed=11, max_tokens=48),
-        SamplingParams(temperature=0.8, min_p=0.05, seed=12, max_tokens=33, logprobs=1),
-        SamplingParams(
-            temperature=0.7,
-            seed=13,
-            presence_penalty=0.6,
-            frequency_penalty=0.4,
-            repetition_penalty=1.2,
-            max_tokens=45,
-        ),
-        SamplingParams(temperature=0, logit_bias={40: 4.0, 41: -100.0}, max_tokens=30),
-        SamplingParams(temperature=1.0, seed=14, min_tokens=21, max_tokens=30),
-        SamplingParams(temperature=1.0, seed=15, n=2, max_tokens=38),
-        SamplingParams(temperature=0, max_tokens=1),  # ends with its first token
-    ]
-    outputs = run_all(engines, prompts, (params * 2)[: len(prompts)])
+    prompts, params = every_feature_batch(seed=1)
+    outputs = run_all(engines, prompts, params)
     assert_same(outputs)
     assert_multi_steps_ran(engines)
     assert engines["multi"].engine_core.num_preemptions > 0
     assert any(o.num_cached_tokens > 0 for o in outputs["multi"])
-    assert_clean(engines)
+    assert_engines_clean(engines)
 
 
 def test_a_few_requests_decode_in_multi_steps_from_their_first_token(engines):
@@ -119,7 +92,7 @@ def test_a_few_requests_decode_in_multi_steps_from_their_first_token(engines):
     # 1 prefill step, then 25 tokens in multi-step decodes of 4 (the async engine has one
     # more step: the empty one that collects the last).
     assert engines["multi-sync"].step_kinds == Counter({1: 1, NUM_STEPS: 7})
-    assert_clean(engines)
+    assert_engines_clean(engines)
 
 
 def test_a_stop_inside_the_steps_emits_nothing_past_it(engines):
@@ -145,7 +118,7 @@ def test_a_stop_inside_the_steps_emits_nothing_past_it(engines):
     assert by_string.finish_reason == "stop" and by_string.text == text[: text.index(text[8:12])]
     assert by_eos.token_ids == by_eos.token_ids[:6] + [eos] and by_eos.finish_reason == "stop"
     assert_multi_steps_ran(engines)
-    assert_clean(engines)
+    assert_engines_clean(engines)
 
 
 def test_constrained_requests_decode_single_beside_free_ones(engines):
@@ -170,7 +143,7 @@ def test_constrained_requests_decode_single_beside_free_ones(engines):
     assert outputs["multi"][2].outputs[0].text in ("yes", "no", "maybe so")
     # Multi-step decodes ran once the constrained requests had ended, not before.
     assert_multi_steps_ran(engines)
-    assert_clean(engines)
+    assert_engines_clean(engines)
 
 
 def test_an_abort_while_a_multi_step_decode_is_in_flight_frees_its_blocks(engines):
@@ -190,7 +163,7 @@ def test_an_abort_while_a_multi_step_decode_is_in_flight_frees_its_blocks(engine
     # requests.
     outputs = run_all(engines, ["After the abort"], SamplingParams(temperature=0, max_tokens=12))
     assert_same(outputs)
-    assert_clean(engines)
+    assert_engines_clean(engines)
 
 
 def test_a_multi_step_decode_is_one_program(engines):
