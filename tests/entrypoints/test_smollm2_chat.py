@@ -3,7 +3,9 @@
 smollm2` answers through `/v1/chat/completions` with the official `openai` client: the
 template's default system prompt applies and `<|im_end|>` ends the turn. Under a JSON schema
 it names Paris as the capital of France; forced to call `get_weather`, it passes the city
-the question names."""
+the question names. The server decodes in multi-steps of 4 (`--num-scheduler-steps 4`), so
+that path meets a real model too: EOS inside the 4 tokens, streaming, and grammars beside
+it (their steps run single)."""
 
 import json
 import subprocess
@@ -40,7 +42,8 @@ def test_jengine_chat_answers_with_the_default_model():
 
 @pytest.fixture(scope="module")
 def server():
-    with RemoteServer("smollm2", [*LIMITS, "--disable-uvicorn-access-log"]) as server:
+    flags = [*LIMITS, "--num-scheduler-steps", "4", "--disable-uvicorn-access-log"]
+    with RemoteServer("smollm2", flags) as server:
         yield server
 
 
