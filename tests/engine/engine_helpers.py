@@ -1,5 +1,6 @@
 """Shared by the offline engine tests: their engine shapes, the attention setups the
-equality suite runs under, prompts and the HF oracle."""
+equality suite runs under, prompts (the every-feature batch the async-scheduling and
+multi-step suites compare modes on), output comparisons and the HF oracle."""
 
 import os
 from collections import Counter
@@ -8,6 +9,7 @@ import jax
 import numpy as np
 import torch
 
+from jengine import SamplingParams
 from tests.models.checkpoints import VOCAB
 
 # Small enough that warmup compiles few shapes (and the persistent XLA cache makes every
@@ -137,8 +139,6 @@ def every_feature_batch(seed: int) -> tuple[list[str], list]:
     and prompt logprobs, top-p/k, min-p, seeds, penalties, logit bias, min_tokens, n = 2 and
     a request that ends with its first token. On a tight engine (TIGHT_ENGINE_ARGS) they
     also preempt. max_tokens are mostly no multiple of 4 (multi-step decoding's K)."""
-    from jengine import SamplingParams
-
     rng = np.random.default_rng(seed)
     words = ["the", "of", "and", "a", "to", "in", "is", "was", "for", "on", "that", "with",
              "as", "by", "at"]  # fmt: skip
