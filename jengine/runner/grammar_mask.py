@@ -5,7 +5,8 @@ requests that sample (jengine/core/structured_output.py); `place_grammar_rows` p
 at those requests' sampling rows of an `[S, ceil(V / 32)]` mask (every token allowed
 elsewhere), `DeviceBitmasks` puts it on the device (or the all-ones mask a step without
 constraints passes unused), and `sample_step` applies it with `apply_token_bitmask` before
-any sampling rule (under a `lax.cond`: steps without constraints skip it).
+any sampling rule (under `branches.branch`: steps without constraints skip it, except on
+GPUs).
 """
 
 import jax

@@ -15,7 +15,8 @@ Promises:
 - logprobs are the model's raw log-softmax (vLLM's default `raw_logprobs`), with the
   sampled token's rank;
 - work a batch does not ask for (penalties, truncation, random draws) is skipped with
-  `lax.cond`, so a greedy batch pays for an argmax only.
+  `branches.branch`, so on CPU and TPU a greedy batch pays for an argmax only (on GPUs
+  every branch runs: a conditional there makes the host wait for the device).
 
 Per-request state that outlives a step (output token counts, prompt-token mask, dense
 logit bias) sits on device in `SamplingState`, one row per persistent batch slot.
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jengine.core.kv_cache_utils import cdiv
+from jengine.runner.branches import branch
 from jengine.sampling_params import GREEDY_TEMPERATURE_EPS
 
 MAX_SUPPRESSED_IDS = 16  # EOS + stop token ids masked before min_tokens
@@ -136,7 +138,7 @@ def _truncate(
         largest = -jnp.sort(-logits, axis=-1)
         return _threshold(largest, *_top_k_cut(logits, largest, meta), meta)
 
-    threshold = jax.lax.cond(
+    threshold = branch(
         jnp.any(undecided),
         from_sorted_vocabulary,
         lambda: _threshold(candidates, kth, probs, meta),
@@ -181,7 +183,7 @@ def _gumbel_sample(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
 
 
 def _sample_general(logits: jax.Array, meta: SamplingMetadata, state: SamplingState):
-    logits = jax.lax.cond(
+    logits = branch(
         jnp.any(meta.use_history), _apply_history, lambda l, m, s: l, logits, meta, state
     )
     rows = jnp.arange(logits.shape[0])[:, None]
@@ -194,11 +196,11 @@ def _sample_general(logits: jax.Array, meta: SamplingMetadata, state: SamplingSt
     def random_ids(logits):
         scaled = logits / jnp.where(greedy, 1.0, meta.temperature)[:, None]
         truncating = jnp.any((meta.top_k > 0) | (meta.top_p < 1.0) | (meta.min_p > 0.0))
-        scaled = jax.lax.cond(truncating, _truncate, lambda l, m: l, scaled, meta)
+        scaled = branch(truncating, _truncate, lambda l, m: l, scaled, meta)
         return _gumbel_sample(scaled, meta)
 
     all_greedy = jnp.all(greedy | ~meta.sample_mask)
-    sampled_random = jax.lax.cond(all_greedy, lambda l: greedy_ids, random_ids, logits)
+    sampled_random = branch(all_greedy, lambda l: greedy_ids, random_ids, logits)
     return jnp.where(greedy, greedy_ids, sampled_random)
 
 
@@ -214,11 +216,9 @@ def sample(
     plain_greedy = ~jnp.any(meta.use_history) & jnp.all(
         (meta.temperature < GREEDY_TEMPERATURE_EPS) | ~meta.sample_mask
     )
-    unmasked = jax.lax.cond(
-        plain_greedy, argmax, lambda l: jnp.full(l.shape[:1], -1, jnp.int32), logits
-    )
+    unmasked = branch(plain_greedy, argmax, lambda l: jnp.full(l.shape[:1], -1, jnp.int32), logits)
     hits_masked = jnp.any(unmasked[:, None] == meta.suppressed_ids, axis=-1) & meta.sample_mask
-    sampled = jax.lax.cond(
+    sampled = branch(
         plain_greedy & ~jnp.any(hits_masked),
         lambda l, m, s: unmasked,
         _sample_general,

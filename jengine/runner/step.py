@@ -21,7 +21,7 @@ Promises:
   runs over the S sampling rows only, not over every request row of the step's shape;
   the runner donates the sampling state; the top-logprob work runs only when
   `want_logprobs` is true and the structured-output masking only when `use_grammar` is
-  (`lax.cond`s);
+  (`branches.branch`: on GPUs both run, and a select keeps what was asked for);
 - `decode_step` is `forward_step` then `sample_step` on its rows, `(params, kv_cache,
   inputs, sampling_state, meta, want_logprobs, grammar_bitmask, use_grammar) ->
   (kv_cache, sampling_state, hidden, SampleOutputs)`, cache and state donated;
@@ -50,6 +50,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jengine.models import AttentionMetadata
+from jengine.runner.branches import branch
 from jengine.runner.grammar_mask import DeviceBitmasks, apply_token_bitmask
 from jengine.runner.prepared_step import PreparedStep, padded
 from jengine.runner.sampler import SamplingMetadata, sample, top_logprobs
@@ -166,7 +167,7 @@ def sample_step(
     masking costs nothing.
     """
     logits = _logits(nnx.merge(graphdef, params), rows, mesh)
-    logits = jax.lax.cond(use_grammar, apply_token_bitmask, lambda x, _: x, logits, grammar_bitmask)
+    logits = branch(use_grammar, apply_token_bitmask, lambda x, _: x, logits, grammar_bitmask)
     sampled, sampling_state = sample(logits, meta, sampling_state)
 
     def compute(_):
@@ -180,7 +181,7 @@ def sample_step(
             jnp.zeros((rows,), jnp.int32),
         )
 
-    logprobs = jax.lax.cond(want_logprobs, compute, skip, None)
+    logprobs = branch(want_logprobs, compute, skip, None)
     return sampling_state, SampleOutputs(sampled, *logprobs)
 
 

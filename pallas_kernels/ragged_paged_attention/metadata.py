@@ -58,8 +58,11 @@ def query_blocks(
     blocks_per_request = (q_lens + q_block_size - 1) // q_block_size
     first_block = jnp.cumsum(blocks_per_request) - blocks_per_request  # exclusive cumsum
     block_ids = jnp.arange(num_blocks, dtype=jnp.int32)
-    # A block belongs to the last request whose first block is at or before it.
-    request = jnp.searchsorted(first_block + blocks_per_request, block_ids, side="right")
+    # A block belongs to the last request whose first block is at or before it. All
+    # comparisons at once: the default binary search is a loop, and on a GPU each of a
+    # loop's log2(R) turns is launched from the host, in every layer.
+    ends = first_block + blocks_per_request
+    request = jnp.searchsorted(ends, block_ids, side="right", method="compare_all")
     in_use = request < num_requests
     request = jnp.where(in_use, request, 0).astype(jnp.int32)
     index_in_request = block_ids - first_block[request]

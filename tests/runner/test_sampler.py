@@ -1,11 +1,13 @@
-"""The on-device sampler against plain numpy statements of each rule."""
+"""The on-device sampler against plain numpy statements of each rule, each test run both
+ways the sampler skips work: with conditionals (CPU, TPU) and with every branch computed
+and selected (GPUs), the second forced here."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jengine.runner import sampler
+from jengine.runner import branches, sampler
 from jengine.runner.prepared_step import neutral_sampling_arrays
 from jengine.runner.sampler import MAX_SUPPRESSED_IDS, SamplingMetadata, SamplingState
 
@@ -17,6 +19,20 @@ top_logprobs = jax.jit(sampler.top_logprobs, static_argnums=2)
 write_slot_history = jax.jit(sampler.write_slot_history)
 
 V = 32
+
+
+@pytest.fixture(autouse=True, params=["conditionals", "selects"])
+def branching(request, monkeypatch):
+    """Run the test with the sampler's branches as this machine's backend takes them, and
+    as a GPU's (`branches.SELECTING_PLATFORMS` then holds the CPU too)."""
+    if request.param == "selects":
+        monkeypatch.setattr(branches, "SELECTING_PLATFORMS", ("cpu", "cuda", "rocm"))
+    jitted = (sample, _truncate, _apply_history, top_logprobs, write_slot_history)
+    for function in jitted:  # traced again, the chosen way
+        function.clear_cache()
+    yield
+    for function in jitted:
+        function.clear_cache()
 
 
 def _meta(R, **overrides):
