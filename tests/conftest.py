@@ -36,13 +36,16 @@ def _memory_map_limit() -> int:
     return int(path.read_text()) if path.exists() else 0
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(autouse=True)
 def release_executables():
-    """Frees jax's compiled executables after a test file once a worker holds half the
-    memory maps the kernel allows. Each engine's executables hold ~1,300 maps of JIT code,
+    """Frees jax's compiled executables after a test once a worker holds half the memory
+    maps the kernel allows. Each engine's executables hold ~1,300-2,300 maps of JIT code,
     and jax keeps them while its caches live: a worker that had built ~50 engines reached
-    Linux's 65,530 and segfaulted in XLA's executable (de)serialization. Clearing costs a
-    re-trace where a later file uses a session engine, so it waits until maps are many."""
+    Linux's 65,530 and segfaulted in XLA's executable (de)serialization. Checked after
+    every test, not every file: tests/models/test_quantized_models.py alone adds ~40,000
+    (28 engines), and a worker that entered it below the threshold crashed in its last
+    test. Clearing costs a re-trace where a later test uses a session engine, so it waits
+    until maps are many."""
     yield
     limit = _memory_map_limit()
     if limit and Path("/proc/self/maps").read_text().count("\n") > limit // 2:
