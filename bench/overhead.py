@@ -13,7 +13,8 @@ Then, with `--device` (on by default), the real engine on the benchmark model: t
 median engine step while N requests decode, with async scheduling and without (and two
 parts of it: the runner queueing a step, and waiting for a step's tokens), beside the
 device time of the same decode step (its programs run back to back, inputs prepared, each
-step waited for). With async scheduling the host's work overlaps the device's, so the step
+step waited for; and, as a device never idle would run them, ten calls queued before
+one wait). With async scheduling the host's work overlaps the device's, so the step
 should come close to the device time. The two engines and the device timing take turns
 for `--rounds` rounds per N, and each figure is the median over rounds (every round's
 kept): this VM's speed drifts by 15-25% within minutes, and one run of each in a row read
@@ -166,7 +167,9 @@ def device_step_times(
                     # A decode step from the middle (its blocks are free now: rewriting
                     # them harms nothing).
                     runner = llm.engine_core.runner
-                    row["device_ms"] = _device_ms(runner, prepared[-steps // 4])
+                    step = prepared[-steps // 4]
+                    row["device_ms"] = _device_ms(runner, step)
+                    row["device_back_to_back_ms"] = _back_to_back_ms(runner, step)
             row["async_minus_device_ms"] = row["async_step_ms"] - row["device_ms"]
             by_round.append(row)
         medians = {key: statistics.median(r[key] for r in by_round) for key in by_round[0]}
@@ -182,7 +185,14 @@ def _decode(llm, n: int, steps: int, rng, prefix: str) -> tuple[dict[str, list[f
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
     for index in range(n):
         prompt = rng.integers(100, 31000, size=PROMPT_LEN).tolist()
-        engine.add_request(f"{prefix}-{index}", {"prompt_token_ids": prompt}, params)
+        # DELTA, as the host loop above and a streaming server ask: CUMULATIVE would add
+        # rebuilding every request's whole output each step (~2 ms a step at 256 running).
+        engine.add_request(
+            f"{prefix}-{index}",
+            {"prompt_token_ids": prompt},
+            params,
+            output_kind=RequestOutputKind.DELTA,
+        )
     times = {"step": [], "dispatch": [], "collect": []}
     prepared = []
     prepare = runner.input_batch.prepare
@@ -225,6 +235,21 @@ def _device_ms(runner, step) -> float:
     return 1000 * statistics.median(device[5:])
 
 
+def _back_to_back_ms(runner, step, calls: int = 10) -> float:
+    """`step`'s programs called `calls` times without waiting, then waited for: the time
+    per step of a device that is never idle. On a GPU it is below `_device_ms`, which also
+    counts launching each run while the device waits (~2 ms for the 1.1B model's layer
+    scan on an H100)."""
+    import jax
+
+    jax.block_until_ready((runner.kv_cache, runner.sampling_state))
+    started = time.perf_counter()
+    for _ in range(calls):
+        outputs = runner._run(step)
+    jax.block_until_ready(outputs)
+    return 1000 * (time.perf_counter() - started) / calls
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="jengine bench overhead", description=__doc__.split("\n")[0]
@@ -260,7 +285,8 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"{row['num_running']:4d} running, real engine (median of {len(row['rounds'])} "
                 f"rounds): step {row['async_step_ms']:.3f} ms async / {row['sync_step_ms']:.3f} "
-                f"ms sync; device {row['device_ms']:.3f} ms (async - device = "
+                f"ms sync; device {row['device_ms']:.3f} ms, back to back "
+                f"{row['device_back_to_back_ms']:.3f} ms (async - device = "
                 f"{row['async_minus_device_ms']:+.3f} ms; by round {by_round}); of a step, "
                 f"dispatch {row['async_dispatch_ms']:.3f} / {row['sync_dispatch_ms']:.3f} ms, "
                 f"waiting for the tokens {row['async_collect_ms']:.3f} / "
