@@ -36,19 +36,26 @@ def _memory_map_limit() -> int:
     return int(path.read_text()) if path.exists() else 0
 
 
-@pytest.fixture(autouse=True)
-def release_executables():
-    """Frees jax's compiled executables after a test once a worker holds half the memory
-    maps the kernel allows. Each engine's executables hold ~1,300-2,300 maps of JIT code,
-    and jax keeps them while its caches live: a worker that had built ~50 engines reached
-    Linux's 65,530 and segfaulted in XLA's executable (de)serialization. Checked after
-    every test, not every file: tests/models/test_quantized_models.py alone adds ~40,000
-    (28 engines), and a worker that entered it below the threshold crashed in its last
-    test. Clearing costs a re-trace where a later test uses a session engine, so it waits
-    until maps are many."""
-    yield
+def _map_count() -> int:
+    return Path("/proc/self/maps").read_text().count("\n")
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Frees jax's compiled executables once a worker holds many of the memory maps the
+    kernel allows. Each engine's executables hold ~1,300-2,300 maps of JIT code, and jax
+    keeps them while its caches live: a worker that had built ~50 engines reached Linux's
+    65,530 and segfaulted in XLA's executable (de)serialization. Past half the limit they
+    are freed between test files; past three quarters after any test, since
+    tests/models/test_quantized_models.py alone adds ~40,000 (a worker that entered it just
+    under half crashed in its last test). Freeing costs a re-trace, and an XLA compile,
+    wherever a warmed engine is used again: a module's engines would then count compiles
+    after warmup, so mid-file freeing waits until a crash is the alternative."""
     limit = _memory_map_limit()
-    if limit and Path("/proc/self/maps").read_text().count("\n") > limit // 2:
+    if not limit:
+        return
+    last_of_file = nextitem is None or nextitem.path != item.path
+    maps = _map_count()
+    if maps > limit * 3 // 4 or (last_of_file and maps > limit // 2):
         jax.clear_caches()
         gc.collect()
 
