@@ -40,6 +40,7 @@ from jengine.models import AttentionMetadata
 from jengine.pallas_kernels.ragged_paged_attention import resolve_impl
 from jengine.runner.buckets import next_power_of_two
 from jengine.runner.compilation import StaticJit
+from jengine.runner.huge_pages import move_to_huge_pages
 from jengine.runner.kv_cache_sizing import KVCacheSizing
 from jengine.runner.prepared_step import PreparedStep
 from jengine.runner.step import ForwardInputs
@@ -187,6 +188,7 @@ class DraftModel:
         self.num_speculative_tokens = num_speculative_tokens
         graphdef, params = nnx.split(model)
         self.params = jax.device_put(params, device)
+        move_to_huge_pages(self.params)  # its decode streams its weights too
         cache_shape = model.kv_cache_shape(num_blocks, block_size)
         self.kv_cache = jax.device_put(jnp.zeros(cache_shape, model.dtype), device)
         q = jax.ShapeDtypeStruct(

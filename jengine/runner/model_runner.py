@@ -50,6 +50,7 @@ from jengine.runner.buckets import BucketSpec, StepShape
 from jengine.runner.compilation import CompileCounter, StaticJit, compile_ahead_of_time
 from jengine.runner.draft_model import DraftModel, check_draft_model
 from jengine.runner.grammar_mask import DeviceBitmasks, place_grammar_rows
+from jengine.runner.huge_pages import move_to_huge_pages
 from jengine.runner.input_batch import InputBatch
 from jengine.runner.kv_cache_sizing import KVCacheSizing, default_kv_budget, weights_report
 from jengine.runner.lora_slots import LoRASlots
@@ -142,6 +143,7 @@ class ModelRunner:
         self.replicated = tp.replicated() if tp else SingleDeviceSharding(self.device)
         self.bitmasks = DeviceBitmasks(self.config.vocab_size, self.replicated)
         self.params = jax.device_put(params, tp.param_shardings(params) if tp else self.device)
+        self.huge_pages = move_to_huge_pages(self.params)
         self.kv_sizing = KVCacheSizing.create(
             model.kv_cache_shape,
             self.dtype,
@@ -398,3 +400,4 @@ class ModelRunner:
         old weight's sharding, so the step never recompiles.
         """
         self.params = updated_params(self.params, params, self.tensor_parallel, self.config)
+        self.huge_pages = move_to_huge_pages(self.params)

@@ -18,6 +18,7 @@ from jengine import LLM, SamplingParams
 from jengine.models.checkpoint import installed_smollm2
 from jengine.runner.kv_cache_sizing import weight_bytes
 from tests.engine.engine_helpers import hf_teacher_forced
+from tests.runner.test_huge_pages import collapse_expected
 
 SMOLLM2 = installed_smollm2()
 MAX_TOKENS = 24
@@ -117,6 +118,17 @@ def test_the_kept_weights_are_near_the_files_size(llm):
     file_bytes = sum(gguf.tensor_data(name).nbytes for name in gguf.tensors)
     resident, _ = weight_bytes(nnx.to_pure_dict(llm.engine_core.runner.params), "float32")
     assert resident <= 1.25 * file_bytes, (resident, file_bytes)
+
+
+def test_the_weights_are_moved_into_huge_pages(llm):
+    """At start the runner moves the weights into 2 MiB pages (jengine/runner/huge_pages.py),
+    on a thread beside warmup; the replies below are computed from them."""
+    report = llm.engine_core.runner.huge_pages.result(timeout=120)
+    assert report.eligible_bytes > 50 * 2**20, report  # the 30 layers' stacked blocks
+    if collapse_expected():
+        assert report.collapsed_bytes == report.eligible_bytes, report
+    else:
+        assert report.reason, report
 
 
 def test_greedy_chat_replies_equal_transformers(llm, hf_model):

@@ -1,0 +1,192 @@
+"""The weights' host memory in 2 MiB pages, on CPU devices under Linux.
+
+Where it sits: `ModelRunner` (and a draft model) call `move_to_huge_pages(params)` once the
+weights are on their devices, at start and after `update_weights`: a thread moves them
+while warmup compiles (it copies memory: 0.1-0.8 s for the 56M benchmark model's 200 MB
+on a 2-core VM, seconds for larger models) and logs its report when done.
+
+Why: a single-stream decode step on a CPU is one stream through every weight. In 4 KiB
+pages that stream crosses a page every 64 cache lines: a TLB miss and a hardware
+prefetcher that starts over at each boundary. The same reads from 2 MiB pages ran 1.15x
+faster in a two-thread C++ stream and 1.09-1.12x faster end to end on the 56M benchmark
+model's decode (bench/README.md, "Weights in 2 MiB pages"). XLA's allocator hands out
+ordinary pages, and Linux's default transparent-huge-page setting ("madvise") backs only
+memory that asks, so the weights ask here, after the fact: `MADV_COLLAPSE` (Linux 6.1)
+copies a range's small pages into huge ones in place, values and addresses unchanged.
+
+Promises:
+- only buffers on CPU devices are touched, and of each only the whole 2 MiB pages that lie
+  inside it: memory around a buffer, which the allocator may hand to something else, is
+  never advised; nothing is remapped (`MADV_COLLAPSE` changes no mapping's flags);
+- never raises: an older kernel, transparent huge pages set to "never", another OS or a
+  refused collapse leave the pages as they were, and the report says why;
+- the steps may run meanwhile: a collapse keeps the values, and a page being moved is
+  only waited on for the copy;
+- `JENGINE_HUGE_PAGES=0` turns it off (a baseline for benchmarks, or a kernel that
+  misbehaves).
+"""
+
+import ctypes
+import errno
+import functools
+import logging
+import os
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import jax
+
+MADV_COLLAPSE = 25  # include/uapi/asm-generic/mman-common.h, Linux 6.1
+THP_DIR = "/sys/kernel/mm/transparent_hugepage"
+DEFAULT_HUGE_PAGE = 2 << 20  # x86-64's PMD size; arm64 with 4 KiB base pages too
+SWITCH = "JENGINE_HUGE_PAGES"
+EAGAIN_TRIES = 5
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HugePageReport:
+    """What `back_with_huge_pages` did: bytes moved into huge pages of the CPU buffers'
+    whole pages, and why not all of them, if not."""
+
+    collapsed_bytes: int = 0
+    eligible_bytes: int = 0
+    seconds: float = 0.0
+    reason: str | None = None
+
+    def describe(self) -> str:
+        if self.eligible_bytes == 0 and self.reason is None:
+            return ""  # no CPU weights: nothing to say
+        text = f"{self.collapsed_bytes / 2**20:.0f} MiB of weights in huge pages"
+        if self.collapsed_bytes:
+            text += f" ({self.seconds:.2f} s)"
+        return text + (f"; {self.reason}" if self.reason else "")
+
+
+def move_to_huge_pages(tree) -> "Future[HugePageReport]":
+    """`back_with_huge_pages(tree)` on a thread of its own (the arrays stay referenced
+    until it is done); the report is logged when there is one to give."""
+    future: Future[HugePageReport] = Future()
+
+    def move():
+        try:
+            report = back_with_huge_pages(tree)
+        except BaseException as error:  # never expected (see the promises): kept, not lost
+            future.set_exception(error)
+            raise
+        if report.describe():
+            logger.info(report.describe())
+        future.set_result(report)
+
+    threading.Thread(target=move, name="jengine-huge-pages", daemon=True).start()
+    return future
+
+
+def back_with_huge_pages(tree) -> HugePageReport:
+    """Move every CPU-device buffer of `tree` (a pytree of jax arrays) into huge pages,
+    where the kernel lets it; see the module's promises."""
+    ranges = [page_range(pointer, size) for pointer, size in _cpu_buffers(tree)]
+    ranges = [(start, length) for start, length in ranges if length]
+    eligible = sum(length for _, length in ranges)
+    if not ranges:
+        return HugePageReport()
+    reason = _unavailable()
+    if reason is not None:
+        return HugePageReport(eligible_bytes=eligible, reason=reason)
+    madvise = _madvise()
+    started = time.perf_counter()
+    collapsed, failures = 0, {}
+    for start, length in ranges:
+        code = _collapse(madvise, start, length)
+        if code == 0:
+            collapsed += length
+        else:
+            failures[code] = failures.get(code, 0) + length
+    seconds = time.perf_counter() - started
+    reason = None
+    if failures:
+        reason = "not moved: " + ", ".join(
+            f"{length / 2**20:.0f} MiB ({errno.errorcode.get(code, code)}: {os.strerror(code)})"
+            for code, length in failures.items()
+        )
+        if errno.EINVAL in failures and collapsed == 0:
+            reason = "the kernel refused MADV_COLLAPSE (Linux 6.1 or newer has it)"
+    return HugePageReport(collapsed, eligible, seconds, reason)
+
+
+def _collapse(madvise, start: int, length: int) -> int:
+    """0, or the errno of the last try. A page the kernel could not take for a moment (in
+    use, not yet on its LRU lists: EAGAIN, seen right after a model's load) is tried again;
+    the pages already moved are skipped quickly then."""
+    for attempt in range(EAGAIN_TRIES):
+        if madvise(start, length, MADV_COLLAPSE) == 0:
+            return 0
+        code = ctypes.get_errno()
+        if code != errno.EAGAIN:
+            return code
+        time.sleep(0.01 * (attempt + 1))
+    return code
+
+
+def page_range(pointer: int, size: int, huge_page: int | None = None) -> tuple[int, int]:
+    """(start, length) of the whole huge pages inside [pointer, pointer + size); length 0
+    when none fits."""
+    huge_page = huge_page or huge_page_size()
+    start = -(-pointer // huge_page) * huge_page
+    end = (pointer + size) // huge_page * huge_page
+    return (start, end - start) if end > start else (start, 0)
+
+
+@functools.cache
+def huge_page_size() -> int:
+    try:
+        with open(os.path.join(THP_DIR, "hpage_pmd_size")) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return DEFAULT_HUGE_PAGE
+
+
+def _cpu_buffers(tree) -> list[tuple[int, int]]:
+    """(address, bytes) of every shard of `tree`'s arrays that lives on a CPU device, each
+    written in full (device_put copies on XLA's threads, and a buffer still being written
+    is refused). An array the engine deletes meanwhile (donated LoRA slots) is left out."""
+    buffers = []
+    for leaf in jax.tree.leaves(tree):
+        if not isinstance(leaf, jax.Array):
+            continue
+        try:
+            leaf.block_until_ready()
+            for shard in leaf.addressable_shards:
+                if shard.device.platform == "cpu" and shard.data.nbytes:
+                    buffers.append((shard.data.unsafe_buffer_pointer(), shard.data.nbytes))
+        except RuntimeError:  # deleted (donated) since the tree was taken
+            continue
+    return buffers
+
+
+def _unavailable() -> str | None:
+    """Why huge pages cannot be asked for here, or None."""
+    if os.environ.get(SWITCH, "1") == "0":
+        return f"off ({SWITCH}=0)"
+    if not sys.platform.startswith("linux"):
+        return f"not on {sys.platform} (Linux only)"
+    try:
+        with open(os.path.join(THP_DIR, "enabled")) as f:
+            setting = f.read()
+    except OSError:
+        return "the kernel has no transparent huge pages"
+    if "[never]" in setting:
+        return f"transparent huge pages are off ({THP_DIR}/enabled: never)"
+    return None
+
+
+@functools.cache
+def _madvise():
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise

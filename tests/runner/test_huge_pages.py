@@ -1,0 +1,108 @@
+"""Weights moved into 2 MiB pages (jengine/runner/huge_pages.py): only whole pages inside a
+CPU buffer, values unchanged, reasons instead of errors, and the kernel's own account
+(/proc/self/smaps) showing the pages moved where the kernel can move them."""
+
+import logging
+import platform
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jengine.runner import huge_pages
+from jengine.runner.huge_pages import (
+    HugePageReport,
+    back_with_huge_pages,
+    move_to_huge_pages,
+    page_range,
+)
+
+MIB = 2**20
+
+
+def huge_bytes_around(array: jax.Array) -> int:
+    """AnonHugePages of the mappings that hold `array`'s buffer (the kernel's count)."""
+    pointer = array.unsafe_buffer_pointer()
+    end, total, overlaps = pointer + array.nbytes, 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            span = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+            if span:
+                overlaps = int(span[1], 16) < end and int(span[2], 16) > pointer
+            elif overlaps and line.startswith("AnonHugePages:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def collapse_expected() -> bool:
+    """Linux 6.1 or newer with transparent huge pages not set to never."""
+    if not sys.platform.startswith("linux"):
+        return False
+    major, minor = (int(part) for part in re.match(r"(\d+)\.(\d+)", platform.release()).groups())
+    return (major, minor) >= (6, 1) and huge_pages._unavailable() is None
+
+
+def test_page_range_keeps_to_whole_pages_inside_the_buffer():
+    page = 2 * MIB
+    assert page_range(0, 3 * page, page) == (0, 3 * page)
+    assert page_range(64, 3 * page, page) == (page, 2 * page)  # the partial ends left alone
+    assert page_range(page - 64, page + 128, page) == (page, page)
+    assert page_range(64, page, page)[1] == 0  # no whole page inside
+    assert page_range(page + 64, page - 128, page)[1] == 0
+
+
+def test_weights_move_with_their_values(monkeypatch):
+    monkeypatch.delenv(huge_pages.SWITCH, raising=False)
+    rng = np.random.default_rng(0)
+    host = rng.standard_normal((6, 1024, 1024), dtype=np.float32)  # 24 MiB
+    weights = {"w": jnp.asarray(host), "small": jnp.ones((8,)), "count": 3}
+    report = back_with_huge_pages(weights)
+    start, length = page_range(weights["w"].unsafe_buffer_pointer(), weights["w"].nbytes)
+    assert report.eligible_bytes == length >= 20 * MIB  # the 32-byte array has no whole page
+    np.testing.assert_array_equal(np.asarray(weights["w"]), host)
+    if collapse_expected():
+        assert report.reason is None, report
+        assert report.collapsed_bytes == report.eligible_bytes
+        assert huge_bytes_around(weights["w"]) >= report.collapsed_bytes
+        assert f"{length // MIB} MiB of weights in huge pages" in report.describe()
+    else:  # an older kernel or THP off: said, not raised
+        assert report.collapsed_bytes < report.eligible_bytes and report.reason
+    # Already in huge pages: asked again, nothing changes and nothing fails.
+    again = back_with_huge_pages(weights)
+    assert again.collapsed_bytes == report.collapsed_bytes
+    np.testing.assert_array_equal(np.asarray(weights["w"]), host)
+
+
+def test_switched_off_touches_nothing(monkeypatch):
+    monkeypatch.setenv(huge_pages.SWITCH, "0")
+    weights = [jnp.zeros((3, 1024, 1024))]
+    before = huge_bytes_around(weights[0])
+    report = back_with_huge_pages(weights)
+    assert report.collapsed_bytes == 0 and report.eligible_bytes > 0
+    assert "JENGINE_HUGE_PAGES=0" in report.describe()
+    assert huge_bytes_around(weights[0]) == before
+
+
+def test_nothing_on_the_cpu_says_nothing():
+    assert back_with_huge_pages({"tiny": jnp.ones((4, 4)), "host": np.ones(4)}) == HugePageReport()
+    assert HugePageReport().describe() == ""
+
+
+def test_a_donated_array_is_left_out_not_an_error(monkeypatch):
+    monkeypatch.delenv(huge_pages.SWITCH, raising=False)
+    kept, donated = jnp.ones((3, 1024, 1024)), jnp.ones((3, 1024, 1024))
+    jax.jit(lambda x: x + 1, donate_argnums=0)(donated).block_until_ready()
+    assert donated.is_deleted()
+    report = back_with_huge_pages([kept, donated])
+    assert report.eligible_bytes == page_range(kept.unsafe_buffer_pointer(), kept.nbytes)[1]
+
+
+def test_in_the_background_the_report_is_logged(monkeypatch, caplog):
+    monkeypatch.delenv(huge_pages.SWITCH, raising=False)
+    weights = {"w": jnp.ones((4, 1024, 1024))}
+    with caplog.at_level(logging.INFO, logger="jengine.runner.huge_pages"):
+        report = move_to_huge_pages(weights).result(timeout=60)
+    assert report.eligible_bytes > 0
+    assert report.describe() in caplog.text
