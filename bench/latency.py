@@ -80,6 +80,8 @@ def single_stream(llm, prompt: list[int], max_tokens: int, repeats: int, top_p=N
         decode_tok_per_s=max(r["decode_tok_per_s"] for r in runs),
         runs=runs,
         compiles_after_warmup=llm.engine_core.compiles_after_warmup(),
+        # The weights' pages (jengine/runner/huge_pages.py): 4 KiB pages stream slower.
+        huge_pages=llm.engine_core.runner.huge_pages.result().describe(),
     )
 
 

@@ -8,8 +8,8 @@ on a 2-core VM, seconds for larger models) and logs its report when done.
 Why: a single-stream decode step on a CPU is one stream through every weight. In 4 KiB
 pages that stream crosses a page every 64 cache lines: a TLB miss and a hardware
 prefetcher that starts over at each boundary. The same reads from 2 MiB pages ran 1.15x
-faster in a two-thread C++ stream and 1.09-1.12x faster end to end on the 56M benchmark
-model's decode (bench/README.md, "Weights in 2 MiB pages"). XLA's allocator hands out
+faster in a two-thread C++ stream, and the 56M benchmark model decoded 1.06x faster (the
+median of 24 paired runs; bench/README.md, "Weights in 2 MiB pages"). XLA's allocator hands out
 ordinary pages, and Linux's default transparent-huge-page setting ("madvise") backs only
 memory that asks, so the weights ask here, after the fact: `MADV_COLLAPSE` (Linux 6.1)
 copies a range's small pages into huge ones in place, values and addresses unchanged.
