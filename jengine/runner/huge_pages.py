@@ -43,7 +43,8 @@ MADV_COLLAPSE = 25  # include/uapi/asm-generic/mman-common.h, Linux 6.1
 THP_DIR = "/sys/kernel/mm/transparent_hugepage"
 DEFAULT_HUGE_PAGE = 2 << 20  # x86-64's PMD size; arm64 with 4 KiB base pages too
 SWITCH = "JENGINE_HUGE_PAGES"
-EAGAIN_TRIES = 5
+TRIES = 4  # passes over the ranges the kernel refused
+RETRY_PAUSE_S = 0.05
 
 logger = logging.getLogger(__name__)
 
@@ -100,12 +101,24 @@ def back_with_huge_pages(tree) -> HugePageReport:
     madvise = _madvise()
     started = time.perf_counter()
     collapsed, failures = 0, {}
-    for start, length in ranges:
-        code = _collapse(madvise, start, length)
-        if code == 0:
-            collapsed += length
-        else:
-            failures[code] = failures.get(code, 0) + length
+    for attempt in range(TRIES):
+        # The kernel refuses a range whose pages are busy elsewhere for a moment (being
+        # migrated by compaction, not yet on its LRU lists): EAGAIN, or EINVAL for a page in
+        # migration, seen under a busy test run. A later pass moves them. (A kernel without
+        # MADV_COLLAPSE says EINVAL every pass: 0.3 s on this thread.)
+        if attempt:
+            time.sleep(RETRY_PAUSE_S * attempt)
+        failed = []
+        for start, length in ranges:
+            if madvise(start, length, MADV_COLLAPSE) == 0:
+                collapsed += length
+            else:
+                failed.append((start, length, ctypes.get_errno()))
+        if not failed:
+            break
+        ranges = [(start, length) for start, length, _ in failed]
+    for _, length, code in failed:
+        failures[code] = failures.get(code, 0) + length
     seconds = time.perf_counter() - started
     reason = None
     if failures:
@@ -116,20 +129,6 @@ def back_with_huge_pages(tree) -> HugePageReport:
         if errno.EINVAL in failures and collapsed == 0:
             reason = "the kernel refused MADV_COLLAPSE (Linux 6.1 or newer has it)"
     return HugePageReport(collapsed, eligible, seconds, reason)
-
-
-def _collapse(madvise, start: int, length: int) -> int:
-    """0, or the errno of the last try. A page the kernel could not take for a moment (in
-    use, not yet on its LRU lists: EAGAIN, seen right after a model's load) is tried again;
-    the pages already moved are skipped quickly then."""
-    for attempt in range(EAGAIN_TRIES):
-        if madvise(start, length, MADV_COLLAPSE) == 0:
-            return 0
-        code = ctypes.get_errno()
-        if code != errno.EAGAIN:
-            return code
-        time.sleep(0.01 * (attempt + 1))
-    return code
 
 
 def page_range(pointer: int, size: int, huge_page: int | None = None) -> tuple[int, int]:
