@@ -102,10 +102,10 @@ def back_with_huge_pages(tree) -> HugePageReport:
     started = time.perf_counter()
     collapsed, failures = 0, {}
     for attempt in range(TRIES):
-        # The kernel refuses a range whose pages are busy elsewhere for a moment (being
-        # migrated by compaction, not yet on its LRU lists): EAGAIN, or EINVAL for a page in
-        # migration, seen under a busy test run. A later pass moves them. (A kernel without
-        # MADV_COLLAPSE says EINVAL every pass: 0.3 s on this thread.)
+        # The kernel refuses a range whose pages are busy elsewhere for a moment (EAGAIN:
+        # not yet on its LRU lists); a later pass moves them. One buffer refused with EINVAL
+        # in the cold test suite stayed refused through these passes (cause not found; the
+        # report says so). A kernel without MADV_COLLAPSE says EINVAL every pass: 0.3 s.
         if attempt:
             time.sleep(RETRY_PAUSE_S * attempt)
         failed = []
