@@ -392,12 +392,9 @@ class ModelRunner:
     # -- weights --------------------------------------------------------------------------
 
     def update_weights(self, params) -> None:
-        """Swap in weights of the same shapes (a params State, pure dict or model), as
-        host arrays or as jax arrays in any layout over the engine's devices.
-
-        Host arrays are cast on the host when their dtype differs; jax arrays on the
-        engine's devices never leave them. Either way each new weight ends up with its
-        old weight's sharding, so the step never recompiles.
-        """
+        """Swap in weights of the same shapes (a params State, pure dict or model), as host
+        arrays (cast on the host when their dtype differs) or as jax arrays in any layout over
+        the engine's devices (which they never leave). Each new weight ends up with its old
+        weight's sharding, so the step never recompiles."""
         self.params = updated_params(self.params, params, self.tensor_parallel, self.config)
         self.huge_pages = move_to_huge_pages(self.params)
