@@ -31,6 +31,7 @@ import errno
 import functools
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -99,36 +100,75 @@ def back_with_huge_pages(tree) -> HugePageReport:
     if reason is not None:
         return HugePageReport(eligible_bytes=eligible, reason=reason)
     madvise = _madvise()
+    huge_page = huge_page_size()
+    # One call per huge page: the kernel stops a range at a page it cannot move (it
+    # answers EINVAL then, and the pages after it stay small), and per page the report
+    # counts exactly what moved.
+    pages = [start + offset for start, length in ranges for offset in range(0, length, huge_page)]
     started = time.perf_counter()
-    collapsed, failures = 0, {}
+    collapsed, failed = 0, []
     for attempt in range(TRIES):
-        # The kernel refuses a range whose pages are busy elsewhere for a moment (EAGAIN:
-        # not yet on its LRU lists); a later pass moves them. One buffer refused with EINVAL
-        # in the cold test suite stayed refused through these passes (cause not found; the
-        # report says so). A kernel without MADV_COLLAPSE says EINVAL every pass: 0.3 s.
+        # The kernel refuses a page that is busy elsewhere for a moment (EAGAIN: not yet
+        # on its LRU lists); a later pass moves it. A kernel without MADV_COLLAPSE says
+        # EINVAL every pass: 0.3 s.
         if attempt:
             time.sleep(RETRY_PAUSE_S * attempt)
         failed = []
-        for start, length in ranges:
-            if madvise(start, length, MADV_COLLAPSE) == 0:
-                collapsed += length
+        for page in pages:
+            if madvise(page, huge_page, MADV_COLLAPSE) == 0:
+                collapsed += huge_page
             else:
-                failed.append((start, length, ctypes.get_errno()))
+                failed.append((page, ctypes.get_errno()))
         if not failed:
             break
-        ranges = [(start, length) for start, length, _ in failed]
-    for _, length, code in failed:
-        failures[code] = failures.get(code, 0) + length
+        pages = [page for page, _ in failed]
     seconds = time.perf_counter() - started
     reason = None
-    if failures:
-        reason = "not moved: " + ", ".join(
-            f"{length / 2**20:.0f} MiB ({errno.errorcode.get(code, code)}: {os.strerror(code)})"
-            for code, length in failures.items()
-        )
-        if errno.EINVAL in failures and collapsed == 0:
-            reason = "the kernel refused MADV_COLLAPSE (Linux 6.1 or newer has it)"
+    if failed and collapsed == 0 and all(code == errno.EINVAL for _, code in failed):
+        reason = "the kernel refused MADV_COLLAPSE (Linux 6.1 or newer has it)"
+    elif failed:
+        reason = _refusals(failed, huge_page)
     return HugePageReport(collapsed, eligible, seconds, reason)
+
+
+def _refusals(failed: list[tuple[int, int]], huge_page: int) -> str:
+    """What the kernel refused, by error, and the mapping of the first refused page (its
+    span, name and VmFlags from /proc/self/smaps: where to look for why)."""
+    by_code: dict[int, int] = {}
+    for _, code in failed:
+        by_code[code] = by_code.get(code, 0) + 1
+    text = "not moved: " + ", ".join(
+        f"{count * huge_page / 2**20:.0f} MiB in {count} page{'s' * (count > 1)} "
+        f"({errno.errorcode.get(code, code)}: {os.strerror(code)})"
+        for code, count in by_code.items()
+    )
+    page = failed[0][0]
+    mapping = _mapping_of(page, huge_page)
+    return text + f"; the first at {page:#x}" + (f", in {mapping}" if mapping else "")
+
+
+def _mapping_of(page: int, huge_page: int) -> str | None:
+    """`/proc/self/smaps`' account of the mapping holding `page`: its span, name and
+    VmFlags (`nh`: no huge pages), and whether the page runs past it (a huge page must lie
+    in one mapping); None when the file cannot be read."""
+    try:
+        with open("/proc/self/smaps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    mapping = None
+    for line in lines:
+        header = re.match(r"([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+ *(.*)", line)
+        if header:
+            start, end = int(header[1], 16), int(header[2], 16)
+            mapping = None
+            if start <= page < end:
+                mapping = f"{header[1]}-{header[2]} {header[3] or '(anonymous)'}"
+                if page + huge_page > end:
+                    mapping += " (the page runs past its end)"
+        elif mapping and line.startswith("VmFlags:"):
+            return f"{mapping}, flags {line.split(':', 1)[1].strip()}"
+    return None
 
 
 def page_range(pointer: int, size: int, huge_page: int | None = None) -> tuple[int, int]:

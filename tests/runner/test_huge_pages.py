@@ -101,31 +101,46 @@ def test_a_donated_array_is_left_out_not_an_error(monkeypatch):
     assert report.eligible_bytes == page_range(kept.unsafe_buffer_pointer(), kept.nbytes)[1]
 
 
-def test_a_range_refused_for_a_moment_is_tried_again(monkeypatch):
-    """The kernel refuses a range whose pages are busy (a CI run saw EINVAL for 10 of 60
-    MiB): a later pass moves it. A kernel that always refuses gets its reason."""
+def test_a_page_refused_for_a_moment_is_tried_again(monkeypatch):
+    """The kernel refuses a page that is busy (a CI run saw EINVAL for 10 of 60 MiB): a
+    later pass moves it, and pages after a refused one are asked on their own. A page
+    refused every time is named with its mapping; a kernel that always refuses gets its
+    reason."""
     monkeypatch.delenv(huge_pages.SWITCH, raising=False)
     monkeypatch.setattr(huge_pages, "RETRY_PAUSE_S", 0.0)
     weights = [jnp.ones((3, 1024, 1024)), jnp.ones((3, 1024, 1024))]
+    huge_page = huge_pages.huge_page_size()
     calls = []
 
-    def busy_once(start, length, advice):  # the kernel's answers, not its work
-        calls.append(start)
-        if len(calls) == 1:
-            ctypes.set_errno(errno.EINVAL)
-            return -1
-        return 0
+    def answers(refused):  # the kernel's answers, not its work
+        def madvise(start, length, advice):
+            assert length == huge_page and start % huge_page == 0
+            calls.append(start)
+            if refused(start):
+                ctypes.set_errno(errno.EINVAL)
+                return -1
+            return 0
 
-    monkeypatch.setattr(huge_pages, "_madvise", lambda: busy_once)
+        return madvise
+
+    monkeypatch.setattr(huge_pages, "_madvise", lambda: answers(lambda _: len(calls) == 1))
     report = back_with_huge_pages(weights)
     assert report.reason is None and report.collapsed_bytes == report.eligible_bytes > 0
-    assert calls == [calls[0], calls[1], calls[0]]  # only the refused range again
+    num_pages = report.eligible_bytes // huge_page
+    assert len(calls) == num_pages + 1 and calls[-1] == calls[0]  # only the refused one again
 
-    def refuses(start, length, advice):
-        ctypes.set_errno(errno.EINVAL)
-        return -1
+    calls.clear()
+    stuck = weights[1].unsafe_buffer_pointer() // huge_page * huge_page + huge_page
+    monkeypatch.setattr(huge_pages, "_madvise", lambda: answers(lambda start: start == stuck))
+    report = back_with_huge_pages(weights)
+    assert report.collapsed_bytes == report.eligible_bytes - huge_page
+    assert calls.count(stuck) == huge_pages.TRIES
+    reason = report.describe()
+    assert "not moved: 2 MiB in 1 page (EINVAL" in reason and f"the first at {stuck:#x}" in reason
+    if sys.platform.startswith("linux"):
+        assert re.search(r"in [0-9a-f]+-[0-9a-f]+ .*, flags .*\bwr\b", reason), reason
 
-    monkeypatch.setattr(huge_pages, "_madvise", lambda: refuses)
+    monkeypatch.setattr(huge_pages, "_madvise", lambda: answers(lambda _: True))
     report = back_with_huge_pages(weights)
     assert report.collapsed_bytes == 0 and report.eligible_bytes > 0
     assert "refused MADV_COLLAPSE" in report.describe()
