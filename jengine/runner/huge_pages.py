@@ -101,9 +101,9 @@ def back_with_huge_pages(tree) -> HugePageReport:
         return HugePageReport(eligible_bytes=eligible, reason=reason)
     madvise = _madvise()
     huge_page = huge_page_size()
-    # One call per huge page: the kernel stops a range at a page it cannot move (it
-    # answers EINVAL then, and the pages after it stay small), and per page the report
-    # counts exactly what moved.
+    # One call per huge page: for a range the kernel answers one error if any page failed,
+    # and it stops at some refusals (mm/khugepaged.c, madvise_collapse), leaving the
+    # pages after it small. Per page, the others still move and the report is exact.
     pages = [start + offset for start, length in ranges for offset in range(0, length, huge_page)]
     started = time.perf_counter()
     collapsed, failed = 0, []
