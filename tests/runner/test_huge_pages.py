@@ -5,6 +5,7 @@ CPU buffer, values unchanged, reasons instead of errors, and the kernel's own ac
 import ctypes
 import errno
 import logging
+import mmap
 import platform
 import re
 import sys
@@ -144,6 +145,61 @@ def test_a_page_refused_for_a_moment_is_tried_again(monkeypatch):
     report = back_with_huge_pages(weights)
     assert report.collapsed_bytes == 0 and report.eligible_bytes > 0
     assert "refused MADV_COLLAPSE" in report.describe()
+
+
+def test_a_page_across_two_mappings_is_named_not_asked_again(monkeypatch):
+    """A page whose 2 MiB run past its mapping's end cannot be one huge page (the cold
+    suite saw one at the end of the [heap]): counted apart, asked once, said so."""
+    monkeypatch.delenv(huge_pages.SWITCH, raising=False)
+    monkeypatch.setattr(huge_pages, "RETRY_PAUSE_S", 0.0)
+    weights = [jnp.ones((3, 1024, 1024))]
+    huge_page = huge_pages.huge_page_size()
+    start, length = page_range(weights[0].unsafe_buffer_pointer(), weights[0].nbytes)
+    calls = []
+
+    def madvise(page, size, advice):  # the kernel's answers: the first page is across
+        calls.append(page)
+        if page == start:
+            ctypes.set_errno(errno.EINVAL)
+            return -1
+        return 0
+
+    monkeypatch.setattr(huge_pages, "_madvise", lambda: madvise)
+    # The first page's mapping ends 4 KiB into it; the next mapping holds the rest.
+    mappings = [(0, start + 4096, "heap"), (start + 4096, start + length + huge_page, "next")]
+    monkeypatch.setattr(huge_pages, "_mappings", lambda: mappings)
+    report = back_with_huge_pages(weights)
+    assert report.split_bytes == huge_page and calls.count(start) == 1
+    assert report.collapsed_bytes == length - huge_page
+    assert report.reason == "2 MiB in 1 page lie across two mappings (a huge page must lie in one)"
+
+
+def test_the_kernel_refuses_a_page_across_two_real_mappings():
+    """What the test above fakes, with the kernel: an anonymous mapping split in two (half
+    of it made read-only) refuses the page across the split, and `_mappings` sees the
+    split."""
+    huge_page = huge_pages.huge_page_size()
+    region = mmap.mmap(-1, 3 * huge_page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.write(b"\1" * len(region))  # every small page present
+    anchor = ctypes.c_char.from_buffer(region)
+    try:
+        start, _ = page_range(ctypes.addressof(anchor), len(region), huge_page)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        assert libc.mprotect(start + huge_page // 2, huge_page // 2, mmap.PROT_READ) == 0
+        mappings = huge_pages._mappings()
+        assert huge_pages._across(start, huge_page, mappings)
+        assert not huge_pages._across(start, huge_page // 2, mappings)
+        assert not huge_pages._across(start + huge_page, huge_page, mappings)
+        if collapse_expected():
+            collapse = huge_pages._madvise()
+            assert collapse(start, huge_page, huge_pages.MADV_COLLAPSE) == -1
+            assert ctypes.get_errno() == errno.EINVAL
+            assert collapse(start + huge_page, huge_page, huge_pages.MADV_COLLAPSE) == 0
+    finally:
+        del anchor
+        region.close()
 
 
 def test_in_the_background_the_report_is_logged(monkeypatch, caplog):
