@@ -103,8 +103,8 @@ def test_a_donated_array_is_left_out_not_an_error(monkeypatch):
 
 
 def test_a_page_refused_for_a_moment_is_tried_again(monkeypatch):
-    """The kernel refuses a page that is busy (a CI run saw EINVAL for 10 of 60 MiB): a
-    later pass moves it, and pages after a refused one are asked on their own. A page
+    """The kernel refuses a page that is busy for a moment: a later pass moves it, and
+    pages after a refused one are asked on their own. A page
     refused every time is named with its mapping; a kernel that always refuses gets its
     reason."""
     monkeypatch.delenv(huge_pages.SWITCH, raising=False)
@@ -185,7 +185,6 @@ def test_the_kernel_refuses_a_page_across_two_real_mappings():
     try:
         start, _ = page_range(ctypes.addressof(anchor), len(region), huge_page)
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         assert libc.mprotect(start + huge_page // 2, huge_page // 2, mmap.PROT_READ) == 0
         mappings = huge_pages._mappings()
