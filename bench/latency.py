@@ -98,7 +98,11 @@ def llama_cpp_peer(args, path: str):
     if llama_cpp is None:
         print("llama.cpp: not found (bench/peers/build_llama_cpp.sh builds it); skipped")
         return None
-    return llama_cpp, llama_cpp_models(llama_cpp, path, args.int8), llama_cpp.version()
+    models = llama_cpp_models(llama_cpp, path, args.int8)
+    for name, gguf in models.items():
+        if why := llama_cpp.repacking_off(gguf):
+            print(f"{name}: {why}")
+    return llama_cpp, models, llama_cpp.version()
 
 
 def llama_cpp_latency(args, peer, prompt_len: int, max_tokens: int) -> dict:

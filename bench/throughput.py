@@ -138,6 +138,8 @@ class LlamaCpp:
         self.gguf = gguf
         self.threads = args.threads
         self.configs = [int(n) for n in args.llama_np.split(",")]
+        if why := llama_cpp.repacking_off(gguf):
+            print(f"{name}: {why}")
 
     def before(self, parallel) -> None:
         """Start llama-server with `parallel` slots (not timed)."""
@@ -159,7 +161,9 @@ class LlamaCpp:
         self.server.__exit__(None, None, None)
 
     def details(self) -> dict:
-        return dict(version=self.llama_cpp.version())
+        return dict(
+            version=self.llama_cpp.version(), repacking_off=self.llama_cpp.repacking_off(self.gguf)
+        )
 
     def close(self) -> None:
         pass

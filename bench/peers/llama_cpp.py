@@ -17,10 +17,12 @@ Built by `bench/peers/build_llama_cpp.sh` (bench/peers/README.md). No jax, no to
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,6 +43,32 @@ class LlamaCpp:
     batched_bench: str
     converter: str | None = None
     python: str = sys.executable  # runs the converter
+    # GGUF path -> why its weight repacking is off, or None (`repacking_off`).
+    _repacking: dict[str, str | None] = dataclasses.field(default_factory=dict, repr=False)
+
+    def repacking_off(self, gguf_path: str) -> str | None:
+        """Why the tools run `gguf_path` with llama.cpp's weight repacking off, or None: they
+        run it as llama.cpp ships. At load llama.cpp moves quantized weights into its extra
+        buffer types (repacked CPU layouts, AMX tiles where the CPU has them); on a Sapphire
+        Rapids VM its AMX matmul died of SIGSEGV on SmolLM2's Q4_1 file, in every tool. A
+        short llama-bench run tells, once per file: where it dies of a signal with
+        repacking and runs without, the tools run without it (`--repack 0` /
+        `--no-repack`), as a user of that CPU would, and the results say so."""
+        if gguf_path not in self._repacking:
+
+            def probe(*extra: str) -> int:
+                command = [self.bench, "-m", gguf_path, "-p", "8", "-n", "4", "-r", "1", *extra]
+                return subprocess.run(command, capture_output=True, timeout=600).returncode
+
+            why = None
+            code = probe()
+            if code < 0 and probe("--repack", "0") == 0:
+                why = (
+                    f"weight repacking off: llama-bench died of {signal.Signals(-code).name} "
+                    "with it (llama.cpp's AMX / repacked CPU buffers) and runs without"
+                )
+            self._repacking[gguf_path] = why
+        return self._repacking[gguf_path]
 
     def version(self) -> str:
         """`llama-server --version`'s version line, e.g. 'version: 1 (abc1234)', plus the
@@ -242,19 +270,27 @@ def run_llama_bench(
 
     Returns pp_tok_per_s / tg_tok_per_s (means) with their standard deviations, the
     per-repetition samples and the best of them (pp_best_tok_per_s, tg_best_tok_per_s),
-    `version()`, the build and CPU llama-bench reports, and `raw` (its JSON).
+    `version()`, the build and CPU llama-bench reports, `repacking_off` (`LlamaCpp.
+    repacking_off`) and `raw` (its JSON).
     """
+    repacking_off = llama_cpp.repacking_off(gguf_path)
     cmd = [
         llama_cpp.bench, "-m", gguf_path,
         "-p", str(n_prompt), "-n", str(n_gen),
         "-t", str(threads), "-r", str(repetitions),
-        "-o", "json", *extra_args,
+        "-o", "json", *(["--repack", "0"] if repacking_off else []), *extra_args,
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     raw = json.loads(proc.stdout)
-    result: dict = dict(n_prompt=n_prompt, n_gen=n_gen, threads=threads, repetitions=repetitions)
+    result: dict = dict(
+        n_prompt=n_prompt,
+        n_gen=n_gen,
+        threads=threads,
+        repetitions=repetitions,
+        repacking_off=repacking_off,
+    )
     for test in raw:
         kind = "pp" if test["n_gen"] == 0 else "tg" if test["n_prompt"] == 0 else None
         if kind is None:
@@ -272,6 +308,11 @@ def run_llama_bench(
                 result[key] = first[key]
     result["raw"] = raw
     return result
+
+
+def no_repack_args(llama_cpp: LlamaCpp, gguf_path: str) -> list[str]:
+    """llama-server's and llama-batched-bench's flag for `LlamaCpp.repacking_off`."""
+    return ["--no-repack"] if llama_cpp.repacking_off(gguf_path) else []
 
 
 def run_batched_bench(
@@ -305,14 +346,18 @@ def run_batched_bench(
         "-ntg", ",".join(map(str, tgs)),
         "-npl", ",".join(map(str, pls)),
         "-t", str(threads), "-tb", str(threads),
-        "--output-format", "jsonl", *extra_args,
+        "--output-format", "jsonl", *no_repack_args(llama_cpp, gguf_path), *extra_args,
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(
             f"llama-batched-bench failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
         )
-    rows = [r for r in _json_lines(proc.stdout + "\n" + proc.stderr) if "speed_tg" in r]
+    rows = [
+        dict(r, repacking_off=llama_cpp.repacking_off(gguf_path))
+        for r in _json_lines(proc.stdout + "\n" + proc.stderr)
+        if "speed_tg" in r
+    ]
     if not rows:
         raise RuntimeError("llama-batched-bench printed no results:\n" + proc.stderr[-4000:])
     return rows

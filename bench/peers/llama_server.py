@@ -22,7 +22,7 @@ import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Sequence
 
-from .llama_cpp import LlamaCpp
+from .llama_cpp import LlamaCpp, no_repack_args
 
 
 def _free_port() -> int:
@@ -106,6 +106,7 @@ class LlamaServer:
             "-fa", self.flash_attn,
             "--no-webui",
             "--cache-ram", "0",
+            *no_repack_args(self.llama_cpp, self.gguf_path),
             *self.extra_args,
         ]  # fmt: skip
 

@@ -105,3 +105,41 @@ def test_cli_lists_every_benchmark():
     assert result.returncode == 0
     for name in ("throughput", "latency", "serve", "prefix", "overhead", "startup"):
         assert name in result.stdout
+
+
+FAKE_LLAMA_BENCH = """#!{python}
+# Dies as llama.cpp's AMX matmul did on a Sapphire Rapids VM unless repacking is off
+# (`crashes` = {crashes}); otherwise prints a pp and a tg result and the flags it got.
+import json, os, signal, sys
+if {crashes} and "--repack" not in sys.argv:
+    os.kill(os.getpid(), signal.SIGSEGV)
+tests = [dict(n_prompt=8, n_gen=0, avg_ts=100.0, stddev_ts=0.0, args=sys.argv[1:]),
+         dict(n_prompt=0, n_gen=4, avg_ts=50.0, stddev_ts=0.0, args=sys.argv[1:])]
+print(json.dumps(tests))
+"""
+
+
+@pytest.mark.parametrize("crashes", [True, False])
+def test_llama_cpp_runs_without_weight_repacking_only_where_it_crashes(tmp_path, crashes):
+    """A llama-bench that dies of a signal with llama.cpp's weight repacking on: every tool
+    then runs the file with it off and the result says why; one that runs gets no flag."""
+    from jengine.bench.peers.llama_cpp import LlamaCpp, run_llama_bench
+    from jengine.bench.peers.llama_server import LlamaServer
+
+    bench = tmp_path / "llama-bench"
+    bench.write_text(FAKE_LLAMA_BENCH.format(python=sys.executable, crashes=crashes))
+    bench.chmod(0o755)
+    tools = LlamaCpp(server=str(bench), bench=str(bench), batched_bench=str(bench))
+    gguf = str(tmp_path / "model.gguf")
+
+    result = run_llama_bench(tools, gguf, n_prompt=8, n_gen=4, threads=2, repetitions=1)
+    server = LlamaServer(tools, gguf, parallel=1, ctx_size=64, threads=2).command()
+    if crashes:
+        assert "SIGSEGV" in result["repacking_off"]
+        assert result["raw"][0]["args"][-2:] == ["--repack", "0"]
+        assert "--no-repack" in server
+    else:
+        assert result["repacking_off"] is None
+        assert "--repack" not in result["raw"][0]["args"]
+        assert "--no-repack" not in server
+    assert result["tg_tok_per_s"] == 50.0
