@@ -49,8 +49,8 @@ class LlamaCpp:
     def repacking_off(self, gguf_path: str) -> str | None:
         """Why the tools run `gguf_path` with llama.cpp's weight repacking off, or None: they
         run it as llama.cpp ships. At load llama.cpp moves quantized weights into its extra
-        buffer types (repacked CPU layouts, AMX tiles where the CPU has them); on a Sapphire
-        Rapids VM its AMX matmul died of SIGSEGV on SmolLM2's Q4_1 file, in every tool. A
+        buffer types (repacked CPU layouts, AMX tiles where the CPU has them); on an AMX
+        Xeon VM its AMX matmul died of SIGSEGV on SmolLM2's Q4_1 file, in every tool. A
         short llama-bench run tells, once per file: where it dies of a signal with
         repacking and runs without, the tools run without it (`--repack 0` /
         `--no-repack`), as a user of that CPU would, and the results say so."""

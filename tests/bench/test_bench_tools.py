@@ -108,7 +108,7 @@ def test_cli_lists_every_benchmark():
 
 
 FAKE_LLAMA_BENCH = """#!{python}
-# Dies as llama.cpp's AMX matmul did on a Sapphire Rapids VM unless repacking is off
+# Dies as llama.cpp's AMX matmul did on an AMX Xeon VM unless repacking is off
 # (`crashes` = {crashes}); otherwise prints a pp and a tg result and the flags it got.
 import json, os, signal, sys
 if {crashes} and "--repack" not in sys.argv:
