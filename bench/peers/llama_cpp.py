@@ -11,7 +11,9 @@ Built by `bench/peers/build_llama_cpp.sh` (bench/peers/README.md). No jax, no to
 - `LlamaServer` lives in llama_server.py: `llama-server` with continuous batching as a
   context manager, driven with greedy token-id requests;
 - `run_llama_bench()` / `run_batched_bench()`: `llama-bench` / `llama-batched-bench`
-  results as dicts.
+  results as dicts;
+- `LlamaCpp.repacking_off()`: whether a GGUF runs without llama.cpp's weight repacking
+  (where llama.cpp crashes with it), and why; every tool above follows it.
 """
 
 from __future__ import annotations
