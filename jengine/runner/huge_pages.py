@@ -125,7 +125,7 @@ def back_with_huge_pages(tree) -> HugePageReport:
                 failed.append((page, ctypes.get_errno()))
         if failed and mappings is None:  # pages across two mappings are never asked again
             mappings = _mappings()
-            split = [page for page, _ in failed if mappings and _across(page, huge_page, mappings)]
+            split = [page for page, _ in failed if _across(page, huge_page, mappings)]
             failed = [(page, code) for page, code in failed if page not in split]
         if not failed:
             break
@@ -164,8 +164,11 @@ def _refusals(failed: list[tuple[int, int]], huge_page: int, mappings: list) -> 
 
 
 def _across(page: int, huge_page: int, mappings: list) -> bool:
-    """Whether [page, page + huge_page) is not inside one mapping."""
-    return not any(start <= page and page + huge_page <= end for start, end, _ in mappings)
+    """Whether [page, page + huge_page) is not inside one of `mappings` (False when they
+    could not be read: then nothing is known to lie across)."""
+    return bool(mappings) and not any(
+        start <= page and page + huge_page <= end for start, end, _ in mappings
+    )
 
 
 def _mappings() -> list[tuple[int, int, str]]:

@@ -107,7 +107,7 @@ def pages_in_one_mapping(array: jax.Array) -> list[int]:
     huge_page, mappings = huge_pages.huge_page_size(), huge_pages._mappings()
     start, length = page_range(array.unsafe_buffer_pointer(), array.nbytes)
     pages = range(start, start + length, huge_page)
-    return [p for p in pages if not mappings or not huge_pages._across(p, huge_page, mappings)]
+    return [page for page in pages if not huge_pages._across(page, huge_page, mappings)]
 
 
 def test_a_page_refused_for_a_moment_is_tried_again(monkeypatch):
