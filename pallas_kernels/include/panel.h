@@ -71,6 +71,29 @@ inline fvec Broadcast(float value) {  // one broadcast from memory
 #endif
 }
 
+#if defined(__AVX__)
+// out[k * out_stride + r] = in[r * in_stride + k] for r, k < 8: eight rows of eight floats
+// transposed in registers.
+inline void Transpose8(const float* in, int64_t in_stride, float* out, int64_t out_stride) {
+  __m256 r[8], t[8];
+  for (int k = 0; k < 8; ++k) r[k] = _mm256_loadu_ps(in + k * in_stride);
+  for (int k = 0; k < 8; k += 2) {
+    t[k] = _mm256_unpacklo_ps(r[k], r[k + 1]);
+    t[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]);
+  }
+  for (int k = 0; k < 8; k += 4) {
+    r[k] = _mm256_shuffle_ps(t[k], t[k + 2], 0x44);
+    r[k + 1] = _mm256_shuffle_ps(t[k], t[k + 2], 0xEE);
+    r[k + 2] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0x44);
+    r[k + 3] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0xEE);
+  }
+  for (int k = 0; k < 4; ++k) {
+    _mm256_storeu_ps(out + k * out_stride, _mm256_permute2f128_ps(r[k], r[k + 4], 0x20));
+    _mm256_storeu_ps(out + (k + 4) * out_stride, _mm256_permute2f128_ps(r[k], r[k + 4], 0x31));
+  }
+}
+#endif
+
 // x as columns, in chunks of kChunk rows: [padded / kChunk, D, kChunk] with padded =
 // num_rows rounded up to 16 (a last chunk of fewer rows is that much narrower), the padding
 // zeros. A chunk's block of 64 inputs is then 16 KB in one piece: columns of all rows in
@@ -88,8 +111,28 @@ struct XColumns {
     num_rows = rows;
     dim = d;
     padded = (rows + 15) / 16 * 16;
-    data.assign(dim * padded, 0.0f);
-    for (int64_t t0 = 0; t0 < rows; t0 += 16) {
+    // Only the padding rows need zeros: every other entry is written below.
+    data.resize(dim * padded);
+    for (int64_t start = rows / kChunk * kChunk; start < padded; start += kChunk) {
+      const int64_t width = Width(start);
+      float* chunk = data.data() + start * dim;
+      for (int64_t i = 0; i < dim; ++i)
+        for (int64_t t = std::max(rows, start); t < start + width; ++t)
+          chunk[i * width + t - start] = 0.0f;
+    }
+    int64_t t0 = 0;
+#if defined(__AVX__)
+    // 8 rows x 8 inputs at a time, transposed in registers: a float at a time took 22 us
+    // for 64 rows of 512 inputs, more than a panel's products (bench/README.md).
+    if (dim % 8 == 0)
+      for (; t0 + 8 <= rows; t0 += 8) {
+        const int64_t start = t0 / kChunk * kChunk, width = Width(start);
+        float* chunk = data.data() + start * dim + t0 - start;
+        for (int64_t i0 = 0; i0 < dim; i0 += 8)
+          Transpose8(x + t0 * dim + i0, dim, chunk + i0 * width, width);
+      }
+#endif
+    for (; t0 < rows; t0 += 16) {
       const int64_t start = t0 / kChunk * kChunk, width = Width(start);
       float* chunk = data.data() + start * dim;
       // 16 rows at a time, 16 inputs at a time: reads and writes stay in a few lines.
@@ -149,18 +192,50 @@ void Tiles(const float* panel, int64_t panel_rows, int64_t dim, const XColumns& 
   }
 }
 
+constexpr int64_t kBlockInputs = 64;  // inputs of a block (PanelProducts)
+constexpr int64_t kAheadBlocks = 1;   // blocks of weights asked for ahead of their use
+
+// Asks the caches (all levels) for inputs [i0, i0 + kBlockInputs) of every panel row.
+inline void PrefetchBlock(const float* panel, int64_t panel_rows, int64_t dim, int64_t i0) {
+  const int64_t i1 = std::min(dim, i0 + kBlockInputs);
+  for (int64_t r = 0; r < panel_rows; ++r) {
+    const char* begin = reinterpret_cast<const char*>(panel + r * dim + i0);
+    const char* end = reinterpret_cast<const char*>(panel + r * dim + i1);
+    for (const char* line = begin; line < end; line += 64) __builtin_prefetch(line, 0, 3);
+    __builtin_prefetch(end - 1, 0, 3);  // a row that starts mid-line ends in one more line
+  }
+}
+
+// A panel read where it lies in memory rather than from a copy: its blocks are asked for
+// kAheadBlocks ahead of their products, and past its end the first ones of `next` (the
+// panel this thread multiplies next, if known), so that no block waits on memory.
+struct Prefetch {
+  const float* next = nullptr;
+  int64_t next_rows = 0;
+};
+
 // out[t, j0 + r] for every row t of x and the panel's rows r. Blocks of kBlockInputs
 // inputs go over every row of x in turn, so a block of x's columns (64 x 64 floats) and of
-// the panel stay in L1. The caller's panel is [panel_rows, dim]; reuse one per thread
-// (`thread_local`), as the sums here are.
+// the panel stay in L1. The panel is [panel_rows, dim]: a dequantized copy, or with
+// `prefetch` rows read where they lie. The sums are reused per thread (`thread_local`).
 inline void PanelProducts(const float* panel, int64_t panel_rows, int64_t dim,
-                          const XColumns& x, float* out, int64_t num_outputs, int64_t j0) {
-  constexpr int64_t kBlockInputs = 64;
+                          const XColumns& x, float* out, int64_t num_outputs, int64_t j0,
+                          const Prefetch* prefetch = nullptr) {
   thread_local std::vector<float> scratch;  // reused across calls: no fresh pages a step
   scratch.assign(panel_rows * x.padded, 0.0f);
   float* sums = scratch.data();
+  const int64_t num_blocks = (dim + kBlockInputs - 1) / kBlockInputs;
+  auto ask = [&](int64_t block) {  // this panel's block, or past its end the next panel's
+    if (block < num_blocks)
+      PrefetchBlock(panel, panel_rows, dim, block * kBlockInputs);
+    else if (prefetch->next && block - num_blocks < num_blocks)
+      PrefetchBlock(prefetch->next, prefetch->next_rows, dim, (block - num_blocks) * kBlockInputs);
+  };
+  if (prefetch)  // on their way already if this thread's previous panel asked: cheap twice
+    for (int64_t block = 0; block < kAheadBlocks; ++block) ask(block);
   for (int64_t i0 = 0; i0 < dim; i0 += kBlockInputs) {
     const int64_t i1 = std::min(dim, i0 + kBlockInputs);
+    if (prefetch) ask(i0 / kBlockInputs + kAheadBlocks);
     for (int64_t t0 = 0; t0 < x.padded; t0 += 16 * kTileVectors) {
       switch (std::min<int64_t>(kTileVectors, (x.padded - t0) / 16)) {
         case 4: Tiles<4>(panel, panel_rows, dim, x, t0, i0, i1, sums); break;

@@ -164,21 +164,39 @@ void ManyRows(const Work& p, const Segment& s, int64_t begin, int64_t end) {
   }
 }
 
+// Panels (more than kRowByRowRows rows of x): each thread claims one item ahead, so that the
+// next item's first weights are on their way while this one's last blocks are multiplied.
+void DrainPanels(Work& p) {
+  const int64_t num_items = int64_t(p.items.size());
+  auto claim = [&] { return p.next.fetch_add(1, std::memory_order_relaxed); };
+  auto rows = [&](const Item& item) { return p.segments[item.segment].w + item.begin * p.dim; };
+  for (int64_t index = claim(), following; index < num_items; index = following) {
+    const Item& item = p.items[index];
+    const Segment& s = p.segments[item.segment];
+    following = claim();
+    panel::Prefetch prefetch;
+    if (following < num_items) {
+      const Item& next = p.items[following];
+      prefetch = {rows(next), next.end - next.begin};
+    }
+    // The weight rows are read where they lie, each block asked for while the one before
+    // is multiplied: copied into L2 first (one sequential read, then the products), the
+    // copy took a third as long as the products and overlapped nothing (bench/README.md).
+    panel::PanelProducts(rows(item), item.end - item.begin, p.dim, p.columns, s.out,
+                         s.num_outputs, item.begin, &prefetch);
+    p.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
 void Drain(Work& p) {
+  if (p.num_rows > kRowByRowRows) return DrainPanels(p);
   const int64_t num_items = int64_t(p.items.size());
   for (;;) {
     const int64_t index = p.next.fetch_add(1, std::memory_order_relaxed);
     if (index >= num_items) return;
     const Item& item = p.items[index];
     const Segment& s = p.segments[item.segment];
-    if (p.num_rows > kRowByRowRows) {
-      // The item's weight rows copied into L2 first, one sequential read: the tiles'
-      // broadcasts from four rows at once straight out of memory ran at half the speed.
-      thread_local std::vector<float> rows;  // reused: no fresh pages every step
-      rows.assign(s.w + item.begin * p.dim, s.w + item.end * p.dim);
-      panel::PanelProducts(rows.data(), item.end - item.begin, p.dim, p.columns, s.out,
-                           s.num_outputs, item.begin);
-    } else if (p.num_rows <= kStreamRows) {
+    if (p.num_rows <= kStreamRows) {
       ManyRows(p, s, item.begin, item.end);
     } else {
       int64_t j = item.begin;

@@ -45,6 +45,9 @@ def operands(rows: int, dim: int, outputs: int, layers: int = 3, layer: int = 1,
         (17, 64, 9),
         (40, 136, 33),
         (64, 512, 100),
+        # A last chunk of x narrower than 64 rows with padding, rows past the last 8 that
+        # transpose together, and a last block of inputs shorter than 64.
+        (100, 200, 45),
         (128, 72, 5),
     ],
 )
