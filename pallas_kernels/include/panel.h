@@ -1,13 +1,14 @@
 // Float32 panels of weight rows times many rows of x, for the matmul kernels' batched
 // steps (more rows than their row-by-row loops take: decode steps of many requests,
 // verification, short prefill chunks). Shared by stacked_matmul/cpu.cc (float32 weights:
-// a block of w[layer]'s rows copied into a panel) and quantized_matmul/cpu.cc (a block of
-// rows dequantized into one); every kernel's build hashes this folder.
+// a block of w[layer]'s rows read where they lie, prefetched ahead) and
+// quantized_matmul/cpu.cc (a block of rows dequantized into a panel in L2); every kernel's
+// build hashes this folder.
 //
 // Why: XLA:CPU's GEMM packs its weight operand anew on every call (13% of a batched
 // decode step on SmolLM2, bench/README.md), under a layer scan after copying the layer out
 // of the stacked array, and a quantized weight is first dequantized into a fresh float32
-// buffer. Here a panel of kPanelRows weight rows ([rows, D], in L2) multiplies every row of
+// buffer. Here a panel of kPanelRows weight rows ([rows, D]) multiplies every row of
 // x by fused multiply-adds: x is transposed once per call into columns, so a vector holds
 // 16 (AVX-512) or 8 rows of x at one input and a weight is broadcast against it; a tile of
 // 4 weight rows x 64 (16) rows of x keeps 16 (8) sums in registers, over blocks of 64

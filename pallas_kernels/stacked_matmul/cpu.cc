@@ -45,7 +45,7 @@ namespace {
 using v8 = float __attribute__((vector_size(32)));
 constexpr int64_t kLanes = 8;
 // Up to this many rows of x the loops below stream weight rows where they lie; more
-// multiply panels of w[layer]'s rows copied into L2 (`panel.h`), up to kMaxRows (past it
+// multiply panels of w[layer]'s rows through `panel.h`'s tiles, up to kMaxRows (past it
 // XLA's GEMM, whose packing is shared by that many rows, is as fast: bench/README.md).
 constexpr int64_t kRowByRowRows = 16;
 constexpr int64_t kMaxRows = 128;
