@@ -136,7 +136,8 @@ struct XColumns {
     for (; t0 < rows; t0 += 16) {
       const int64_t start = t0 / kChunk * kChunk, width = Width(start);
       float* chunk = data.data() + start * dim;
-      // 16 rows at a time, 16 inputs at a time: reads and writes stay in a few lines.
+      // The rows the 8 x 8 blocks left (all of them without AVX), 16 rows at a time, 16
+      // inputs at a time: reads and writes stay in a few lines.
       for (int64_t i0 = 0; i0 < dim; i0 += 16)
         for (int64_t t = t0; t < std::min(rows, t0 + 16); ++t)
           for (int64_t i = i0; i < std::min(dim, i0 + 16); ++i)
