@@ -96,13 +96,14 @@ struct Work {
   std::atomic<int64_t> next{0}, done{0};
 };
 
-// out[t, j + r] for r < R and every t: R weight rows stay in L1 while all of x's rows
-// (two at a time) pass over them.
+// out[t, j + r * stride] for r < R and every t: R weight rows stay in L1 while all of x's
+// rows (two at a time) pass over them. Rows far apart (`stride`) are R streams for the
+// memory to serve at once (see `RowsOutputs`).
 template <int R>
-void Outputs(const Work& p, const Segment& s, int64_t j) {
+void Outputs(const Work& p, const Segment& s, int64_t j, int64_t stride) {
   const int64_t D = p.dim, F = s.num_outputs;
   const float* w[R];
-  for (int r = 0; r < R; ++r) w[r] = s.w + (j + r) * D;
+  for (int r = 0; r < R; ++r) w[r] = s.w + (j + r * stride) * D;
   int64_t t = 0;
   for (; t + 2 <= p.num_rows; t += 2) {
     const float *xa = p.x + t * D, *xb = xa + D;
@@ -116,8 +117,8 @@ void Outputs(const Work& p, const Segment& s, int64_t j) {
       }
     }
     for (int r = 0; r < R; ++r) {
-      s.out[t * F + j + r] = Sum(a[r]);
-      s.out[(t + 1) * F + j + r] = Sum(b[r]);
+      s.out[t * F + j + r * stride] = Sum(a[r]);
+      s.out[(t + 1) * F + j + r * stride] = Sum(b[r]);
     }
   }
   if (t < p.num_rows) {
@@ -127,40 +128,51 @@ void Outputs(const Work& p, const Segment& s, int64_t j) {
       const v8 u = Load(xa + d);
       for (int r = 0; r < R; ++r) a[r] = MulAdd(a[r], u, Load(w[r] + d));
     }
-    for (int r = 0; r < R; ++r) s.out[t * F + j + r] = Sum(a[r]);
+    for (int r = 0; r < R; ++r) s.out[t * F + j + r * stride] = Sum(a[r]);
   }
 }
 
-// Up to kStreamRows rows of x (a single-stream decode step has one): one weight row at a
-// time, read as one sequential stream, each piece of it multiplied with TR rows of x from
-// t0 on (x stays in L1). `Outputs<4>` reads four weight rows side by side instead, which
-// hands the hardware prefetcher four interleaved streams: for one row of x it read 16-26
-// GB/s where this reads 25-40 on the same weights, and 2-8 rows of a 1408 x 512 layer take
-// 88-143 us here against 140-201 (bench/README.md). Past kStreamRows the arithmetic
-// dominates and sharing each load between weight rows wins again. Both sum each output in
-// the same order, so results do not depend on which loop ran.
-template <int TR>
+// Up to kStreamRows rows of x (a single-stream decode step has one): each weight row is
+// read as one sequential stream, each piece of it multiplied with TR rows of x from t0 on
+// (x stays in L1). `Outputs<4>` reads four neighbouring weight rows side by side instead,
+// which hands the hardware prefetcher four interleaved streams: for one row of x it read
+// 16-26 GB/s where one row at a time read 25-40 on the same weights (an AVX2 EPYC,
+// bench/README.md). But one stream alone does not fill a core's memory queue: rows far
+// apart, S parts of the item read side by side, keep S streams in flight, and on an AMX
+// Xeon the model's decode matmuls read 20-23 GB/s with 4-8 parts against 13-15 with one.
+// Past kStreamRows the arithmetic dominates and sharing each load between weight rows
+// wins again. Every loop sums each output in the same order, so results do not depend on
+// which loop ran.
+template <int TR, int S>
 void RowsOutputs(const Work& p, const Segment& s, int64_t begin, int64_t end, int64_t t0) {
   const int64_t D = p.dim, F = s.num_outputs;
   const float* x = p.x + t0 * D;
-  for (int64_t j = begin; j < end; ++j) {
-    const float* w = s.w + j * D;
-    v8 acc[TR] = {};
+  const int64_t part = (end - begin) / S;  // rows in each of the S parts
+  for (int64_t j = begin; j < begin + part; ++j) {
+    const float* w[S];
+    for (int k = 0; k < S; ++k) w[k] = s.w + (j + k * part) * D;
+    v8 acc[S][TR] = {};
     for (int64_t d = 0; d < D; d += kLanes) {
-      const v8 row = Load(w + d);
-      for (int t = 0; t < TR; ++t) acc[t] = MulAdd(acc[t], Load(x + t * D + d), row);
+      for (int k = 0; k < S; ++k) {
+        const v8 row = Load(w[k] + d);
+        for (int t = 0; t < TR; ++t) acc[k][t] = MulAdd(acc[k][t], Load(x + t * D + d), row);
+      }
     }
-    for (int t = 0; t < TR; ++t) s.out[(t0 + t) * F + j] = Sum(acc[t]);
+    for (int k = 0; k < S; ++k)
+      for (int t = 0; t < TR; ++t) s.out[(t0 + t) * F + j + k * part] = Sum(acc[k][t]);
   }
+  // The last rows (fewer than S), one at a time.
+  if constexpr (S > 1) RowsOutputs<TR, 1>(p, s, begin + S * part, end, t0);
 }
 
+// S * TR sums, with TR rows of x and a weight vector, stay within 16 vector registers.
 void ManyRows(const Work& p, const Segment& s, int64_t begin, int64_t end) {
   int64_t t = 0;
-  for (; t + 4 <= p.num_rows; t += 4) RowsOutputs<4>(p, s, begin, end, t);
+  for (; t + 4 <= p.num_rows; t += 4) RowsOutputs<4, 2>(p, s, begin, end, t);
   switch (p.num_rows - t) {
-    case 3: RowsOutputs<3>(p, s, begin, end, t); break;
-    case 2: RowsOutputs<2>(p, s, begin, end, t); break;
-    case 1: RowsOutputs<1>(p, s, begin, end, t); break;
+    case 3: RowsOutputs<3, 2>(p, s, begin, end, t); break;
+    case 2: RowsOutputs<2, 4>(p, s, begin, end, t); break;
+    case 1: RowsOutputs<1, 8>(p, s, begin, end, t); break;
   }
 }
 
@@ -199,9 +211,9 @@ void Drain(Work& p) {
     if (p.num_rows <= kStreamRows) {
       ManyRows(p, s, item.begin, item.end);
     } else {
-      int64_t j = item.begin;
-      for (; j + 4 <= item.end; j += 4) Outputs<4>(p, s, j);
-      for (; j < item.end; ++j) Outputs<1>(p, s, j);
+      const int64_t part = (item.end - item.begin) / 4;
+      for (int64_t j = item.begin; j < item.begin + part; ++j) Outputs<4>(p, s, j, part);
+      for (int64_t j = item.begin + 4 * part; j < item.end; ++j) Outputs<1>(p, s, j, 1);
     }
     p.done.fetch_add(1, std::memory_order_release);
   }

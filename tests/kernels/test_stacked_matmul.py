@@ -41,6 +41,10 @@ def operands(rows: int, dim: int, outputs: int, layers: int = 3, layer: int = 1,
         (8, 64, 9),
         (9, 64, 9),
         (16, 256, 100),
+        # Items whose rows do not split evenly into the parts read side by side.
+        (1, 64, 150),
+        (2, 64, 150),
+        (12, 64, 150),
         # Past 16 rows: panels of 32 weight rows (pallas_kernels/include/panel.h).
         (17, 64, 9),
         (40, 136, 33),
