@@ -87,96 +87,137 @@ struct Work {
   std::atomic<int64_t> next{0}, done{0};
 };
 
-// Row j's products with TR rows of float x from row t0 on, without its mins: the weights
-// are widened group by group; each group's products with the rows of x are summed, then
-// scaled.
-template <Kind K, typename S, int TR>
-void FloatDots(const Work& p, const Segment& s, int64_t j, int64_t t0, float (&dots)[TR]) {
+// Rows js' products with TR rows of float x from row t0 on, without their mins: the
+// weights are widened group by group; each group's products with the rows of x are summed,
+// then scaled. The R rows go group by group side by side (R streams for the memory, see
+// `Outputs`), each summed as it would be alone.
+template <Kind K, typename S, int TR, int R>
+void FloatDots(const Work& p, const Segment& s, const int64_t (&js)[R], int64_t t0,
+               float (&dots)[R][TR]) {
   const int64_t D = p.dim, G = s.num_groups, group = D / G;
-  const uint8_t* row = s.values + j * s.row_bytes;
-  const S* scales = static_cast<const S*>(s.scales) + j * G;
+  const uint8_t* rows[R];
+  const S* scales[R];
+  for (int k = 0; k < R; ++k) {
+    rows[k] = s.values + js[k] * s.row_bytes;
+    scales[k] = static_cast<const S*>(s.scales) + js[k] * G;
+  }
   const float* x = p.x + t0 * D;
 #ifdef JENGINE_AVX2
   // AVX2 without AVX-512: the same products in 8-lane registers (avx2_dots.h says why).
-  return GroupDots<K, S, TR>(row, scales, G, group, x, D, dots);
+  for (int k = 0; k < R; ++k) GroupDots<K, S, TR>(rows[k], scales[k], G, group, x, D, dots[k]);
+  return;
 #endif
-  f32x16 acc[TR] = {};
+  f32x16 acc[R][TR] = {};
   if (group == kGroup) {
     // One widening per group (every GGUF format): two groups a pass, their products
     // independent of each other.
-    f32x16 acc2[TR] = {};
+    f32x16 acc2[R][TR] = {};
     int64_t g = 0;
     for (; g + 2 <= G; g += 2) {
       const int64_t i = g * kGroup;
-      f32x16 a0, a1, b0, b1;
-      Widen<K>(row, i, a0, a1);
-      Widen<K>(row, i + kGroup, b0, b1);
-      const float scale = Scale(scales, g), next_scale = Scale(scales, g + 1);
-      for (int t = 0; t < TR; ++t) {
-        const float* xt = x + t * D + i;
-        acc[t] += (a0 * Load(xt) + a1 * Load(xt + 16)) * scale;
-        acc2[t] += (b0 * Load(xt + 32) + b1 * Load(xt + 48)) * next_scale;
+      for (int k = 0; k < R; ++k) {
+        f32x16 a0, a1, b0, b1;
+        Widen<K>(rows[k], i, a0, a1);
+        Widen<K>(rows[k], i + kGroup, b0, b1);
+        const float scale = Scale(scales[k], g), next_scale = Scale(scales[k], g + 1);
+        for (int t = 0; t < TR; ++t) {
+          const float* xt = x + t * D + i;
+          acc[k][t] += (a0 * Load(xt) + a1 * Load(xt + 16)) * scale;
+          acc2[k][t] += (b0 * Load(xt + 32) + b1 * Load(xt + 48)) * next_scale;
+        }
       }
     }
     for (; g < G; ++g) {
-      f32x16 a0, a1;
-      Widen<K>(row, g * kGroup, a0, a1);
-      const float scale = Scale(scales, g);
-      for (int t = 0; t < TR; ++t) {
-        const float* xt = x + t * D + g * kGroup;
-        acc[t] += (a0 * Load(xt) + a1 * Load(xt + 16)) * scale;
+      for (int k = 0; k < R; ++k) {
+        f32x16 a0, a1;
+        Widen<K>(rows[k], g * kGroup, a0, a1);
+        const float scale = Scale(scales[k], g);
+        for (int t = 0; t < TR; ++t) {
+          const float* xt = x + t * D + g * kGroup;
+          acc[k][t] += (a0 * Load(xt) + a1 * Load(xt + 16)) * scale;
+        }
       }
     }
-    for (int t = 0; t < TR; ++t) acc[t] += acc2[t];
+    for (int k = 0; k < R; ++k)
+      for (int t = 0; t < TR; ++t) acc[k][t] += acc2[k][t];
   } else if (group == kGroup / 2) {
     // Groups of 16 (Q6_K): each widening of 32 inputs spans two groups.
     for (int64_t g = 0; g < G; g += 2) {
-      f32x16 a0, a1;
-      Widen<K>(row, g * 16, a0, a1);
-      const float scale = Scale(scales, g), next_scale = Scale(scales, g + 1);
-      for (int t = 0; t < TR; ++t) {
-        const float* xt = x + t * D + g * 16;
-        acc[t] += (a0 * Load(xt)) * scale + (a1 * Load(xt + 16)) * next_scale;
+      for (int k = 0; k < R; ++k) {
+        f32x16 a0, a1;
+        Widen<K>(rows[k], g * 16, a0, a1);
+        const float scale = Scale(scales[k], g), next_scale = Scale(scales[k], g + 1);
+        for (int t = 0; t < TR; ++t) {
+          const float* xt = x + t * D + g * 16;
+          acc[k][t] += (a0 * Load(xt)) * scale + (a1 * Load(xt + 16)) * next_scale;
+        }
       }
     }
   } else {
     for (int64_t g = 0; g < G; ++g) {
-      f32x16 dot[TR] = {};
-      for (int64_t i = g * group; i < (g + 1) * group; i += kGroup) {
-        f32x16 low, high;
-        Widen<K>(row, i, low, high);
-        for (int t = 0; t < TR; ++t)
-          dot[t] += low * Load(x + t * D + i) + high * Load(x + t * D + i + 16);
+      for (int k = 0; k < R; ++k) {
+        f32x16 dot[TR] = {};
+        for (int64_t i = g * group; i < (g + 1) * group; i += kGroup) {
+          f32x16 low, high;
+          Widen<K>(rows[k], i, low, high);
+          for (int t = 0; t < TR; ++t)
+            dot[t] += low * Load(x + t * D + i) + high * Load(x + t * D + i + 16);
+        }
+        const float scale = Scale(scales[k], g);
+        for (int t = 0; t < TR; ++t) acc[k][t] += dot[t] * scale;
       }
-      const float scale = Scale(scales, g);
-      for (int t = 0; t < TR; ++t) acc[t] += dot[t] * scale;
     }
   }
-  for (int t = 0; t < TR; ++t) dots[t] = Sum(acc[t]);
+  for (int k = 0; k < R; ++k)
+    for (int t = 0; t < TR; ++t) dots[k][t] = Sum(acc[k][t]);
 }
 
-// out[t0 + t, j] for t < TR: the products (with integer x where every row has it), then
-// the mins times x's group sums.
-template <Kind K, typename S, int TR>
-void Output(const Work& p, const Segment& s, int64_t j, int64_t t0) {
+// out[t0 + t, js[k]] for t < TR and k < R: the products (with integer x where every row
+// has it), then the mins times x's group sums.
+template <Kind K, typename S, int TR, int R>
+void RowOutputs(const Work& p, const Segment& s, const int64_t (&js)[R], int64_t t0) {
   const int64_t G = s.num_groups;
-  float dots[TR];
-  if (K == kUint4 && p.integer_x.Covers(t0, TR))
-    IntegerDots<S, TR>(p.integer_x, s.values + j * s.row_bytes,
-                       static_cast<const S*>(s.scales) + j * G, G, p.dim, t0, dots);
-  else
-    FloatDots<K, S, TR>(p, s, j, t0, dots);
-  for (int t = 0; t < TR; ++t) {
-    const float shift =
-        s.mins ? MinsShift(static_cast<const S*>(s.mins) + j * G, &s.x_sums[(t0 + t) * G], G)
-               : 0.0f;
-    s.out[(t0 + t) * s.num_outputs + j] = dots[t] + shift;
+  float dots[R][TR];
+  if (K == kUint4 && p.integer_x.Covers(t0, TR)) {
+    const uint8_t* rows[R];
+    const S* scales[R];
+    for (int k = 0; k < R; ++k) {
+      rows[k] = s.values + js[k] * s.row_bytes;
+      scales[k] = static_cast<const S*>(s.scales) + js[k] * G;
+    }
+    IntegerDots<S, TR, R>(p.integer_x, rows, scales, G, p.dim, t0, dots);
+  } else {
+    FloatDots<K, S, TR, R>(p, s, js, t0, dots);
   }
+  for (int k = 0; k < R; ++k)
+    for (int t = 0; t < TR; ++t) {
+      const float shift =
+          s.mins ? MinsShift(static_cast<const S*>(s.mins) + js[k] * G, &s.x_sums[(t0 + t) * G], G)
+                 : 0.0f;
+      s.out[(t0 + t) * s.num_outputs + js[k]] = dots[k][t] + shift;
+    }
 }
 
+// The item's rows in R parts read side by side, as in the stacked float32 kernel: one
+// stream of weights does not keep a core's memory queue full. On an AMX Xeon 4-bit rows
+// of 576 inputs out of memory took 36 ns each four at a time against 55 one at a time
+// (one thread; 29-31 from cache either way), and a SmolLM2 Q4_1 step's products 0.86-0.91x
+// the time (bench/README.md). R * TR sums stay in registers. AVX2 builds read one row at a
+// time: their register files are half the size, and no AVX2 CPU was at hand to measure.
 template <Kind K, typename S, int TR>
 void Outputs(const Work& p, const Segment& s, const Item& item, int64_t t0) {
-  for (int64_t j = item.begin; j < item.end; ++j) Output<K, S, TR>(p, s, j, t0);
+#ifdef JENGINE_AVX2
+  constexpr int R = 1;
+#else
+  constexpr int R = TR == 1 ? 4 : TR == 2 ? 2 : 1;
+#endif
+  const int64_t part = (item.end - item.begin) / R;
+  for (int64_t j = item.begin; j < item.begin + part; ++j) {
+    int64_t js[R];
+    for (int k = 0; k < R; ++k) js[k] = j + k * part;
+    RowOutputs<K, S, TR, R>(p, s, js, t0);
+  }
+  for (int64_t j = item.begin + R * part; j < item.end; ++j) RowOutputs<K, S, TR, 1>(p, s, {j}, t0);
 }
 
 template <Kind K, typename S>

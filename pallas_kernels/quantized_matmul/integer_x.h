@@ -161,82 +161,95 @@ inline __m128 BlockScales(const S* scales, int64_t b, int64_t runs, int64_t grou
 }
 #endif
 
-// A row of 4-bit weights (`row`: dim / 2 bytes; `scales`: its groups of dim / num_groups)
-// times TR rows of integer x from t0 on, without the mins, into dots: a block's 64 packed
-// bytes widen to two vectors of bytes (low nibbles: each run's inputs 0-15; high: 16-31)
-// whose lane k holds inputs of run k / 4, as the pieces lie; the three pieces' products
-// chain into exact sums, scaled once per block.
-template <typename S, int TR>
-void IntegerDots(const IntegerX& x, const uint8_t* row, const S* scales, int64_t num_groups,
-                 int64_t dim, int64_t t0, float (&dots)[TR]) {
+// R rows of 4-bit weights (each dim / 2 bytes; `row_scales`: their groups of dim /
+// num_groups) times TR rows of integer x from t0 on, without the mins, into `row_dots`: a
+// block's 64 packed bytes widen to two vectors of bytes (low nibbles: each run's inputs
+// 0-15; high: 16-31) whose lane k holds inputs of run k / 4, as the pieces lie; the three
+// pieces' products chain into exact sums, scaled once per block. The R rows go block by
+// block side by side (R streams for the memory: cpu.cc's `Outputs`), each summed as alone.
+template <typename S, int TR, int R>
+void IntegerDots(const IntegerX& x, const uint8_t* const (&rows)[R],
+                 const S* const (&row_scales)[R], int64_t num_groups, int64_t dim, int64_t t0,
+                 float (&row_dots)[R][TR]) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   const int64_t runs = dim / kGroup, group = dim / num_groups;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  __m512 sums[TR];
-  for (int t = 0; t < TR; ++t) sums[t] = _mm512_setzero_ps();
+  __m512 sums[R][TR];
+  for (int k = 0; k < R; ++k)
+    for (int t = 0; t < TR; ++t) sums[k][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < x.num_blocks; ++b) {
     const int64_t block_runs = std::min<int64_t>(4, runs - b * 4);
     const __mmask64 bytes = block_runs == 4 ? ~__mmask64(0) : (__mmask64(1) << (block_runs * 16)) - 1;
-    const __m512i packed = _mm512_maskz_loadu_epi8(bytes, row + b * 64);
-    const __m512i low = _mm512_and_si512(packed, nibble);
-    const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-    const __m128 weight_scales = BlockScales(scales, b, block_runs, group);
-    for (int t = 0; t < TR; ++t) {
-      const int64_t at = (t0 + t) * x.num_blocks + b;
-      const int8_t* pieces = x.pieces.data() + at * kBlockBytes;
-      __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), low, _mm512_loadu_si512(pieces));
-      dot = _mm512_dpbusd_epi32(dot, high, _mm512_loadu_si512(pieces + kHalfBytes));
-      for (int piece = 1; piece < 3; ++piece) {
-        dot = _mm512_slli_epi32(dot, 8);
-        dot = _mm512_dpbusd_epi32(dot, low, _mm512_loadu_si512(pieces + piece * kPieceBytes));
-        dot = _mm512_dpbusd_epi32(dot, high,
-                                  _mm512_loadu_si512(pieces + piece * kPieceBytes + kHalfBytes));
+#pragma GCC unroll 4
+    for (int k = 0; k < R; ++k) {
+      const __m512i packed = _mm512_maskz_loadu_epi8(bytes, rows[k] + b * 64);
+      const __m512i low = _mm512_and_si512(packed, nibble);
+      const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+      const __m128 weight_scales = BlockScales(row_scales[k], b, block_runs, group);
+      for (int t = 0; t < TR; ++t) {
+        const int64_t at = (t0 + t) * x.num_blocks + b;
+        const int8_t* pieces = x.pieces.data() + at * kBlockBytes;
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), low, _mm512_loadu_si512(pieces));
+        dot = _mm512_dpbusd_epi32(dot, high, _mm512_loadu_si512(pieces + kHalfBytes));
+        for (int piece = 1; piece < 3; ++piece) {
+          dot = _mm512_slli_epi32(dot, 8);
+          dot = _mm512_dpbusd_epi32(dot, low, _mm512_loadu_si512(pieces + piece * kPieceBytes));
+          dot = _mm512_dpbusd_epi32(dot, high,
+                                    _mm512_loadu_si512(pieces + piece * kPieceBytes + kHalfBytes));
+        }
+        const __m128 four = _mm_mul_ps(weight_scales, _mm_loadu_ps(&x.run_scales[at * 4]));
+        const __m512 lanes = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(four));
+        sums[k][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), lanes, sums[k][t]);
       }
-      const __m128 four = _mm_mul_ps(weight_scales, _mm_loadu_ps(&x.run_scales[at * 4]));
-      const __m512 lanes = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(four));
-      sums[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), lanes, sums[t]);
     }
   }
-  for (int t = 0; t < TR; ++t) dots[t] = Sum(f32x16(sums[t]));
+  for (int k = 0; k < R; ++k)
+    for (int t = 0; t < TR; ++t) row_dots[k][t] = Sum(f32x16(sums[k][t]));
 #elif defined(JENGINE_INTEGER_X)
   // AVX2: a run's 16 packed bytes widen to 16-bit weights, inputs 0-15 (low nibbles) and
   // 16-31 (high). `vpmaddwd` sums pairs of products into 32 bits: 2^8 * (the weights times
   // a * 2^8 + b) + (the weights times c), exact in each lane (4 inputs of the run: at most
   // 4 * 15 * 2^22 < 2^28), scaled once per run.
-  const int64_t runs_per_group = dim / num_groups / kGroup;  // (no division a run)
-  const __m256i nibble = _mm256_set1_epi16(0x0F);
-  // Even and odd runs into sums of their own: one chain of additions would wait on each.
-  __m256 even[TR], odd[TR];
-  for (int t = 0; t < TR; ++t) even[t] = odd[t] = _mm256_setzero_ps();
-  auto add_run = [&](int64_t r, __m256 (&sums)[TR]) {
-    const __m256i bytes =
-        _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + r * 16)));
-    const __m256i first = _mm256_and_si256(bytes, nibble), second = _mm256_srli_epi16(bytes, 4);
-    const float weight_scale = Scale(scales, runs_per_group == 1 ? r : r / runs_per_group);
-    for (int t = 0; t < TR; ++t) {
-      const int64_t at = (t0 + t) * x.num_blocks + r;
-      const __m256i* pieces =
-          reinterpret_cast<const __m256i*>(x.pieces.data() + at * kBlockBytes);
-      // Piece 0 (a * 2^8 + b) times inputs 0-15 and 16-31, then piece 1 (c).
-      const __m256i high =
-          _mm256_add_epi32(_mm256_madd_epi16(first, _mm256_loadu_si256(pieces)),
-                           _mm256_madd_epi16(second, _mm256_loadu_si256(pieces + 1)));
-      const __m256i low =
-          _mm256_add_epi32(_mm256_madd_epi16(first, _mm256_loadu_si256(pieces + 2)),
-                           _mm256_madd_epi16(second, _mm256_loadu_si256(pieces + 3)));
-      const __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(high, 8), low);
-      sums[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                                _mm256_set1_ps(weight_scale * x.run_scales[at]), sums[t]);
+  // (cpu.cc passes one row at a time here: R = 1.)
+  for (int k = 0; k < R; ++k) {
+    const uint8_t* row = rows[k];
+    const S* scales = row_scales[k];
+    float (&dots)[TR] = row_dots[k];
+    const int64_t runs_per_group = dim / num_groups / kGroup;  // (no division a run)
+    const __m256i nibble = _mm256_set1_epi16(0x0F);
+    // Even and odd runs into sums of their own: one chain of additions would wait on each.
+    __m256 even[TR], odd[TR];
+    for (int t = 0; t < TR; ++t) even[t] = odd[t] = _mm256_setzero_ps();
+    auto add_run = [&](int64_t r, __m256 (&sums)[TR]) {
+      const __m256i bytes =
+          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + r * 16)));
+      const __m256i first = _mm256_and_si256(bytes, nibble), second = _mm256_srli_epi16(bytes, 4);
+      const float weight_scale = Scale(scales, runs_per_group == 1 ? r : r / runs_per_group);
+      for (int t = 0; t < TR; ++t) {
+        const int64_t at = (t0 + t) * x.num_blocks + r;
+        const __m256i* pieces =
+            reinterpret_cast<const __m256i*>(x.pieces.data() + at * kBlockBytes);
+        // Piece 0 (a * 2^8 + b) times inputs 0-15 and 16-31, then piece 1 (c).
+        const __m256i high =
+            _mm256_add_epi32(_mm256_madd_epi16(first, _mm256_loadu_si256(pieces)),
+                             _mm256_madd_epi16(second, _mm256_loadu_si256(pieces + 1)));
+        const __m256i low =
+            _mm256_add_epi32(_mm256_madd_epi16(first, _mm256_loadu_si256(pieces + 2)),
+                             _mm256_madd_epi16(second, _mm256_loadu_si256(pieces + 3)));
+        const __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(high, 8), low);
+        sums[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                  _mm256_set1_ps(weight_scale * x.run_scales[at]), sums[t]);
+      }
+    };
+    int64_t r = 0;
+    for (; r + 2 <= x.num_blocks; r += 2) {
+      add_run(r, even);
+      add_run(r + 1, odd);
     }
-  };
-  int64_t r = 0;
-  for (; r + 2 <= x.num_blocks; r += 2) {
-    add_run(r, even);
-    add_run(r + 1, odd);
+    if (r < x.num_blocks) add_run(r, even);
+    for (int t = 0; t < TR; ++t) dots[t] = Sum(f32x8(even[t]), f32x8(odd[t]));
   }
-  if (r < x.num_blocks) add_run(r, even);
-  for (int t = 0; t < TR; ++t) dots[t] = Sum(f32x8(even[t]), f32x8(odd[t]));
 #endif
 }
 

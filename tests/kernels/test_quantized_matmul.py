@@ -74,6 +74,9 @@ def oracle(x: np.ndarray, w: QuantizedWeight, layer: int) -> np.ndarray:
         (4, 192, 33),
         (5, 64, 40),
         (16, 256, 100),
+        # Items whose rows do not split evenly into the parts read side by side.
+        (1, 64, 150),
+        (2, 64, 150),
         # Past 16 rows: dequantized panels (panel.h), 16 rows of x a vector, 64 a chunk.
         (17, 64, 1),
         (33, 576, 45),
@@ -91,6 +94,18 @@ def test_kernel_matches_reference_and_float64(fmt, rows, dim, outputs):
     np.testing.assert_allclose(ours, oracle(x, w, 1), rtol=0, atol=2e-6 * scale)
     reference = quantized_matmul_reference(x, w, 1)
     np.testing.assert_allclose(ours, reference, rtol=0, atol=2e-6 * scale)
+
+
+@pytest.mark.parametrize("fmt", [INT8, Q8_0, Q4_1, GGUF_KEPT["Q6_K"]], ids=lambda f: f.name)
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_an_output_has_the_same_bits_read_beside_others_or_alone(fmt, rows):
+    """Rows of an item are read several at a time, side by side (cpu.cc's `Outputs`);
+    each output must still be summed as if it were read alone."""
+    w = weight(fmt, 150, 256, layers=1, layer=0)
+    x = np.random.default_rng(5).standard_normal((rows, 256)).astype(np.float32)
+    together = np.asarray(kernel(x, w, 0))
+    alone = [np.asarray(kernel(x, w.map(lambda a, f=f: a[:, f : f + 1]), 0)) for f in range(150)]
+    np.testing.assert_array_equal(together, np.concatenate(alone, axis=1))
 
 
 @pytest.mark.parametrize("fmt", [INT8, Q4_1], ids=lambda f: f.name)

@@ -149,6 +149,16 @@ def test_the_target_refuses_shapes_it_cannot_index_by():
         np.asarray(jax.jit(call)(x, layer, w[:, :3]))
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 16])
+def test_an_output_has_the_same_bits_read_beside_others_or_alone(rows):
+    """Up to 16 rows of x, an item's weight rows are read several at a time, far apart
+    (cpu.cc's `RowsOutputs`, `Outputs`); each output must still be summed as if alone."""
+    x, w = operands(rows, 128, 150, layers=1, layer=0)
+    together = np.asarray(kernel(x, w, 0))
+    alone = [np.asarray(kernel(x, w[:, f : f + 1], 0)) for f in range(150)]
+    np.testing.assert_array_equal(together, np.concatenate(alone, axis=1))
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 12, 16, 40])
 def test_several_weights_in_one_call_give_each_ones_own_bits(rows):
     """A layer's q, k, v (and gate, up) in one call: the same bits as three calls, whatever
