@@ -87,20 +87,14 @@ struct Work {
   std::atomic<int64_t> next{0}, done{0};
 };
 
-// Rows js' products with TR rows of float x from row t0 on, without their mins: the
+// R weight rows' products with TR rows of float x from row t0 on, without their mins: the
 // weights are widened group by group; each group's products with the rows of x are summed,
 // then scaled. The R rows go group by group side by side (R streams for the memory, see
 // `Outputs`), each summed as it would be alone.
 template <Kind K, typename S, int TR, int R>
-void FloatDots(const Work& p, const Segment& s, const int64_t (&js)[R], int64_t t0,
-               float (&dots)[R][TR]) {
+void FloatDots(const Work& p, const Segment& s, const uint8_t* const (&rows)[R],
+               const S* const (&scales)[R], int64_t t0, float (&dots)[R][TR]) {
   const int64_t D = p.dim, G = s.num_groups, group = D / G;
-  const uint8_t* rows[R];
-  const S* scales[R];
-  for (int k = 0; k < R; ++k) {
-    rows[k] = s.values + js[k] * s.row_bytes;
-    scales[k] = static_cast<const S*>(s.scales) + js[k] * G;
-  }
   const float* x = p.x + t0 * D;
 #ifdef JENGINE_AVX2
   // AVX2 without AVX-512: the same products in 8-lane registers (avx2_dots.h says why).
@@ -177,18 +171,17 @@ void FloatDots(const Work& p, const Segment& s, const int64_t (&js)[R], int64_t 
 template <Kind K, typename S, int TR, int R>
 void RowOutputs(const Work& p, const Segment& s, const int64_t (&js)[R], int64_t t0) {
   const int64_t G = s.num_groups;
-  float dots[R][TR];
-  if (K == kUint4 && p.integer_x.Covers(t0, TR)) {
-    const uint8_t* rows[R];
-    const S* scales[R];
-    for (int k = 0; k < R; ++k) {
-      rows[k] = s.values + js[k] * s.row_bytes;
-      scales[k] = static_cast<const S*>(s.scales) + js[k] * G;
-    }
-    IntegerDots<S, TR, R>(p.integer_x, rows, scales, G, p.dim, t0, dots);
-  } else {
-    FloatDots<K, S, TR, R>(p, s, js, t0, dots);
+  const uint8_t* rows[R];
+  const S* scales[R];
+  for (int k = 0; k < R; ++k) {
+    rows[k] = s.values + js[k] * s.row_bytes;
+    scales[k] = static_cast<const S*>(s.scales) + js[k] * G;
   }
+  float dots[R][TR];
+  if (K == kUint4 && p.integer_x.Covers(t0, TR))
+    IntegerDots<S, TR, R>(p.integer_x, rows, scales, G, p.dim, t0, dots);
+  else
+    FloatDots<K, S, TR, R>(p, s, rows, scales, t0, dots);
   for (int k = 0; k < R; ++k)
     for (int t = 0; t < TR; ++t) {
       const float shift =
