@@ -133,16 +133,15 @@ void Outputs(const Work& p, const Segment& s, int64_t j, int64_t stride) {
 }
 
 // Up to kStreamRows rows of x (a single-stream decode step has one): each weight row is
-// read as one sequential stream, each piece of it multiplied with TR rows of x from t0 on
-// (x stays in L1). `Outputs<4>` reads four neighbouring weight rows side by side instead,
-// which hands the hardware prefetcher four interleaved streams: for one row of x it read
-// 16-26 GB/s where one row at a time read 25-40 on the same weights (an AVX2 EPYC,
-// bench/README.md). But one stream alone does not fill a core's memory queue: rows far
-// apart, S parts of the item read side by side, keep S streams in flight, and on an AMX
-// Xeon the model's decode matmuls read 20-23 GB/s with 4-8 parts against 13-15 with one.
-// Past kStreamRows the arithmetic dominates and sharing each load between weight rows
-// wins again. Every loop sums each output in the same order, so results do not depend on
-// which loop ran.
+// read as one sequential stream, multiplied piece by piece with TR rows of x from t0 on (x
+// stays in L1). One stream does not keep a core's memory queue full, so S rows are read
+// side by side, row j of each of S parts of the item: on an AMX Xeon the decode matmuls
+// read 20-23 GB/s with 4-8 parts against 13-15 with one. The rows must lie far apart:
+// neighbouring rows read side by side gained little or lost on that Xeon, and on an AVX2
+// EPYC read 16-26 GB/s against one row's 25-40 (bench/README.md). Past kStreamRows the
+// arithmetic dominates, and `Outputs` shares each weight load between rows of x. Every
+// loop sums each output in the same order, so results do not depend on which loop ran or
+// which rows were read beside it.
 template <int TR, int S>
 void RowsOutputs(const Work& p, const Segment& s, int64_t begin, int64_t end, int64_t t0) {
   const int64_t D = p.dim, F = s.num_outputs;
