@@ -181,6 +181,8 @@ void IntegerDots(const IntegerX& x, const uint8_t* const (&rows)[R],
   for (int64_t b = 0; b < x.num_blocks; ++b) {
     const int64_t block_runs = std::min<int64_t>(4, runs - b * 4);
     const __mmask64 bytes = block_runs == 4 ? ~__mmask64(0) : (__mmask64(1) << (block_runs * 16)) - 1;
+    // Unrolled, so that each row's sums stay in registers: GCC kept them in memory
+    // otherwise, ~10% slower four rows at a time.
 #pragma GCC unroll 4
     for (int k = 0; k < R; ++k) {
       const __m512i packed = _mm512_maskz_loadu_epi8(bytes, rows[k] + b * 64);
