@@ -96,40 +96,45 @@ struct Work {
   std::atomic<int64_t> next{0}, done{0};
 };
 
-// out[t, j + r * stride] for r < R and every t: R weight rows stay in L1 while all of x's
-// rows (two at a time) pass over them. Rows far apart (`stride`) are R streams for the
-// memory to serve at once (see `RowsOutputs`).
+// out[t, j] for rows j of [begin, end) and every t, R weight rows at a time: they stay in
+// L1 while all of x's rows (two at a time) pass over them. The R rows are row j of each of
+// R parts of the range, far apart: R streams for the memory at once (see `RowsOutputs`).
 template <int R>
-void Outputs(const Work& p, const Segment& s, int64_t j, int64_t stride) {
+void Outputs(const Work& p, const Segment& s, int64_t begin, int64_t end) {
   const int64_t D = p.dim, F = s.num_outputs;
-  const float* w[R];
-  for (int r = 0; r < R; ++r) w[r] = s.w + (j + r * stride) * D;
-  int64_t t = 0;
-  for (; t + 2 <= p.num_rows; t += 2) {
-    const float *xa = p.x + t * D, *xb = xa + D;
-    v8 a[R] = {}, b[R] = {};
-    for (int64_t d = 0; d < D; d += kLanes) {
-      const v8 u = Load(xa + d), v = Load(xb + d);
+  const int64_t part = (end - begin) / R;  // rows in each of the R parts
+  for (int64_t j = begin; j < begin + part; ++j) {
+    const float* w[R];
+    for (int r = 0; r < R; ++r) w[r] = s.w + (j + r * part) * D;
+    int64_t t = 0;
+    for (; t + 2 <= p.num_rows; t += 2) {
+      const float *xa = p.x + t * D, *xb = xa + D;
+      v8 a[R] = {}, b[R] = {};
+      for (int64_t d = 0; d < D; d += kLanes) {
+        const v8 u = Load(xa + d), v = Load(xb + d);
+        for (int r = 0; r < R; ++r) {
+          const v8 row = Load(w[r] + d);
+          a[r] = MulAdd(a[r], u, row);
+          b[r] = MulAdd(b[r], v, row);
+        }
+      }
       for (int r = 0; r < R; ++r) {
-        const v8 row = Load(w[r] + d);
-        a[r] = MulAdd(a[r], u, row);
-        b[r] = MulAdd(b[r], v, row);
+        s.out[t * F + j + r * part] = Sum(a[r]);
+        s.out[(t + 1) * F + j + r * part] = Sum(b[r]);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      s.out[t * F + j + r * stride] = Sum(a[r]);
-      s.out[(t + 1) * F + j + r * stride] = Sum(b[r]);
+    if (t < p.num_rows) {
+      const float* xa = p.x + t * D;
+      v8 a[R] = {};
+      for (int64_t d = 0; d < D; d += kLanes) {
+        const v8 u = Load(xa + d);
+        for (int r = 0; r < R; ++r) a[r] = MulAdd(a[r], u, Load(w[r] + d));
+      }
+      for (int r = 0; r < R; ++r) s.out[t * F + j + r * part] = Sum(a[r]);
     }
   }
-  if (t < p.num_rows) {
-    const float* xa = p.x + t * D;
-    v8 a[R] = {};
-    for (int64_t d = 0; d < D; d += kLanes) {
-      const v8 u = Load(xa + d);
-      for (int r = 0; r < R; ++r) a[r] = MulAdd(a[r], u, Load(w[r] + d));
-    }
-    for (int r = 0; r < R; ++r) s.out[t * F + j + r * stride] = Sum(a[r]);
-  }
+  // The last rows (fewer than R), one at a time.
+  if constexpr (R > 1) Outputs<1>(p, s, begin + R * part, end);
 }
 
 // Up to kStreamRows rows of x (a single-stream decode step has one): each weight row is
@@ -210,9 +215,7 @@ void Drain(Work& p) {
     if (p.num_rows <= kStreamRows) {
       ManyRows(p, s, item.begin, item.end);
     } else {
-      const int64_t part = (item.end - item.begin) / 4;
-      for (int64_t j = item.begin; j < item.begin + part; ++j) Outputs<4>(p, s, j, part);
-      for (int64_t j = item.begin + 4 * part; j < item.end; ++j) Outputs<1>(p, s, j, 1);
+      Outputs<4>(p, s, item.begin, item.end);
     }
     p.done.fetch_add(1, std::memory_order_release);
   }
