@@ -140,7 +140,10 @@ struct Scratch {
 // Into L2 (locality 2): prefetching whole pages into L1 stalled on its few miss buffers.
 // Decode attention, 128 requests, 8 layers (2-core CPU, best of 15-25 calls, pages laid out
 // consecutively / at random): no prefetch 31-42 / 65-72 ms, the next page into L1
-// 48-52 / 70 ms, two pages ahead into L2 31-37 / 45 ms (bench/README.md).
+// 48-52 / 70 ms, two pages ahead into L2 31-37 / 45 ms (bench/README.md). A page's keys
+// and values are asked for apart (`AttendPage`): 128 prefetches in one burst stalled the
+// walk on the miss buffers (AMX VM, 128 requests of 224 tokens: 33.6 -> 29.8 ms a step).
+// Every line, not every other: the adjacent-line prefetcher did not fill in (46 ms).
 inline void Prefetch(const float* page, int64_t num_floats) {
   for (int64_t i = 0; i < num_floats; i += 64 / sizeof(float))
     __builtin_prefetch(page + i, /*rw=*/0, /*locality=*/2);
@@ -165,20 +168,38 @@ inline void AccumulateValues(float* acc, const float* v, int64_t H, const float*
   for (int64_t c = 0; c < kVectors; ++c) Store(acc + c * kLanes, sum[c]);
 }
 
-// scores[r, :] = q[r] . each key of the page, for R rows of q: eight keys at a time, each
-// piece of a key loaded once for the R rows (a row at a time loaded every key R times).
+// Vector registers the target has: how many sums `Scores` may keep in flight.
+#ifdef __AVX512F__
+constexpr int kVectorRegisters = 32;
+#else
+constexpr int kVectorRegisters = 16;
+#endif
+
+// scores[r, :] = q[r] . each key of the page, for R rows of q, eight keys at a time. Each
+// head-dim step loads a piece of every key of a group once for the R rows, and the group's
+// R x keys sums are independent chains: one key at a time, its sum waited on the previous
+// add every step (latency-bound; decode attention ~1.6x slower, bench/README.md). Each sum
+// still adds its pieces in head-dim order, so the scores are the same bits either way.
 template <int R>
 inline void Scores(const float* q, const float* k, int64_t H, int64_t S, float* scores) {
+  // The most keys whose sums, with the R rows of q, fit the registers (two to spare).
+  constexpr int kKeys = R * (kLanes + 1) + 2 <= kVectorRegisters       ? kLanes
+                        : R * (kLanes / 2 + 1) + 2 <= kVectorRegisters ? kLanes / 2
+                                                                       : kLanes / 4;
   for (int64_t s0 = 0; s0 < S; s0 += kLanes) {
     v8 partial[R][kLanes];
-    for (int j = 0; j < kLanes; ++j) {
-      const float* key = k + (s0 + j) * H;
-      v8 sum[R] = {};
+    for (int j0 = 0; j0 < kLanes; j0 += kKeys) {
+      v8 sum[R][kKeys] = {};
       for (int64_t h = 0; h < H; h += kLanes) {
-        const v8 piece = Load(key + h);
-        for (int r = 0; r < R; ++r) sum[r] += Load(q + r * H + h) * piece;
+        v8 rows[R];
+        for (int r = 0; r < R; ++r) rows[r] = Load(q + r * H + h);
+        for (int j = 0; j < kKeys; ++j) {
+          const v8 piece = Load(k + (s0 + j0 + j) * H + h);
+          for (int r = 0; r < R; ++r) sum[r][j] += rows[r] * piece;
+        }
       }
-      for (int r = 0; r < R; ++r) partial[r][j] = sum[r];
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < kKeys; ++j) partial[r][j0 + j] = sum[r][j];
     }
     for (int r = 0; r < R; ++r) Store(scores + r * S + s0, TransposeSum(partial[r]));
   }
@@ -221,10 +242,44 @@ inline void ScoresFromColumns(const float* q, const float* columns, int64_t H, i
   }
 }
 
+// Lane i of a vector: i. Lanes of a page's run [s_begin, s_end) are picked by comparing it.
+constexpr i8 kLaneIndex = {0, 1, 2, 3, 4, 5, 6, 7};
+
+// The largest of scores[s_begin:s_end), eight at a time (a row's keys on a page are one run;
+// the slots around it may hold NaN, and never count). One score at a time, each compare
+// waited on the previous one: ~8% of decode attention.
+inline float VisibleMax(const float* scores, int64_t s_begin, int64_t s_end) {
+  v8 best = Splat(kNegInf);
+  for (int64_t s0 = s_begin / kLanes * kLanes; s0 < s_end; s0 += kLanes) {
+    const i8 index = kLaneIndex + int32_t(s0);
+    const v8 x = Load(scores + s0);
+    best = (index >= int32_t(s_begin)) & (index < int32_t(s_end)) & (x > best) ? x : best;
+  }
+  float result = kNegInf;
+  for (int i = 0; i < kLanes; ++i) result = std::max(result, best[i]);
+  return result;
+}
+
+// The sum of scores[s_begin:s_end), eight lanes at a time, then the lanes' sums.
+inline float VisibleSum(const float* scores, int64_t s_begin, int64_t s_end) {
+  v8 sum = {};
+  for (int64_t s0 = s_begin / kLanes * kLanes; s0 < s_end; s0 += kLanes) {
+    const i8 index = kLaneIndex + int32_t(s0);
+    sum += (index >= int32_t(s_begin)) & (index < int32_t(s_end)) ? Load(scores + s0) : v8{};
+  }
+  float result = 0.0f;
+  for (int i = 0; i < kLanes; ++i) result += sum[i];
+  return result;
+}
+
 // One page of a work item's walk: scores of its rows against the page's keys, then the
-// online-softmax update of the rows that see any of them.
+// online-softmax update of the rows that see any of them. `k_ahead` and `v_ahead`: the keys
+// and values of the page kPrefetchPages on (null past the walk's end), asked for before
+// the scores and before the update, each burst hidden behind work.
 inline void AttendPage(const Problem& p, Scratch& scratch, int64_t rows, int64_t kv_len,
-                       const float* k, const float* v, int64_t page_start) {
+                       const float* k, const float* v, int64_t page_start,
+                       const float* k_ahead, const float* v_ahead) {
+  if (k_ahead) Prefetch(k_ahead, p.block_size * p.head_dim);
   const int64_t H = p.head_dim, S = p.block_size;
   const float* q = scratch.q.data();
 
@@ -256,6 +311,7 @@ inline void AttendPage(const Problem& p, Scratch& scratch, int64_t rows, int64_t
     }
   }
 
+  if (v_ahead) Prefetch(v_ahead, p.block_size * p.head_dim);
   for (int64_t row = 0; row < rows; ++row) {
     // The keys a row sees form one run of this page: [s_begin, s_end).
     const int64_t pos = scratch.row_pos[row];
@@ -268,14 +324,12 @@ inline void AttendPage(const Problem& p, Scratch& scratch, int64_t rows, int64_t
     if (p.soft_cap > 0)  // Gemma 2: on the visible scores only, the rest never count
       for (int64_t s = s_begin; s < s_end; ++s)
         scores[s] = p.soft_cap * std::tanh(scores[s] / p.soft_cap);
-    float page_max = kNegInf;
-    for (int64_t s = s_begin; s < s_end; ++s) page_max = std::max(page_max, scores[s]);
+    const float page_max = VisibleMax(scores, s_begin, s_end);
     const float old_max = scratch.row_max[row];
     const float new_max = std::max(old_max, page_max);
     for (int64_t s0 = 0; s0 < S; s0 += kLanes)
       Store(scores + s0, ExpNonPositive(Load(scores + s0) - new_max));
-    float page_sum = 0.0f;
-    for (int64_t s = s_begin; s < s_end; ++s) page_sum += scores[s];
+    const float page_sum = VisibleSum(scores, s_begin, s_end);
     const float correction = old_max == kNegInf ? 0.0f : std::exp(old_max - new_max);
     scratch.denom[row] = scratch.denom[row] * correction + page_sum;
     scratch.row_max[row] = new_max;
@@ -341,14 +395,15 @@ void Attend(const Problem& p, const WorkItem& item, Scratch& scratch) {
     Prefetch(values + page_at(index), page_floats);
   }
   for (int64_t page_index = first_page; page_index < end_page; ++page_index) {
+    const float *k_ahead = nullptr, *v_ahead = nullptr;
     if (page_index + kPrefetchPages < end_page) {
       const int64_t ahead = page_at(page_index + kPrefetchPages);
-      Prefetch(keys + ahead, page_floats);
-      Prefetch(values + ahead, page_floats);
+      k_ahead = keys + ahead;
+      v_ahead = values + ahead;
     }
     const float* k = keys + page_at(page_index);
     const float* v = values + page_at(page_index);
-    AttendPage(p, scratch, rows, kv_len, k, v, page_index * S);
+    AttendPage(p, scratch, rows, kv_len, k, v, page_index * S, k_ahead, v_ahead);
   }
 
   for (int64_t t = 0; t < item.num_tokens; ++t) {
