@@ -118,10 +118,12 @@ def ragged_paged_attention_cpu(
     q_block_size: int = 16,
     sliding_window=None,
     soft_cap: float | None = None,
+    kernel: NativeKernel = KERNEL,
 ) -> jax.Array:
     """See `reference.ragged_paged_attention_reference`; `q_block_size` only matters to the
     reference that computes derivatives (the kernel sizes its own work items). The window
-    reaches the kernel as an operand (a layer's own, traced, inside a layer scan)."""
+    reaches the kernel as an operand (a layer's own, traced, inside a layer scan).
+    `kernel`: the build to call (the tests pass an AVX2 CPU's)."""
     check_operands(q, kv_cache, layer, kv_lens, block_tables, query_start_loc)
     if not supports(q, kv_cache):
         raise ValueError(
@@ -129,11 +131,12 @@ def ragged_paged_attention_cpu(
             f"{LANES} and at most {MAX_GROUP} q heads per kv head; got q "
             f"{q.dtype}{tuple(q.shape)}, kv_cache {kv_cache.dtype}{tuple(kv_cache.shape)}"
         )
-    KERNEL.require()
+    kernel.require()
     return _attention(
         float(sm_scale),
         None if soft_cap is None else float(soft_cap),
         q_block_size,
+        kernel.target,
         q,
         kv_cache,
         layer_window(layer, sliding_window),
@@ -143,10 +146,10 @@ def ragged_paged_attention_cpu(
     )
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
-def _attention(sm_scale, soft_cap, q_block_size, q, kv_cache, layer_window, *metadata):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
+def _attention(sm_scale, soft_cap, q_block_size, target, q, kv_cache, layer_window, *metadata):
     """`layer_window`: [2] int32, the layer and its sliding window (0: none)."""
-    call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(
         q,
         kv_cache,
@@ -158,7 +161,7 @@ def _attention(sm_scale, soft_cap, q_block_size, q, kv_cache, layer_window, *met
 
 
 @_attention.defjvp
-def _attention_jvp(sm_scale, soft_cap, q_block_size, primals, tangents):
+def _attention_jvp(sm_scale, soft_cap, q_block_size, target, primals, tangents):
     # The kernel has no derivative of its own; the reference computes the same function.
     q, kv_cache, layer_window, *metadata = primals
     q_dot, kv_cache_dot = tangents[:2]

@@ -1,9 +1,10 @@
-"""The matmul kernels as a CPU without AVX-512 builds them, on whatever x86 CPU runs the
+"""The CPU kernels as a CPU without AVX-512 builds them, on whatever x86 CPU runs the
 suite: each built again with `-mno-avx512f` (no AVX-512 of any kind) under a target of its
 own, then held to the float64 oracle and the XLA reference as the native build is
-(test_quantized_matmul.py, test_stacked_matmul.py). On such a CPU the kernels take other
-paths (`panel.h` in 8 lanes, `quantized_matmul/avx2_dots.h`), which an AVX-512 machine's
-native build never compiles; they once ran ~10x slower than they should and only a speed
+(test_quantized_matmul.py, test_stacked_matmul.py, test_cpu_kernel.py). On such a CPU the
+kernels take other paths (`panel.h` in 8 lanes, `quantized_matmul/avx2_dots.h`, the
+attention's scores in fewer keys at a time), which an AVX-512 machine's native build never
+compiles; they once ran ~10x slower than they should and only a speed
 measurement showed it, so the speed of the AVX2 build is checked too."""
 
 import time
@@ -16,8 +17,10 @@ import pytest
 from jengine.pallas_kernels.native_build import NativeKernel
 from jengine.pallas_kernels.quantized_matmul import cpu as quantized_cpu
 from jengine.pallas_kernels.quantized_matmul import quantized_matmul_reference
+from jengine.pallas_kernels.ragged_paged_attention import cpu as attention_cpu
 from jengine.pallas_kernels.stacked_matmul import cpu as stacked_cpu
 from jengine.pallas_kernels.stacked_matmul import stacked_matmul_reference
+from tests.kernels.test_cpu_kernel import BATCHES, CASES
 from tests.kernels.test_quantized_matmul import (
     FORMATS,
     FOUR_BIT,
@@ -54,6 +57,11 @@ def quantized_avx2():
 @pytest.fixture(scope="module")
 def stacked_avx2():
     return _avx2_build(stacked_cpu)
+
+
+@pytest.fixture(scope="module")
+def attention_avx2():
+    return _avx2_build(attention_cpu)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
@@ -125,3 +133,33 @@ def test_avx2_builds_are_not_slower_than_xla(quantized_avx2, stacked_avx2):
     median = {name: float(np.median(t)) for name, t in times.items()}
     assert median["stacked"] < 4 * median["xla"], median
     assert median["quantized"] < 4 * median["xla"], median
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_attention_avx2_build_matches_the_oracle(attention_avx2, make_batch, oracle, case):
+    """Decode items of 1-7 rows score 8, 4 or 2 keys at a time in 16 registers (`oracle`: the
+    attention oracle of conftest.py, a fixture, not the matmul one imported above)."""
+    batch_name, num_q_heads, num_kv_heads, head_dim, block_size, sliding_window = case
+    q_lens, kv_lens, pad_tokens = BATCHES[batch_name]
+    batch = make_batch(
+        sum(q_lens),
+        q_lens,
+        kv_lens,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        pad_tokens=pad_tokens,
+    )
+    out = np.asarray(
+        attention_cpu.ragged_paged_attention_cpu(
+            *batch.args,
+            sm_scale=head_dim**-0.5,
+            sliding_window=sliding_window,
+            kernel=attention_avx2,
+        )
+    )
+    assert np.isfinite(out).all(), "the AVX2 build read a NaN slot it should have skipped"
+    np.testing.assert_allclose(
+        out, oracle(batch, head_dim**-0.5, sliding_window), rtol=1e-5, atol=1e-5
+    )
