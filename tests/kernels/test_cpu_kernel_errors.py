@@ -79,9 +79,11 @@ def test_the_kernel_itself_refuses_bad_shapes(batch, case):
     assert cpu.load() is None  # registers the target
     _, replace, message = case
     q, kv_cache, layer, *metadata = _args(batch, **replace(batch))
-    call = jax.jit(cpu._attention, static_argnums=(0, 1, 2))
+    call = jax.jit(cpu._attention, static_argnums=(0, 1, 2, 3))
     with pytest.raises(RUN_TIME_REFUSAL, match=message) as error:
-        np.asarray(call(0.125, None, 16, q, kv_cache, jnp.int32([layer, 0]), *metadata))
+        np.asarray(
+            call(0.125, None, 16, cpu.TARGET_NAME, q, kv_cache, jnp.int32([layer, 0]), *metadata)
+        )
     assert "ragged paged attention" in str(error.value) and "got q [" in str(error.value)
 
 
