@@ -243,18 +243,23 @@ inline void ScoresFromColumns(const float* q, const float* columns, int64_t H, i
   }
 }
 
-// Lane i of a vector: i. Lanes of a page's run [s_begin, s_end) are picked by comparing it.
+// Lane i of a vector: i.
 constexpr i8 kLaneIndex = {0, 1, 2, 3, 4, 5, 6, 7};
 
-// The largest of scores[s_begin:s_end), eight at a time (a row's keys on a page are one run;
-// the slots around it may hold NaN, and never count). One score at a time, each compare
+// Which lanes of scores[s0:s0 + 8) lie in a row's run [s_begin, s_end) of the page: a row's
+// keys on a page are one run, and the slots around it (which may hold NaN) never count.
+inline i8 InRun(int64_t s0, int64_t s_begin, int64_t s_end) {
+  const i8 index = kLaneIndex + int32_t(s0);
+  return (index >= int32_t(s_begin)) & (index < int32_t(s_end));
+}
+
+// The largest of scores[s_begin:s_end), eight at a time. One score at a time, each compare
 // waited on the previous one: 8% of cached decode attention's samples under `perf`.
 inline float VisibleMax(const float* scores, int64_t s_begin, int64_t s_end) {
   v8 best = Splat(kNegInf);
   for (int64_t s0 = s_begin / kLanes * kLanes; s0 < s_end; s0 += kLanes) {
-    const i8 index = kLaneIndex + int32_t(s0);
     const v8 x = Load(scores + s0);
-    best = (index >= int32_t(s_begin)) & (index < int32_t(s_end)) & (x > best) ? x : best;
+    best = InRun(s0, s_begin, s_end) & (x > best) ? x : best;
   }
   float result = kNegInf;
   for (int i = 0; i < kLanes; ++i) result = std::max(result, best[i]);
@@ -264,10 +269,8 @@ inline float VisibleMax(const float* scores, int64_t s_begin, int64_t s_end) {
 // The sum of scores[s_begin:s_end), eight lanes at a time, then the lanes' sums.
 inline float VisibleSum(const float* scores, int64_t s_begin, int64_t s_end) {
   v8 sum = {};
-  for (int64_t s0 = s_begin / kLanes * kLanes; s0 < s_end; s0 += kLanes) {
-    const i8 index = kLaneIndex + int32_t(s0);
-    sum += (index >= int32_t(s_begin)) & (index < int32_t(s_end)) ? Load(scores + s0) : v8{};
-  }
+  for (int64_t s0 = s_begin / kLanes * kLanes; s0 < s_end; s0 += kLanes)
+    sum += InRun(s0, s_begin, s_end) ? Load(scores + s0) : v8{};
   float result = 0.0f;
   for (int i = 0; i < kLanes; ++i) result += sum[i];
   return result;

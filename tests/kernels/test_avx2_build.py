@@ -20,7 +20,7 @@ from jengine.pallas_kernels.quantized_matmul import quantized_matmul_reference
 from jengine.pallas_kernels.ragged_paged_attention import cpu as attention_cpu
 from jengine.pallas_kernels.stacked_matmul import cpu as stacked_cpu
 from jengine.pallas_kernels.stacked_matmul import stacked_matmul_reference
-from tests.kernels.test_cpu_kernel import BATCHES, CASES
+from tests.kernels.test_cpu_kernel import CASES, case_batch
 from tests.kernels.test_quantized_matmul import (
     FORMATS,
     FOUR_BIT,
@@ -136,30 +136,12 @@ def test_avx2_builds_are_not_slower_than_xla(quantized_avx2, stacked_avx2):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_attention_avx2_build_matches_the_oracle(attention_avx2, make_batch, oracle, case):
+def test_attention_avx2_build_matches_the_oracle(attention_avx2, oracle, case):
     """Decode items of 1-7 rows score 8, 4 or 2 keys at a time in 16 registers (`oracle`: the
     attention oracle of conftest.py, a fixture, not the matmul one imported above)."""
-    batch_name, num_q_heads, num_kv_heads, head_dim, block_size, sliding_window = case
-    q_lens, kv_lens, pad_tokens = BATCHES[batch_name]
-    batch = make_batch(
-        sum(q_lens),
-        q_lens,
-        kv_lens,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        block_size=block_size,
-        pad_tokens=pad_tokens,
-    )
+    batch, kwargs = case_batch(case)
     out = np.asarray(
-        attention_cpu.ragged_paged_attention_cpu(
-            *batch.args,
-            sm_scale=head_dim**-0.5,
-            sliding_window=sliding_window,
-            kernel=attention_avx2,
-        )
+        attention_cpu.ragged_paged_attention_cpu(*batch.args, **kwargs, kernel=attention_avx2)
     )
     assert np.isfinite(out).all(), "the AVX2 build read a NaN slot it should have skipped"
-    np.testing.assert_allclose(
-        out, oracle(batch, head_dim**-0.5, sliding_window), rtol=1e-5, atol=1e-5
-    )
+    np.testing.assert_allclose(out, oracle(batch, **kwargs), rtol=1e-5, atol=1e-5)

@@ -21,6 +21,7 @@ from jengine.pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
+from tests.kernels.conftest import build_batch
 
 reference = jax.jit(
     ragged_paged_attention_reference,
@@ -60,11 +61,12 @@ def test_kernel_builds_here():
     assert default_impl("cpu") == "cpu"
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_kernel_matches_reference_and_oracle(make_batch, oracle, case):
+def case_batch(case):
+    """One CASES row: its batch (`conftest.build_batch`) and the kernel's keyword arguments
+    (test_avx2_build.py runs the same grid on the AVX2 build)."""
     batch_name, num_q_heads, num_kv_heads, head_dim, block_size, sliding_window = case
     q_lens, kv_lens, pad_tokens = BATCHES[batch_name]
-    batch = make_batch(
+    batch = build_batch(
         sum(q_lens),
         q_lens,
         kv_lens,
@@ -74,15 +76,19 @@ def test_kernel_matches_reference_and_oracle(make_batch, oracle, case):
         block_size=block_size,
         pad_tokens=pad_tokens,
     )
-    kwargs = dict(sm_scale=head_dim**-0.5, sliding_window=sliding_window)
+    return batch, dict(sm_scale=head_dim**-0.5, sliding_window=sliding_window)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_kernel_matches_reference_and_oracle(oracle, case):
+    batch, kwargs = case_batch(case)
     out = np.asarray(kernel(*batch.args, **kwargs))
     assert out.shape == batch.q.shape and out.dtype == np.float32
     assert np.isfinite(out).all(), "the kernel read a NaN slot it should have skipped"
     np.testing.assert_allclose(out, reference(*batch.args, **kwargs), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(
-        out, oracle(batch, head_dim**-0.5, sliding_window), rtol=1e-5, atol=1e-5
-    )
-    assert not out[sum(q_lens) :].any(), "padding tokens must come back as zeros"
+    np.testing.assert_allclose(out, oracle(batch, **kwargs), rtol=1e-5, atol=1e-5)
+    num_tokens = sum(BATCHES[case[0]][0])
+    assert not out[num_tokens:].any(), "padding tokens must come back as zeros"
 
 
 @pytest.mark.parametrize("impl", ["cpu", "reference"])
