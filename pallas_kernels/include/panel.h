@@ -11,8 +11,8 @@
 // buffer. Here a panel of kPanelRows weight rows ([rows, D]) multiplies every row of
 // x by fused multiply-adds: x is transposed once per call into columns, so a vector holds
 // 16 (AVX-512) or 8 rows of x at one input and a weight is broadcast against it; a tile of
-// 4 weight rows x 64 (16) rows of x keeps 16 (8) sums in registers, over blocks of 64
-// inputs that stay in L1.
+// 6 weight rows x 64 rows of x (4 x 16 with AVX2) keeps 24 (8) sums in registers, over
+// blocks of 64 inputs that stay in L1.
 // Each output sums its blocks' chains in input order: the reference's result to float32
 // rounding.
 #pragma once
@@ -44,11 +44,17 @@ inline fvec Load(const float* p) {
   return v;
 }
 
-constexpr int64_t kPanelRows = 32;  // weight rows of a panel (a work item's)
-constexpr int kTileRows = 4;        // weight rows of a tile
 #ifdef __AVX512F__
-constexpr int kTileVectors = 4;  // blocks of 16 rows of x in a tile: 16 sums, 32 registers
+// A tile of 6 weight rows x 4 blocks of 16 rows of x: 24 sums, 4 vectors of x and a
+// weight, 29 of 32 registers. 4 weight rows (16 sums) ran 4% slower over the shapes of
+// the benchmark model and SmolLM2 at 17-128 rows (bench/README.md): a step's 4 loads of x
+// are shared by 24 products rather than 16. Panels of 30 rows are 5 such tiles.
+constexpr int64_t kPanelRows = 30;  // weight rows of a panel (a work item's)
+constexpr int kTileRows = 6;        // weight rows of a tile
+constexpr int kTileVectors = 4;     // blocks of 16 rows of x in a tile
 #else
+constexpr int64_t kPanelRows = 32;
+constexpr int kTileRows = 4;
 constexpr int kTileVectors = 1;  // 8 sums of 8 lanes, 2 rows of x and a weight: 11 of 16
 #endif
 
@@ -187,6 +193,8 @@ void Tiles(const float* panel, int64_t panel_rows, int64_t dim, const XColumns& 
   for (; r + kTileRows <= panel_rows; r += kTileRows)
     Tile<kTileRows, TV>(panel + r * dim, dim, x, t0, i0, i1, sums + r * x.padded);
   switch (panel_rows - r) {
+    case 5: Tile<5, TV>(panel + r * dim, dim, x, t0, i0, i1, sums + r * x.padded); break;
+    case 4: Tile<4, TV>(panel + r * dim, dim, x, t0, i0, i1, sums + r * x.padded); break;
     case 3: Tile<3, TV>(panel + r * dim, dim, x, t0, i0, i1, sums + r * x.padded); break;
     case 2: Tile<2, TV>(panel + r * dim, dim, x, t0, i0, i1, sums + r * x.padded); break;
     case 1: Tile<1, TV>(panel + r * dim, dim, x, t0, i0, i1, sums + r * x.padded); break;

@@ -13,9 +13,9 @@
 // XLA's intra-op thread pool; with several weights the items of all of them are shared
 // out at once, so a small projection (k, v) does not run alone on one thread and a decode
 // layer hands work to the pool twice less often (bench/README.md). Past kRowByRowRows the
-// products are compute-bound: items of 32 weight rows multiply every row of x through the
-// register tiles of `panel.h` (pallas_kernels/include), which XLA's GEMM would first copy
-// out of the stack and pack anew every call.
+// products are compute-bound: items of `panel::kPanelRows` weight rows (30 with AVX-512)
+// multiply every row of x through the register tiles of `panel.h` (pallas_kernels/include),
+// which XLA's GEMM would first copy out of the stack and pack anew every call.
 //
 // Layouts (row-major): x [T, D]; layer [1]; then the weights w_i [L, F_i, D], and the
 // results out_i [T, F_i]. Requirements (cpu.py routes other shapes to the reference): D a

@@ -45,7 +45,8 @@ def operands(rows: int, dim: int, outputs: int, layers: int = 3, layer: int = 1,
         (1, 64, 150),
         (2, 64, 150),
         (12, 64, 150),
-        # Past 16 rows: panels of 32 weight rows (pallas_kernels/include/panel.h).
+        # Past 16 rows: panels of 30 weight rows (32 without AVX-512), tiles of 6 (4) and
+        # the 1-5 left over (pallas_kernels/include/panel.h).
         (17, 64, 9),
         (40, 136, 33),
         (64, 512, 100),
