@@ -192,7 +192,8 @@ void Tiles(const float* panel, int64_t panel_rows, int64_t dim, const XColumns& 
   int64_t r = 0;
   for (; r + kTileRows <= panel_rows; r += kTileRows)
     Tile<kTileRows, TV>(panel + r * dim, dim, x, t0, i0, i1, sums + r * x.padded);
-  switch (panel_rows - r) {
+  static_assert(kTileRows <= 6, "the switch below takes at most 5 rows left over");
+  switch (panel_rows - r) {  // the rows left over: up to kTileRows - 1
     case 5: Tile<5, TV>(panel + r * dim, dim, x, t0, i0, i1, sums + r * x.padded); break;
     case 4: Tile<4, TV>(panel + r * dim, dim, x, t0, i0, i1, sums + r * x.padded); break;
     case 3: Tile<3, TV>(panel + r * dim, dim, x, t0, i0, i1, sums + r * x.padded); break;
