@@ -202,6 +202,35 @@ def test_completion_logprobs_and_echo(client, http):
     assert streamed == choice.text
 
 
+def test_prompt_logprobs_are_returned(client, http):
+    """vLLM's `prompt_logprobs` (through `extra_body`): per prompt token, None for the
+    first, else the token's own entry and the k most likely, each {logprob, rank,
+    decoded_token}; per choice in completions, once per response in chat. The values are
+    echo's logprobs of the same prompt."""
+    prompt_ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    echo = complete(client, prompt=PROMPT, max_tokens=2, logprobs=2, echo=True)
+    echoed = echo.choices[0].logprobs
+    out = complete(client, prompt=PROMPT, max_tokens=2, n=2, extra_body={"prompt_logprobs": 2})
+    for choice in out.choices:
+        rows = choice.prompt_logprobs
+        assert len(rows) == len(prompt_ids) and rows[0] is None
+        for i, (token_id, row) in enumerate(zip(prompt_ids[1:], rows[1:], strict=True), 1):
+            own = row[str(token_id)]  # JSON object keys are strings
+            assert own["logprob"] == pytest.approx(echoed.token_logprobs[i], abs=1e-5)
+            assert own["decoded_token"] == echoed.tokens[i]
+            top = {e["decoded_token"]: e["logprob"] for e in row.values()}
+            assert top == pytest.approx(echoed.top_logprobs[i], abs=1e-5)
+            assert sorted(e["rank"] for e in row.values() if e["rank"] <= 2) == [1, 2]
+    assert complete(client, prompt=PROMPT, max_tokens=2).choices[0].prompt_logprobs is None
+
+    reply = chat(client, messages=MESSAGES, max_tokens=2, extra_body={"prompt_logprobs": 0})
+    rows = reply.model_extra["prompt_logprobs"]
+    assert len(rows) == reply.usage.prompt_tokens and rows[0] is None
+    assert all(len(row) == 1 and next(iter(row.values()))["logprob"] <= 0 for row in rows[1:])
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        chat(client, messages=MESSAGES, stream=True, extra_body={"prompt_logprobs": 1})
+
+
 def test_sampling_fields_take_effect(client, http):
     [e_id] = http.post("/tokenize", json={"prompt": "e"}).json()["tokens"]
     biased = complete(client, prompt=PROMPT, max_tokens=5, logit_bias={str(e_id): 100})
@@ -431,6 +460,7 @@ BAD_COMPLETIONS = [
     ({"prompt": [PROMPT] * 257, "max_tokens": 1}, "prompt"),
     ({"prompt": PROMPT, "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
     ({"prompt": PROMPT, "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": PROMPT, "prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
 ]
 
 BAD_CHATS = [
@@ -444,6 +474,7 @@ BAD_CHATS = [
         "messages.0.content",
     ),
     ({"messages": MESSAGES, "response_format": {"type": "xml"}}, "response_format.type"),
+    ({"messages": MESSAGES, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
 ]
 
 

@@ -179,12 +179,26 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
+class PromptLogprob(OpenAIBaseModel):
+    """vLLM's entry of one candidate at one prompt position (`prompt_logprobs`)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's `prompt_logprobs` of a response: one entry per prompt token, None for the first
+# (nothing precedes it); else token id -> its entry, the prompt's own token included.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -300,6 +314,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaFunctionCall(OpenAIBaseModel):

@@ -218,6 +218,7 @@ class OpenAIServingChat(OpenAIServing):
                 len(prepared.prompts[0].token_ids),
                 sum(len(seq.token_ids) for seq in final.outputs),
             ),
+            prompt_logprobs=self.prompt_logprobs(final, request.prompt_logprobs),
         )
 
     def response_choice(

@@ -116,7 +116,9 @@ class OpenAIServingCompletion(OpenAIServing):
                     if request.echo:
                         ids, rows = self._with_prompt_logprobs(prompt, output, ids, rows)
                     logprobs = self._logprobs(ids, rows, request.logprobs, 0)
-                choices.append(self._choice(i * request.n + seq.index, seq, body, logprobs))
+                choice = self._choice(i * request.n + seq.index, seq, body, logprobs)
+                choice.prompt_logprobs = self.prompt_logprobs(output, request.prompt_logprobs)
+                choices.append(choice)
         choices.sort(key=lambda c: c.index)
         return CompletionResponse(
             id=prepared.request_id,

@@ -30,6 +30,8 @@ from jengine.entrypoints.openai.protocol import (
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
     OpenAIError,
+    PromptLogprob,
+    PromptLogprobs,
     SamplingRequest,
     UsageInfo,
     random_id,
@@ -108,6 +110,11 @@ class OpenAIServing:
             )
         if request.stream_options is not None and not request.stream:
             raise OpenAIError("stream_options needs stream=true", param="stream_options")
+        if request.stream and request.prompt_logprobs is not None:
+            # vLLM refuses them above 0 and streams none at 0: nothing silently dropped here.
+            raise OpenAIError(
+                "prompt_logprobs are not available when stream=true", param="prompt_logprobs"
+            )
         stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
         if len(stops) > MAX_STOP_SEQUENCES:
             raise OpenAIError(
@@ -299,6 +306,27 @@ class OpenAIServing:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
+
+    def prompt_logprobs(self, output: RequestOutput, num: int | None) -> PromptLogprobs | None:
+        """vLLM's `prompt_logprobs` field of a response asking for `num` of them: each
+        prompt position's own token and its `num` most likely (the engine may hold more
+        when echo asked for more logprobs)."""
+        if num is None or output.prompt_logprobs is None:
+            return None
+
+        def entries(own: int, row: dict[int, Logprob]) -> dict[int, PromptLogprob]:
+            return {
+                token_id: PromptLogprob(
+                    logprob=clamp_logprob(entry.logprob),
+                    rank=entry.rank,
+                    decoded_token=self.token_str(token_id, entry),
+                )
+                for token_id, entry in row.items()
+                if token_id == own or (entry.rank is not None and entry.rank <= num)
+            }
+
+        rows = zip(output.prompt_token_ids, output.prompt_logprobs, strict=True)
+        return [None if row is None else entries(own, row) for own, row in rows]
 
     def top_logprobs(self, row: dict[int, Logprob], num: int) -> list[tuple[str, float]]:
         """The `num` most likely candidates of one position as (token text, logprob)."""
