@@ -231,6 +231,23 @@ def test_prompt_logprobs_are_returned(client, http):
         chat(client, messages=MESSAGES, stream=True, extra_body={"prompt_logprobs": 1})
 
 
+def test_truncate_prompt_tokens_keeps_the_last_ones(client, http):
+    """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens are what the model reads
+    (and what echo repeats); -1 keeps up to max_model_len."""
+    prompt_ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    kept = complete(client, prompt=prompt_ids[-3:], max_tokens=5)
+    out = complete(
+        client, prompt=PROMPT, max_tokens=5, echo=True, extra_body={"truncate_prompt_tokens": 3}
+    )
+    assert out.usage.prompt_tokens == 3
+    echoed = http.post("/detokenize", json={"tokens": prompt_ids[-3:]}).json()["prompt"]
+    assert out.choices[0].text == echoed + kept.choices[0].text
+    whole = complete(client, prompt=PROMPT, max_tokens=5, extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == len(prompt_ids)
+    reply = chat(client, messages=MESSAGES, max_tokens=2, extra_body={"truncate_prompt_tokens": 4})
+    assert reply.usage.prompt_tokens == 4
+
+
 def test_sampling_fields_take_effect(client, http):
     [e_id] = http.post("/tokenize", json={"prompt": "e"}).json()["tokens"]
     biased = complete(client, prompt=PROMPT, max_tokens=5, logit_bias={str(e_id): 100})
@@ -461,6 +478,12 @@ BAD_COMPLETIONS = [
     ({"prompt": PROMPT, "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
     ({"prompt": PROMPT, "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": PROMPT, "prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
+    ({"prompt": PROMPT, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"prompt": PROMPT, "truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
+    # vLLM's fields jengine does not implement: refused, not ignored.
+    ({"prompt": PROMPT, "use_beam_search": True, "n": 2}, "use_beam_search"),
+    ({"prompt": PROMPT, "bad_words": ["fox"]}, "bad_words"),
+    ({"prompt": PROMPT, "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
 ]
 
 BAD_CHATS = [
@@ -475,6 +498,10 @@ BAD_CHATS = [
     ),
     ({"messages": MESSAGES, "response_format": {"type": "xml"}}, "response_format.type"),
     ({"messages": MESSAGES, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    (
+        {"messages": MESSAGES, "logprobs": True, "return_tokens_as_token_ids": True},
+        "return_tokens_as_token_ids",
+    ),
 ]
 
 

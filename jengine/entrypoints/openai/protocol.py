@@ -8,8 +8,9 @@ responses. Pydantic lives only in this HTTP layer; the engine speaks msgspec.
 
 Field names and defaults follow OpenAI's API, plus vLLM's extra sampling fields (top_k,
 min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...), which the
-official client sends through `extra_body`. Unknown fields are accepted and ignored, as
-vLLM does.
+official client sends through `extra_body`. Unknown fields are accepted and ignored (the
+log names them), as vLLM does, except vLLM's own fields that jengine does not implement
+(`UNSUPPORTED_FIELDS`): each of those, set, is a 400.
 """
 
 import time
@@ -140,6 +141,7 @@ class SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     prompt_logprobs: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None
     priority: Annotated[int, Field(**_INT64)] = 0
     request_id: str | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and the
@@ -150,6 +152,18 @@ class SamplingRequest(OpenAIBaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+
+# vLLM's request fields that jengine does not implement: set, each is a 400 naming it,
+# where an unknown field would be accepted and ignored (a user asking for beam search or
+# banned words must not get an ordinary answer as if they had been applied).
+UNSUPPORTED_FIELDS = (
+    "use_beam_search",
+    "bad_words",
+    "allowed_token_ids",
+    "logits_processors",
+    "return_tokens_as_token_ids",
+)
 
 
 # -- completions ----------------------------------------------------------------------------

@@ -119,6 +119,7 @@ class OpenAIServingChat(OpenAIServing):
             request.add_special_tokens,
             request.chat_template,
         )
+        text, token_ids = self.truncated(request, text, token_ids)
         requested = request.max_completion_tokens
         if requested is None:
             requested = request.max_tokens

@@ -47,6 +47,7 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = self.response_id(request)
         prompts = []
         for index, (text, token_ids) in enumerate(self._tokenize(request)):
+            text, token_ids = self.truncated(request, text, token_ids)
             max_tokens = self.max_tokens_for(request.max_tokens, len(token_ids), "prompt")
             prompt_logprobs = request.prompt_logprobs
             if request.echo and request.logprobs is not None:

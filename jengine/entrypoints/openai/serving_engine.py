@@ -29,6 +29,7 @@ from jengine.entrypoints.openai.errors import engine_dead_error, param_of, to_op
 from jengine.entrypoints.openai.protocol import (
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
+    UNSUPPORTED_FIELDS,
     OpenAIError,
     PromptLogprob,
     PromptLogprobs,
@@ -110,6 +111,19 @@ class OpenAIServing:
             )
         if request.stream_options is not None and not request.stream:
             raise OpenAIError("stream_options needs stream=true", param="stream_options")
+        extra = request.model_extra or {}
+        for name in UNSUPPORTED_FIELDS:
+            if extra.get(name) not in (None, False, [], {}):
+                raise OpenAIError(f"{name} is not supported", param=name)
+        if extra:  # as vLLM does: accepted, and the log says so
+            logger.warning("request fields ignored: %s", ", ".join(sorted(extra)))
+        truncate = request.truncate_prompt_tokens
+        if truncate is not None and not (truncate == -1 or 1 <= truncate <= self.max_model_len):
+            raise OpenAIError(
+                f"truncate_prompt_tokens must be -1 or from 1 to max_model_len "
+                f"({self.max_model_len}), got {truncate}",
+                param="truncate_prompt_tokens",
+            )
         if request.stream and request.prompt_logprobs is not None:
             # vLLM refuses them above 0 and streams none at 0: nothing silently dropped here.
             raise OpenAIError(
@@ -188,6 +202,18 @@ class OpenAIServing:
             )
         except (ValueError, TypeError) as e:
             raise to_openai_error(e, param_of(str(e)), bad_input=(ValueError, TypeError)) from None
+
+    def truncated(
+        self, request: SamplingRequest, text: str | None, token_ids: list[int]
+    ) -> tuple[str | None, list[int]]:
+        """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (-1: max_model_len);
+        a prompt that lost tokens loses its text too (echo then decodes what is kept)."""
+        keep = request.truncate_prompt_tokens
+        if keep == -1:
+            keep = self.max_model_len
+        if keep is None or len(token_ids) <= keep:
+            return text, token_ids
+        return None, token_ids[-keep:]
 
     def max_tokens_for(self, requested: int | None, prompt_len: int, what: str) -> int:
         """Check prompt + completion against max_model_len; None means all that is left."""
