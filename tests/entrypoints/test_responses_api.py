@@ -156,6 +156,9 @@ def test_a_json_schema_text_format_validates(client):
     [
         (dict(input=QUESTION, store=True), "store"),
         (dict(input=QUESTION, previous_response_id="resp-123"), "previous_response_id"),
+        (dict(input=QUESTION, conversation="conv-123"), "conversation"),
+        (dict(input=QUESTION, include=["message.output_text.logprobs"]), "include"),
+        (dict(input=QUESTION, top_logprobs=2), "top_logprobs"),
         (dict(input=[{"type": "file_search_call", "id": "x"}]), "input.0.type"),
         (
             dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),

@@ -18,9 +18,10 @@ response.function_call_arguments.delta), their .done events and response.output_
 last response.completed (or response.incomplete). An error mid-stream is an "error" event
 naming the cause.
 
-Decided: jengine keeps no responses, so `store: true`, `previous_response_id` and
-`background: true` are 400s naming the field (a client sends the conversation as input
-items instead, as with `store: false`).
+Decided: jengine keeps no responses, so `store: true`, `previous_response_id`,
+`conversation` and `background: true` are 400s naming the field (a client sends the
+conversation as input items instead, as with `store: false`); logprobs (`top_logprobs`,
+`include: ["message.output_text.logprobs"]`) are a 400 too, pointing at the chat route.
 """
 
 from collections.abc import AsyncIterator
@@ -46,6 +47,10 @@ from jengine.entrypoints.openai.serving_chat import OpenAIServingChat
 from jengine.entrypoints.openai.serving_engine import OpenAIServing, PreparedRequest, StreamUsage
 from jengine.outputs import RequestOutput
 
+# The `include` entry that asks for the output text's logprobs (other entries, such as
+# "reasoning.encrypted_content", ask for nothing jengine could add and are let through).
+LOGPROBS_ITEM = "message.output_text.logprobs"
+
 
 @dataclass
 class PreparedResponse(PreparedRequest):
@@ -64,11 +69,22 @@ class OpenAIServingResponses(OpenAIServing):
             ("store", request.store),
             ("previous_response_id", request.previous_response_id),
             ("background", request.background),
+            ("conversation", request.conversation),
         ):
             if refused:
                 raise OpenAIError(
                     f"{name} is not supported: jengine keeps no responses; send the whole "
                     "conversation as input items (store=false)",
+                    param=name,
+                )
+        for name, refused in (
+            ("include", LOGPROBS_ITEM in (request.include or ())),
+            ("top_logprobs", request.top_logprobs),
+        ):
+            if refused:
+                raise OpenAIError(
+                    f"{name}: logprobs are not served on /v1/responses; "
+                    "/v1/chat/completions returns them (logprobs=true, top_logprobs)",
                     param=name,
                 )
         chat_request = self.chat_request(request)
