@@ -175,6 +175,9 @@ class ModelConfig:
     runner: vLLM's `--runner`: "generate", or "pooling" for an embedding engine, which
         pools each prompt as `pooler` says (jengine/pooling.py) and generates nothing.
     pooler: the pooling of a "pooling" runner (None otherwise).
+    generation_config: vLLM's `--generation-config`: "auto" takes the sampling defaults the
+        model folder's generation_config.json recommends, "vllm" ignores it, a folder path
+        reads the file there (jengine/generation_config.py).
     """
 
     model: str | None = None
@@ -186,6 +189,7 @@ class ModelConfig:
     attention_impl: str | None = None
     runner: str = "generate"
     pooler: PoolerConfig | None = None
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         _require(

@@ -51,6 +51,7 @@ class EngineArgs:
     num_scheduler_steps: int = SchedulerConfig.num_scheduler_steps
     seed: int = ModelConfig.seed
     attention_impl: str | None = ModelConfig.attention_impl
+    generation_config: str = ModelConfig.generation_config
     # None leaves jax's process-wide compilation cache setting alone.
     compilation_cache_dir: str | None = field(default_factory=default_compilation_cache_dir)
     warmup: bool = CompilationConfig.warmup
@@ -109,6 +110,7 @@ class EngineArgs:
                 attention_impl=self.attention_impl,
                 runner=self.runner,
                 pooler=pooler,
+                generation_config=self.generation_config,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -282,6 +284,11 @@ class EngineArgs:
             help='the pooling runner\'s pooling as JSON, e.g. {"pooling_type": "MEAN", '
             '"normalize": true} (default: the checkpoint\'s sentence-transformers config, '
             "else LAST, normalized)",
+        )
+        add(
+            "--generation-config",
+            help='sampling defaults: "auto" (the model folder\'s generation_config.json '
+            'recommends them), "vllm" (ignore the file) or a folder holding one',
         )
         add(
             "--warmup",

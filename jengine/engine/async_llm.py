@@ -34,6 +34,7 @@ from jengine.engine.output_processor import OutputProcessor, RequestError, Reque
 from jengine.engine.stats import LoggingStatLogger, StatLoggerBase, StatsTracker
 from jengine.engine.tokenizer import load_tokenizer
 from jengine.fault_injection import FaultInjector
+from jengine.generation_config import sampling_defaults
 from jengine.lora_request import LoRARequest
 from jengine.outputs import EmbeddingRequestOutput, RequestOutput
 from jengine.pooling import PoolingParams
@@ -61,6 +62,7 @@ class AsyncLLM:
         self.engine_core = engine_core or AsyncMPClient(config, startup_timeout)
         try:  # the tokenizer loads while the engine process starts
             self.tokenizer = load_tokenizer(config)
+            self.sampling_defaults = sampling_defaults(config.model)
             ready = self.engine_core.wait_for_ready()
         except BaseException:
             self.engine_core.shutdown()

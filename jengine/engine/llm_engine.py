@@ -17,6 +17,7 @@ from jengine.engine.input_processor import InputProcessor, PromptType
 from jengine.engine.mp_clients import SyncMPClient
 from jengine.engine.output_processor import OutputProcessor, RequestError, RequestOutputKind
 from jengine.engine.tokenizer import load_tokenizer
+from jengine.generation_config import sampling_defaults
 from jengine.outputs import RequestOutput
 from jengine.pooling import PoolingParams
 from jengine.protocol import EngineCoreRequest
@@ -28,6 +29,7 @@ class LLMEngine:
         self.config = config
         self.client = client
         self.tokenizer = tokenizer
+        self.sampling_defaults = sampling_defaults(config.model)
         self.input_processor = InputProcessor.from_config(config, tokenizer, vocab_size)
         self.output_processor = OutputProcessor(tokenizer)
         self._counter = itertools.count()

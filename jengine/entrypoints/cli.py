@@ -129,9 +129,10 @@ def make_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="complete one prompt offline")
     generate.add_argument("prompt")
     generate.add_argument("--max-tokens", type=int, default=64)
-    generate.add_argument("--temperature", type=float, default=1.0)
-    generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--top-k", type=int, default=0)
+    recommended = "default: the model's generation_config.json, else %s"
+    generate.add_argument("--temperature", type=float, help=recommended % "1")
+    generate.add_argument("--top-p", type=float, help=recommended % "1")
+    generate.add_argument("--top-k", type=int, help=recommended % "0 (off)")
     generate.add_argument("--stream", action="store_true", help="print tokens as they come")
     EngineArgs.add_cli_args(generate)
     # One prompt, once: compile the shapes one request needs, when it needs them.
@@ -243,21 +244,21 @@ def _stream(llm, prompt, params) -> None:
     sys.stdout.write("\n")
 
 
-def _sampling_params(args: argparse.Namespace):
+def _sampling_params(llm, args: argparse.Namespace):
+    """The flags given, over the model's recommended sampling (`LLM.generate`'s default)."""
     from jengine import SamplingParams
 
+    given = {name: getattr(args, name) for name in ("temperature", "top_p", "top_k")}
     return SamplingParams(
+        **{**llm.llm_engine.sampling_defaults, **{k: v for k, v in given.items() if v is not None}},
         max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
         seed=args.seed,
     )
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
     llm = _one_shot_llm(args)
-    params = _sampling_params(args)
+    params = _sampling_params(llm, args)
     if not args.stream:
         print(llm.generate(args.prompt, params, use_tqdm=False)[0].outputs[0].text)
         return
@@ -281,7 +282,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
     if args.system is not None:
         messages.insert(0, {"role": "system", "content": args.system})
     text, token_ids = llm.llm_engine.input_processor.render_chat(messages, chat_template=template)
-    _stream(llm, {"prompt": text, "prompt_token_ids": token_ids}, _sampling_params(args))
+    _stream(llm, {"prompt": text, "prompt_token_ids": token_ids}, _sampling_params(llm, args))
 
 
 def cmd_bench(args: argparse.Namespace) -> None:

@@ -105,6 +105,12 @@ class LLM:
         tokenizer = load_tokenizer(config)
         self.llm_engine = LLMEngine.from_engine_core(config, self.engine_core, tokenizer)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with when given no SamplingParams: the
+        checkpoint's recommended sampling (its generation_config.json, unless the engine
+        was made with `generation_config="vllm"`), else SamplingParams' own defaults."""
+        return SamplingParams(**self.llm_engine.sampling_defaults)
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
@@ -125,7 +131,7 @@ class LLM:
         `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
         model); an engine made with `enable_lora=True` reads each folder the first time.
         """
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         return self._run_prompts(prompts, params, use_tqdm, priority, lora_request)
 
     def embed(

@@ -176,16 +176,20 @@ class OpenAIServing:
         prompt_logprobs: int | None,
     ) -> SamplingParams:
         bias = _logit_bias(request.logit_bias)
+        # Fields the request leaves unset: the checkpoint's recommendation, else jengine's.
+        recommended = self.engine.sampling_defaults
         try:
             return SamplingParams(
                 n=request.n,
                 presence_penalty=_default(request.presence_penalty, 0.0),
                 frequency_penalty=_default(request.frequency_penalty, 0.0),
-                repetition_penalty=_default(request.repetition_penalty, 1.0),
-                temperature=_default(request.temperature, 1.0),
-                top_p=_default(request.top_p, 1.0),
-                top_k=_default(request.top_k, 0),
-                min_p=_default(request.min_p, 0.0),
+                repetition_penalty=_default(
+                    request.repetition_penalty, recommended.get("repetition_penalty", 1.0)
+                ),
+                temperature=_default(request.temperature, recommended.get("temperature", 1.0)),
+                top_p=_default(request.top_p, recommended.get("top_p", 1.0)),
+                top_k=_default(request.top_k, recommended.get("top_k", 0)),
+                min_p=_default(request.min_p, recommended.get("min_p", 0.0)),
                 seed=request.seed,
                 stop=request.stop,
                 stop_token_ids=request.stop_token_ids,
