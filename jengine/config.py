@@ -175,9 +175,8 @@ class ModelConfig:
     runner: vLLM's `--runner`: "generate", or "pooling" for an embedding engine, which
         pools each prompt as `pooler` says (jengine/pooling.py) and generates nothing.
     pooler: the pooling of a "pooling" runner (None otherwise).
-    generation_config: vLLM's `--generation-config`: "auto" takes the sampling defaults the
-        model folder's generation_config.json recommends, "vllm" ignores it, a folder path
-        reads the file there (jengine/generation_config.py).
+    generation_config: vLLM's `--generation-config`: "auto", "vllm" or a folder
+        (jengine/generation_config.py).
     """
 
     model: str | None = None

@@ -31,17 +31,19 @@ from jengine.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
-    DetokenizeRequest,
-    DetokenizeResponse,
     ErrorResponse,
-    ModelList,
     OpenAIError,
     SamplingRequest,
-    TokenizeRequest,
-    TokenizeResponse,
 )
 from jengine.entrypoints.openai.protocol_embeddings import EmbeddingRequest, EmbeddingResponse
 from jengine.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest
+from jengine.entrypoints.openai.protocol_tokenization import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from jengine.entrypoints.openai.serving_engine import OpenAIServing
 from jengine.entrypoints.openai.serving_models import (
     LoadLoRAAdapterRequest,

@@ -42,6 +42,7 @@ from jengine.entrypoints.openai.reasoning_parsers import (
     END as REASONING_END,
 )
 from jengine.entrypoints.openai.reasoning_parsers import ReplyStream, get_reasoning_parser
+from jengine.entrypoints.openai.sampling_request import truncated
 from jengine.entrypoints.openai.serving_engine import (
     EnginePrompt,
     OpenAIServing,
@@ -119,7 +120,7 @@ class OpenAIServingChat(OpenAIServing):
             request.add_special_tokens,
             request.chat_template,
         )
-        text, token_ids = self.truncated(request, text, token_ids)
+        text, token_ids = truncated(request, text, token_ids, self.max_model_len)
         requested = request.max_completion_tokens
         if requested is None:
             requested = request.max_tokens

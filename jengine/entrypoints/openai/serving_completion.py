@@ -22,6 +22,7 @@ from jengine.entrypoints.openai.protocol import (
     CompletionStreamResponse,
     OpenAIError,
 )
+from jengine.entrypoints.openai.sampling_request import truncated
 from jengine.entrypoints.openai.serving_engine import (
     EnginePrompt,
     OpenAIServing,
@@ -47,7 +48,7 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = self.response_id(request)
         prompts = []
         for index, (text, token_ids) in enumerate(self._tokenize(request)):
-            text, token_ids = self.truncated(request, text, token_ids)
+            text, token_ids = truncated(request, text, token_ids, self.max_model_len)
             max_tokens = self.max_tokens_for(request.max_tokens, len(token_ids), "prompt")
             prompt_logprobs = request.prompt_logprobs
             if request.echo and request.logprobs is not None:

@@ -37,8 +37,8 @@ from jengine.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
+from jengine.entrypoints.openai.sampling_request import sampling_params_of
 from jengine.entrypoints.openai.serving_models import ServingModels
-from jengine.entrypoints.openai.structured_outputs import structured_outputs_of
 from jengine.fault_injection import FaultInjector
 from jengine.lora_request import LoRARequest
 from jengine.outputs import Logprob, RequestOutput
@@ -46,7 +46,6 @@ from jengine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-LOGIT_BIAS_LIMIT = 100.0  # OpenAI clamps biases to [-100, 100]
 SSE_DONE = "data: [DONE]\n\n"
 
 
@@ -175,49 +174,9 @@ class OpenAIServing:
         logprobs: int | None,
         prompt_logprobs: int | None,
     ) -> SamplingParams:
-        bias = _logit_bias(request.logit_bias)
-        # Fields the request leaves unset: the checkpoint's recommendation, else jengine's.
-        recommended = self.engine.sampling_defaults
-        try:
-            return SamplingParams(
-                n=request.n,
-                presence_penalty=_default(request.presence_penalty, 0.0),
-                frequency_penalty=_default(request.frequency_penalty, 0.0),
-                repetition_penalty=_default(
-                    request.repetition_penalty, recommended.get("repetition_penalty", 1.0)
-                ),
-                temperature=_default(request.temperature, recommended.get("temperature", 1.0)),
-                top_p=_default(request.top_p, recommended.get("top_p", 1.0)),
-                top_k=_default(request.top_k, recommended.get("top_k", 0)),
-                min_p=_default(request.min_p, recommended.get("min_p", 0.0)),
-                seed=request.seed,
-                stop=request.stop,
-                stop_token_ids=request.stop_token_ids,
-                ignore_eos=request.ignore_eos,
-                max_tokens=max_tokens,
-                min_tokens=request.min_tokens,
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-                logit_bias=bias,
-                include_stop_str_in_output=request.include_stop_str_in_output,
-                skip_special_tokens=request.skip_special_tokens,
-                spaces_between_special_tokens=request.spaces_between_special_tokens,
-                structured_outputs=structured_outputs_of(request),
-            )
-        except (ValueError, TypeError) as e:
-            raise to_openai_error(e, param_of(str(e)), bad_input=(ValueError, TypeError)) from None
-
-    def truncated(
-        self, request: SamplingRequest, text: str | None, token_ids: list[int]
-    ) -> tuple[str | None, list[int]]:
-        """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (-1: max_model_len);
-        a prompt that lost tokens loses its text too (echo then decodes what is kept)."""
-        keep = request.truncate_prompt_tokens
-        if keep == -1:
-            keep = self.max_model_len
-        if keep is None or len(token_ids) <= keep:
-            return text, token_ids
-        return None, token_ids[-keep:]
+        return sampling_params_of(
+            request, self.engine.sampling_defaults, max_tokens, logprobs, prompt_logprobs
+        )
 
     def max_tokens_for(self, requested: int | None, prompt_len: int, what: str) -> int:
         """Check prompt + completion against max_model_len; None means all that is left."""
@@ -431,25 +390,3 @@ async def merge_async_iterators(*iterators: AsyncIterator) -> AsyncIterator[tupl
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
-    """Keys to token ids, values clamped to OpenAI's range."""
-    if not logit_bias:
-        return None
-    bias = {}
-    for key, value in logit_bias.items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            raise OpenAIError(
-                f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
-            ) from None
-        if not math.isnan(value):
-            value = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, value))
-        bias[token_id] = value
-    return bias
-
-
-def _default(value, default):
-    return default if value is None else value

@@ -19,7 +19,8 @@ import itertools
 
 from pydantic import Field
 
-from jengine.entrypoints.openai.protocol import ModelCard, ModelList, OpenAIBaseModel, OpenAIError
+from jengine.entrypoints.openai.protocol import OpenAIBaseModel, OpenAIError
+from jengine.entrypoints.openai.protocol_tokenization import ModelCard, ModelList
 from jengine.lora_request import LoRARequest
 
 

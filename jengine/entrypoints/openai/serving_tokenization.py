@@ -8,10 +8,10 @@ counts exactly the prompt tokens a chat request with the same messages would use
 """
 
 from jengine.entrypoints.openai.chat_messages import template_messages
-from jengine.entrypoints.openai.protocol import (
+from jengine.entrypoints.openai.protocol import OpenAIError
+from jengine.entrypoints.openai.protocol_tokenization import (
     DetokenizeRequest,
     DetokenizeResponse,
-    OpenAIError,
     TokenizeRequest,
     TokenizeResponse,
 )
