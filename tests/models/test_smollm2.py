@@ -188,7 +188,8 @@ def test_perplexity_on_held_out_text_equals_transformers(llm, hf_model):
 
 # Perplexity against float32's: int8 (groups of 32) within 1%. fp8 (e4m3, per row) is
 # bounded at 3%: its 3 mantissa bits err by 2.6% (RMS, relative) on SmolLM2's weights,
-# and perplexity moves +2.2% (bench/README.md): the issue's 1% is not met for fp8.
+# and perplexity moves +2.2% here, +1.6% over 11K tokens (bench/README.md): the issue's
+# 1% is not met for fp8 rounded to nearest (GPTQ's rounding would meet it).
 PERPLEXITY_BOUND = {"int8": 0.01, "fp8": 0.03}
 
 
