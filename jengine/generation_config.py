@@ -13,6 +13,8 @@ jax nor transformers for it.
   recommendation and is left out, as vLLM leaves it out (an explicit `"top_k": 50` is
   transformers' default, not advice to truncate). A GGUF file or a handed-over module has
   no folder to read: nothing.
+- `given_over(defaults, given)`: a request's fields (None: unset) over those defaults;
+  a field neither sets is left to SamplingParams' own default.
 """
 
 import json
@@ -57,3 +59,8 @@ def sampling_defaults(model_config) -> dict[str, float | int]:
             ", ".join(f"{name}={value}" for name, value in defaults.items()),
         )
     return defaults
+
+
+def given_over(defaults: dict, given: dict) -> dict:
+    """SamplingParams fields: those `given` (None: unset) over the recommended `defaults`."""
+    return {**defaults, **{name: value for name, value in given.items() if value is not None}}

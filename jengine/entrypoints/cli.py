@@ -247,10 +247,11 @@ def _stream(llm, prompt, params) -> None:
 def _sampling_params(llm, args: argparse.Namespace):
     """The flags given, over the model's recommended sampling (`LLM.generate`'s default)."""
     from jengine import SamplingParams
+    from jengine.generation_config import given_over
 
     given = {name: getattr(args, name) for name in ("temperature", "top_p", "top_k")}
     return SamplingParams(
-        **{**llm.llm_engine.sampling_defaults, **{k: v for k, v in given.items() if v is not None}},
+        **given_over(llm.llm_engine.sampling_defaults, given),
         max_tokens=args.max_tokens,
         seed=args.seed,
     )

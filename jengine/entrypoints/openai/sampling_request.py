@@ -11,9 +11,21 @@ import math
 from jengine.entrypoints.openai.errors import param_of, to_openai_error
 from jengine.entrypoints.openai.protocol import OpenAIError, SamplingRequest
 from jengine.entrypoints.openai.structured_outputs import structured_outputs_of
+from jengine.generation_config import given_over
 from jengine.sampling_params import SamplingParams
 
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI clamps biases to [-100, 100]
+# The request fields a checkpoint may recommend a value for (unset: its value, else
+# SamplingParams' own default).
+TUNABLE = (
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+)
 
 
 def sampling_params_of(
@@ -29,15 +41,7 @@ def sampling_params_of(
     try:
         return SamplingParams(
             n=request.n,
-            presence_penalty=_default(request.presence_penalty, 0.0),
-            frequency_penalty=_default(request.frequency_penalty, 0.0),
-            repetition_penalty=_default(
-                request.repetition_penalty, recommended.get("repetition_penalty", 1.0)
-            ),
-            temperature=_default(request.temperature, recommended.get("temperature", 1.0)),
-            top_p=_default(request.top_p, recommended.get("top_p", 1.0)),
-            top_k=_default(request.top_k, recommended.get("top_k", 0)),
-            min_p=_default(request.min_p, recommended.get("min_p", 0.0)),
+            **given_over(recommended, {name: getattr(request, name) for name in TUNABLE}),
             seed=request.seed,
             stop=request.stop,
             stop_token_ids=request.stop_token_ids,
@@ -85,7 +89,3 @@ def _logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
             value = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, value))
         bias[token_id] = value
     return bias
-
-
-def _default(value, default):
-    return default if value is None else value
