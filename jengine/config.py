@@ -24,7 +24,7 @@ from jengine.pooling import PoolerConfig
 
 # vLLM's `--quantization` values jengine takes (None: what the checkpoint holds; the
 # methods are models/quantize.METHODS).
-QUANTIZATION_CHOICES = (None, "none", "gguf", "compressed-tensors", "int8", "fp8")
+QUANTIZATION_CHOICES = (None, "none", "gguf", "compressed-tensors", "int8", "fp8", "fp8-rtn")
 
 
 # The multi-step program's sampled tokens are [K, S]; past a few dozen the host's share
@@ -168,7 +168,8 @@ class ModelConfig:
         block-quantized weights, a compressed-tensors checkpoint's packed ones stay
         quantized; "gguf" / "compressed-tensors" insist on it), "none" dequantizes them,
         "int8" (groups of 32) and "fp8" (per channel) quantize the linear weights
-        (weight-only).
+        (weight-only; fp8 rounded by GPTQ, calibrated on the model's own samples at load,
+        "fp8-rtn" rounded to nearest).
     max_model_len: None -> the model's max_position_embeddings.
     seed: seeds the engine's sampling of requests that bring no seed.
     attention_impl: force "reference" / "cpu" / "gpu" / "tpu" attention (None: by backend).

@@ -188,6 +188,39 @@ class DecoderForCausalLM(nnx.Module):
         """One ragged batch through all layers. Returns (hidden [T, D], updated kv_cache).
         With a `mesh` (tensor parallel), attention runs per device under `shard_map`.
         `lora_slots` [T]: each token's LoRA adapter slot (0 or None: none)."""
+        hidden, kv_cache, _ = self._run_layers(
+            input_ids,
+            positions,
+            kv_cache,
+            metadata,
+            attention_impl=attention_impl,
+            mesh=mesh,
+            lora_slots=lora_slots,
+        )
+        return hidden, kv_cache
+
+    @float32_matmuls
+    def input_grams(
+        self, input_ids: jax.Array, positions: jax.Array, kv_cache: jax.Array, metadata
+    ) -> dict[str, jax.Array]:
+        """One batch through all layers; returns, for each linear weight of the layers,
+        the Gram matrix of its inputs, sum over tokens of x x^T in float32, [L, in, in]
+        (what GPTQ's rounding weighs errors by: `models/gptq.py`). Padding tokens count."""
+        return self._run_layers(input_ids, positions, kv_cache, metadata, input_grams=True)[2]
+
+    def _run_layers(
+        self,
+        input_ids,
+        positions,
+        kv_cache,
+        metadata,
+        *,
+        attention_impl=None,
+        mesh=None,
+        lora_slots=None,
+        input_grams: bool = False,
+    ):
+        """(hidden, kv_cache, {weight name: [L, in, in] Gram matrix} or None)."""
         c = self.config
         T = input_ids.shape[0]
         N, K, H = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -248,6 +281,7 @@ class DecoderForCausalLM(nnx.Module):
         def layer(carry, xs):
             h, cache = carry
             p, layer_index, is_local = xs
+            grams = {}  # filled only when asked: the scan's per-layer outputs
 
             def with_lora(name: str, x, out):
                 if name not in c.lora_targets or lora_slots is None:
@@ -260,6 +294,9 @@ class DecoderForCausalLM(nnx.Module):
                 it can, plus each one's LoRA delta."""
 
                 def project(x):
+                    if input_grams:
+                        x32 = x.astype(jnp.float32)
+                        grams.update(dict.fromkeys(names, x32.T @ x32))
                     outs = matmuls(x, [weights[n] for n in names], layer_index, impl=matmul_impl)
                     return tuple(with_lora(n, x, out) for n, out in zip(names, outs, strict=True))
 
@@ -302,14 +339,14 @@ class DecoderForCausalLM(nnx.Module):
             if c.sandwich_norms:
                 out = norm(out, p["mlp_output_norm"])
             h = h + out
-            return (h, cache), None
+            return (h, cache), grams or None
 
         layer_ids = jnp.arange(c.num_hidden_layers, dtype=jnp.int32)
         local = c.local_layers or (c.sliding_window is not None,) * c.num_hidden_layers
         local = jnp.asarray(local)
         xs = (vectors, layer_ids, local)
-        (hidden, kv_cache), _ = jax.lax.scan(layer, (hidden, kv_cache), xs)
-        return norm(hidden, self.norm.value), kv_cache
+        (hidden, kv_cache), grams = jax.lax.scan(layer, (hidden, kv_cache), xs)
+        return norm(hidden, self.norm.value), kv_cache, grams
 
     @float32_matmuls
     def compute_logits(self, hidden: jax.Array, *, mesh: Mesh | None = None) -> jax.Array:

@@ -17,8 +17,10 @@ Promises:
 
 import dataclasses
 import json
+import logging
 import os
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -28,10 +30,14 @@ from flax import nnx
 
 from jengine.config import QUANTIZATION_CHOICES
 from jengine.models import compressed_tensors
+from jengine.models.calibration import own_input_grams
 from jengine.models.checkpoint import gguf_file, holds_base_model, read_hf_config
+from jengine.models.gptq import gptq_fp8
 from jengine.models.llama import LINEAR_WEIGHTS
 from jengine.models.quantize import METHODS, method_format, quantize
 from jengine.models.registry import resolve_architecture
+
+logger = logging.getLogger(__name__)
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -231,9 +237,9 @@ def load_model(path: str, dtype="auto", quantization: str | None = None) -> nnx.
     holds (a GGUF's quantized blocks, a compressed-tensors checkpoint's packed weights
     stay quantized where the matmul reads them: models/quantize.py,
     models/compressed_tensors.py); "gguf" and "compressed-tensors" say so and insist the
-    checkpoint is one; "none" dequantizes either to `dtype`; "int8" / "fp8" quantize the
-    linear weights (weight-only) one parameter at a time, a quantized checkpoint's after
-    dequantizing them."""
+    checkpoint is one; "none" dequantizes either to `dtype`; "int8" / "fp8" / "fp8-rtn"
+    quantize the linear weights (weight-only; `quantized_params`), a quantized
+    checkpoint's after dequantizing them."""
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(
             f"unknown quantization {quantization!r}; expected one of "
@@ -251,7 +257,8 @@ def load_model(path: str, dtype="auto", quantization: str | None = None) -> nnx.
             return model
         # int8 from a GGUF: its weights dequantized, then quantized the requested way.
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        params, config = quantized_params(params, model.config, quantization)
+        start = calibration_start(read_hf_config(gguf_path))
+        params, config = quantized_params(params, model.config, quantization, type(model), start)
         return model_from_params(type(model), config, params, model.dtype)
     hf_config = read_hf_config(path)
     model_cls, config_cls = resolve_architecture(hf_config)
@@ -283,19 +290,38 @@ def load_model(path: str, dtype="auto", quantization: str | None = None) -> nnx.
     config = dataclasses.replace(config, quantization=tuple(kept))
     if config.tie_word_embeddings:
         params.pop("lm_head", None)  # some tied checkpoints still store a copy
-    params, config = quantized_params(params, config, quantization)
+    start = calibration_start(hf_config)
+    params, config = quantized_params(params, config, quantization, model_cls, start)
     return model_from_params(model_cls, config, params, resolve_dtype(dtype))
 
 
-def quantized_params(params: dict, config, quantization: str | None):
-    """(params, config) with the linear weights quantized by `quantization` ("int8", "fp8";
-    other values change nothing), and with int8 the embedding and LM head too (SmolLM2's
-    tied head in int8 keeps perplexity within 1%; in e4m3 it costs 3% more). Weights
-    already quantized (dicts of packed arrays in `method_format`'s layout, a training
-    loop's own) are kept as they are; float ones are quantized one parameter at a time,
-    on the host."""
+def calibration_start(hf_config: dict) -> int:
+    """The token `fp8`'s calibration samples start from: BOS, else EOS, else 0."""
+    for key in ("bos_token_id", "eos_token_id"):
+        token = hf_config.get(key)
+        token = token[0] if isinstance(token, list) and token else token
+        if isinstance(token, int):
+            return token
+    return 0
+
+
+def quantized_params(
+    params: dict, config, quantization: str | None, model_cls=None, start_token: int = 0
+):
+    """(params, config) with the linear weights quantized by `quantization` ("int8", "fp8",
+    "fp8-rtn"; other values change nothing), and with int8 the embedding and LM head too
+    (SmolLM2's tied head in int8 keeps perplexity within 1%; in e4m3 it costs 3% more).
+    Weights already quantized (dicts of packed arrays in `method_format`'s layout, a
+    training loop's own) are kept as they are; float ones are quantized one parameter at a
+    time, on the host: rounded to nearest, or with "fp8" and a `model_cls` to run the float
+    model, rounded by GPTQ (`models/gptq.py`) with the Gram matrices of each weight's
+    inputs over the model's own samples from `start_token` (`models/calibration.py`)."""
     if quantization not in METHODS:
         return params, config
+    started, grams = time.perf_counter(), {}
+    if quantization == "fp8" and model_cls is not None:
+        float_model = model_from_params(model_cls, config, params, resolve_dtype("auto"))
+        grams = own_input_grams(float_model, start_token)
     params = {**params, "layers": dict(params["layers"])}
     formats = []
     tables = ("embed_tokens", "lm_head") if quantization == "int8" else ()
@@ -309,8 +335,14 @@ def quantized_params(params: dict, config, quantization: str | None):
         dim = (weight["values"] if isinstance(weight, dict) else weight).shape[-1]
         fmt = method_format(quantization, dim)
         if not isinstance(weight, dict):
-            tree[name] = quantize(np.asarray(weight), fmt)
+            if name in grams:  # only layers' weights have them
+                tree[name] = gptq_fp8(np.asarray(weight), grams.pop(name))
+            else:
+                tree[name] = quantize(np.asarray(weight), fmt)
         formats.append((name, fmt))
+    if quantization == "fp8" and model_cls is not None:
+        elapsed = time.perf_counter() - started
+        logger.info("fp8: GPTQ rounding, calibrated on the model's own samples, %.1f s", elapsed)
     return params, dataclasses.replace(config, quantization=tuple(formats))
 
 

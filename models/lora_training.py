@@ -20,8 +20,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jengine.models.attention_metadata import SCRATCH_BLOCK_SIZE, paged_batch
 from jengine.models.lora import param_names, projection_sizes, with_lora_slots
-from jengine.models.train_shakespeare import BLOCK_SIZE, paged_batch
 
 
 def init_lora_weights(config, rank: int, targets=("q_proj", "v_proj"), seed: int = 0) -> dict:
@@ -57,7 +57,7 @@ def lora_loss_fn(model, rank: int, batch: int, seq_len: int, alpha: float | None
         adapted_state = jax.tree.map(lambda x: x, state)  # a copy to fill
         nnx.replace_by_pure_dict(adapted_state, {**base, "layers": layers})
         adapted = nnx.merge(graphdef, adapted_state)
-        cache = jnp.zeros(adapted.kv_cache_shape(num_pages, BLOCK_SIZE), jnp.float32)
+        cache = jnp.zeros(adapted.kv_cache_shape(num_pages, SCRATCH_BLOCK_SIZE), jnp.float32)
         hidden, _ = adapted(
             tokens[:, :-1].reshape(-1), positions, cache, metadata, lora_slots=on_the_adapter
         )

@@ -49,7 +49,7 @@ GGUF_KEPT = {
     "Q6_K": QuantFormat("Q6_K", "int8", group_size=16),
 }
 # What `--quantization` may name for a float checkpoint.
-METHODS = ("int8", "fp8")
+METHODS = ("int8", "fp8", "fp8-rtn")  # fp8-rtn: fp8 rounded to nearest (no calibration)
 _LARGEST = {"int8": 127.0, "fp8": 448.0}  # the largest value of each kind
 
 
@@ -57,7 +57,7 @@ def method_format(method: str, dim: int) -> QuantFormat:
     """The format `--quantization method` gives a weight of rows of `dim` inputs."""
     if method == "int8":
         return INT8 if dim % INT8.group_size == 0 else INT8_PER_CHANNEL
-    if method == "fp8":
+    if method in ("fp8", "fp8-rtn"):
         return FP8
     raise ValueError(f"unknown quantization method {method!r}; expected one of {METHODS}")
 

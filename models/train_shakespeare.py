@@ -57,7 +57,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jengine.models.attention_metadata import AttentionMetadata
+from jengine.models.attention_metadata import SCRATCH_BLOCK_SIZE, paged_batch
 from jengine.models.distillation import load_teacher, teacher_continuations
 from jengine.models.llama import LlamaConfig, LlamaForCausalLM
 from jengine.models.shakespeare_corpus import (
@@ -72,9 +72,6 @@ from jengine.models.shakespeare_corpus import (
     validation_sample,
 )
 from jengine.models.shakespeare_eval import evaluate_with_transformers, sample_with_transformers
-
-BLOCK_SIZE = 16  # KV-cache page size of the scratch cache used in training
-
 
 # ---------------------------------------------------------------- model
 
@@ -147,33 +144,13 @@ def save_model(folder: str, params: dict, config_dict: dict, eos_ids: list[int])
         f.write("\n")
 
 
-def paged_batch(batch: int, seq_len: int) -> tuple[jax.Array, AttentionMetadata, int]:
-    """Positions and metadata that run B sequences of S tokens as B requests of one
-    query block each over a scratch cache of B*S/block_size pages (+ the null page 0).
-
-    The attention kernels size their query blocks for the worst case (T/Bq + R blocks), so
-    half of them are empty here and attention costs about twice a dense causal attention
-    (measured: 4.9 s vs 4.0 s for a 16 x 256 step); worth it to train the serving model as is.
-    """
-    pages = seq_len // BLOCK_SIZE
-    positions = jnp.tile(jnp.arange(seq_len, dtype=jnp.int32), batch)
-    metadata = AttentionMetadata(
-        slot_mapping=jnp.arange(batch * seq_len, dtype=jnp.int32) + BLOCK_SIZE,
-        kv_lens=jnp.full((batch,), seq_len, jnp.int32),
-        block_tables=jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages) + 1,
-        query_start_loc=jnp.arange(batch + 1, dtype=jnp.int32) * seq_len,
-        q_block_size=seq_len,
-    )
-    return positions, metadata, batch * pages + 1
-
-
 def make_logits_fn(graphdef, batch: int, seq_len: int):
     """logits_fn(params, tokens [B, S + 1]) -> [B * S, V] next-token logits of the inputs."""
     positions, metadata, num_pages = paged_batch(batch, seq_len)
 
     def logits_fn(params, tokens):
         model = nnx.merge(graphdef, params)
-        kv_cache = jnp.zeros(model.kv_cache_shape(num_pages, BLOCK_SIZE), jnp.float32)
+        kv_cache = jnp.zeros(model.kv_cache_shape(num_pages, SCRATCH_BLOCK_SIZE), jnp.float32)
         hidden, _ = model(tokens[:, :-1].reshape(-1), positions, kv_cache, metadata)
         return model.compute_logits(hidden)
 
@@ -257,8 +234,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.seq_len % BLOCK_SIZE:
-        raise SystemExit(f"--seq-len must be a multiple of {BLOCK_SIZE}")
+    if args.seq_len % SCRATCH_BLOCK_SIZE:
+        raise SystemExit(f"--seq-len must be a multiple of {SCRATCH_BLOCK_SIZE}")
     t_start = time.time()
     rng = np.random.default_rng(args.seed)
     log = lambda *a: print(f"[{time.time() - t_start:7.1f}s]", *a, flush=True)

@@ -196,7 +196,9 @@ class EngineArgs:
         add(
             "--quantization",
             choices=[q for q in QUANTIZATION_CHOICES if q],
-            help="weights held quantized: int8 or fp8 (the linear weights, weight-only); "
+            help="weights held quantized: int8 or fp8 (the linear weights, weight-only; fp8 "
+            "rounded by GPTQ, calibrated on the model's own samples at load; fp8-rtn rounded "
+            "to nearest); "
             "none (dequantize a quantized checkpoint); default: what the checkpoint holds "
             "(a GGUF's blocks and a compressed-tensors checkpoint's packed weights stay "
             "quantized)",

@@ -27,6 +27,7 @@ from jengine.engine.output_processor import RequestOutputKind
 from jengine.engine.tokenizer import load_tokenizer
 from jengine.lora_request import LoRARequest
 from jengine.models import (
+    calibration_start,
     model_from_params,
     quantized_params,
     read_hf_config,
@@ -294,5 +295,7 @@ def _module_from_params(path: str, params, dtype, quantization: str | None) -> n
     model_cls, config_cls = resolve_architecture(hf_config)
     if isinstance(params, nnx.State):
         params = nnx.to_pure_dict(params)
-    params, config = quantized_params(params, config_cls.from_hf(hf_config), quantization)
+    config = config_cls.from_hf(hf_config)
+    start = calibration_start(hf_config)
+    params, config = quantized_params(params, config, quantization, model_cls, start)
     return model_from_params(model_cls, config, params, resolve_dtype(dtype))
