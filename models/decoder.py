@@ -7,7 +7,8 @@ Where it sits: a family file (`models/llama.py`, `phi3.py`, `gemma.py`, `mixtral
 tensors; `models/loader.py` builds the family's model (a `DecoderForCausalLM`); the runner
 splits it once (`nnx.split`) and jits a pure step over its state. One call runs one ragged
 batch (`input_ids[T]`, `positions[T]`) over the paged KV cache and returns the hidden
-states and the updated cache; `compute_logits` turns chosen rows into logits.
+states and the updated cache; `compute_logits` turns chosen rows into logits;
+`input_grams` runs a batch to measure each linear weight's inputs (`models/calibration.py`).
 
 Promises:
 - layer weights are stacked on a leading `layers` axis and the layers run under one
