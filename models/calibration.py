@@ -6,10 +6,10 @@ before it quantizes the linear weights with `--quantization fp8`; nothing at ser
 
 Promises:
 - `own_samples`: NUM_SEQUENCES sequences of SEQ_LEN tokens (fewer where the model has
-  fewer positions), each the start token (the
-  checkpoint's BOS) then the model's own samples at temperature 1, from a fixed key: the
-  same tokens for the same weights on the same backend; one compiled loop of decode steps
-  over a scratch paged cache (`attention_metadata.paged_decode_step`);
+  fewer positions), each the start token (the checkpoint's BOS) then the model's own
+  samples at temperature 1, from a fixed key: the same tokens for the same weights on the
+  same backend; one compiled loop of decode steps over a scratch paged cache
+  (`attention_metadata.paged_decode_step`);
 - `input_grams`: one pass of those tokens through all layers returns, for each linear
   weight, the Gram matrix of its inputs (sum of x x^T over the tokens, float32, [L, in,
   in]), as `DecoderForCausalLM.input_grams` defines it.
