@@ -19,7 +19,6 @@ _EXPORTS = {
     "load_model": "jengine.models.loader",
     "model_from_params": "jengine.models.loader",
     "quantized_params": "jengine.models.loader",
-    "calibration_start": "jengine.models.loader",
     "read_hf_config": "jengine.models.checkpoint",
     "resolve_model": "jengine.models.checkpoint",
     "resolve_dtype": "jengine.models.loader",

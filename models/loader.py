@@ -257,8 +257,8 @@ def load_model(path: str, dtype="auto", quantization: str | None = None) -> nnx.
             return model
         # int8 from a GGUF: its weights dequantized, then quantized the requested way.
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        start = calibration_start(read_hf_config(gguf_path))
-        params, config = quantized_params(params, model.config, quantization, type(model), start)
+        hf_config = read_hf_config(gguf_path)
+        params, config = quantized_params(params, model.config, quantization, hf_config)
         return model_from_params(type(model), config, params, model.dtype)
     hf_config = read_hf_config(path)
     model_cls, config_cls = resolve_architecture(hf_config)
@@ -290,12 +290,11 @@ def load_model(path: str, dtype="auto", quantization: str | None = None) -> nnx.
     config = dataclasses.replace(config, quantization=tuple(kept))
     if config.tie_word_embeddings:
         params.pop("lm_head", None)  # some tied checkpoints still store a copy
-    start = calibration_start(hf_config)
-    params, config = quantized_params(params, config, quantization, model_cls, start)
+    params, config = quantized_params(params, config, quantization, hf_config)
     return model_from_params(model_cls, config, params, resolve_dtype(dtype))
 
 
-def calibration_start(hf_config: dict) -> int:
+def _calibration_start(hf_config: dict) -> int:
     """The token `fp8`'s calibration samples start from: BOS, else EOS, else 0."""
     for key in ("bos_token_id", "eos_token_id"):
         token = hf_config.get(key)
@@ -305,23 +304,24 @@ def calibration_start(hf_config: dict) -> int:
     return 0
 
 
-def quantized_params(
-    params: dict, config, quantization: str | None, model_cls=None, start_token: int = 0
-):
+def quantized_params(params: dict, config, quantization: str | None, hf_config=None):
     """(params, config) with the linear weights quantized by `quantization` ("int8", "fp8",
     "fp8-rtn"; other values change nothing), and with int8 the embedding and LM head too
     (SmolLM2's tied head in int8 keeps perplexity within 1%; in e4m3 it costs 3% more).
     Weights already quantized (dicts of packed arrays in `method_format`'s layout, a
     training loop's own) are kept as they are; float ones are quantized one parameter at a
-    time, on the host: rounded to nearest, or with "fp8" and a `model_cls` to run the float
-    model, rounded by GPTQ (`models/gptq.py`) with the Gram matrices of each weight's
-    inputs over the model's own samples from `start_token` (`models/calibration.py`)."""
+    time, on the host: rounded to nearest, or with "fp8" and the checkpoint's `hf_config`
+    (which model to run, its BOS) rounded by GPTQ (`models/gptq.py`) with the Gram
+    matrices of each weight's inputs over the float model's own samples from BOS
+    (`models/calibration.py`)."""
     if quantization not in METHODS:
         return params, config
     started, grams = time.perf_counter(), {}
-    if quantization == "fp8" and model_cls is not None:
+    calibrated = quantization == "fp8" and hf_config is not None
+    if calibrated:
+        model_cls, _ = resolve_architecture(hf_config)
         float_model = model_from_params(model_cls, config, params, resolve_dtype("auto"))
-        grams = own_input_grams(float_model, start_token)
+        grams = own_input_grams(float_model, _calibration_start(hf_config))
     params = {**params, "layers": dict(params["layers"])}
     formats = []
     tables = ("embed_tokens", "lm_head") if quantization == "int8" else ()
@@ -340,7 +340,7 @@ def quantized_params(
             else:
                 tree[name] = quantize(np.asarray(weight), fmt)
         formats.append((name, fmt))
-    if quantization == "fp8" and model_cls is not None:
+    if calibrated:
         elapsed = time.perf_counter() - started
         logger.info("fp8: GPTQ rounding, calibrated on the model's own samples, %.1f s", elapsed)
     return params, dataclasses.replace(config, quantization=tuple(formats))

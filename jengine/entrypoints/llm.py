@@ -27,7 +27,6 @@ from jengine.engine.output_processor import RequestOutputKind
 from jengine.engine.tokenizer import load_tokenizer
 from jengine.lora_request import LoRARequest
 from jengine.models import (
-    calibration_start,
     model_from_params,
     quantized_params,
     read_hf_config,
@@ -296,6 +295,5 @@ def _module_from_params(path: str, params, dtype, quantization: str | None) -> n
     if isinstance(params, nnx.State):
         params = nnx.to_pure_dict(params)
     config = config_cls.from_hf(hf_config)
-    start = calibration_start(hf_config)
-    params, config = quantized_params(params, config, quantization, model_cls, start)
+    params, config = quantized_params(params, config, quantization, hf_config)
     return model_from_params(model_cls, config, params, resolve_dtype(dtype))
