@@ -167,9 +167,8 @@ class ModelConfig:
     quantization: vLLM's `--quantization`: None keeps what the checkpoint holds (a GGUF's
         block-quantized weights, a compressed-tensors checkpoint's packed ones stay
         quantized; "gguf" / "compressed-tensors" insist on it), "none" dequantizes them,
-        "int8" (groups of 32) and "fp8" (per channel) quantize the linear weights
-        (weight-only; fp8 rounded by GPTQ, calibrated on the model's own samples at load,
-        "fp8-rtn" rounded to nearest).
+        "int8" (groups of 32) and "fp8" (per channel; GPTQ-rounded at load, "fp8-rtn":
+        rounded to nearest) quantize the linear weights (weight-only).
     max_model_len: None -> the model's max_position_embeddings.
     seed: seeds the engine's sampling of requests that bring no seed.
     attention_impl: force "reference" / "cpu" / "gpu" / "tpu" attention (None: by backend).
