@@ -35,6 +35,7 @@ from jengine.protocol import (
     UtilityOutput,
     UtilityRequest,
 )
+from jengine.runner import distributed
 
 logger = logging.getLogger(__name__)
 
@@ -237,4 +238,6 @@ class EngineCoreProc(EngineCore):
             logger.debug("engine core exits")
         except BaseException:
             logger.exception("engine core failed")
+            if config.parallel.multi_host:
+                distributed.exit_now(1)  # the other hosts wait for this one: end them too
             raise

@@ -180,8 +180,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.host_rank > 0:
         # Not a server: this host runs host 0's steps on its devices (it imports jax).
         from jengine.engine.core import EngineCore
+        from jengine.runner import distributed
 
-        EngineCore(EngineArgs.from_cli_args(args).create_engine_config()).run_follower()
+        try:
+            EngineCore(EngineArgs.from_cli_args(args).create_engine_config()).run_follower()
+        except Exception:
+            logger.exception("host %d failed", args.host_rank)
+            distributed.exit_now(1)  # host 0 waits for this one: end it too
         return
     sock = _listen_socket(args.host, args.port)
     config = EngineArgs.from_cli_args(args).create_engine_config()

@@ -43,6 +43,17 @@ SERVER_ARGS = [
 LONG_SERVER_ARGS = [*SERVER_ARGS, "--max-model-len", "1024", "--num-gpu-blocks-override", "1024"]
 
 
+NATIVE_FRAME = re.compile(r"^\s*@\s+0x[0-9a-f]+")
+
+
+def log_excerpt(text: str, limit: int = 8000) -> str:
+    """The end of a process's log for a failure message, without the native stack frames
+    (`    @     0x7f...  symbol`) an abort prints: dozens of them would push the Python
+    traceback that says why out of the excerpt."""
+    lines = [line for line in text.splitlines() if not NATIVE_FRAME.match(line)]
+    return "\n".join(lines)[-limit:]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -90,7 +101,8 @@ class RemoteServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited during start-up:\n{self.log_text()[-5000:]}")
+                log = log_excerpt(self.log_text())
+                raise RuntimeError(f"server exited during start-up:\n{log}")
             try:
                 if httpx2.get(self.url_for("health"), timeout=2).status_code == 200:
                     return
@@ -98,7 +110,7 @@ class RemoteServer:
                 pass
             time.sleep(0.5)
         self.stop()
-        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log_text()[-5000:]}")
+        raise TimeoutError(f"server not ready after {timeout}s:\n{log_excerpt(self.log_text())}")
 
     @property
     def engine_pid(self) -> int:

@@ -1,8 +1,8 @@
 """Multi-host SPMD on one machine: two processes on 127.0.0.1 joined by `jax.distributed`
 (gloo collectives), 2 CPU devices each, one TP=4 mesh across them. Host 0 schedules, host
 1 follows (`jengine serve --host-rank 1`); the tokens and logprobs equal those of one
-process with 4 devices, through `LLM` and through `jengine serve` on host 0, and host 1
-exits cleanly when host 0 stops."""
+process with 4 devices, through `LLM` and through `jengine serve` on host 0; host 1
+exits cleanly when host 0 stops, and at once when host 0 fails."""
 
 import json
 import os
@@ -21,6 +21,7 @@ from tests.entrypoints.remote_server import (
     RemoteServer,
     engine_flags,
     free_port,
+    log_excerpt,
 )
 from tests.entrypoints.tiny_model import make_tiny_model
 from tests.runner.multi_host_check import LIMITS, MAX_TOKENS, PROMPTS
@@ -62,9 +63,12 @@ class Follower:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **TWO_DEVICES)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
-    def wait_for_exit(self, timeout: float) -> int:
+    def wait_for_exit(self, timeout: float) -> int | None:
+        """Its exit code; None if it still ran after `timeout` (it is killed then)."""
         try:
             return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()
@@ -93,7 +97,7 @@ def test_two_hosts_generate_what_one_host_does(tiny_model, reference):
     address = f"127.0.0.1:{free_port()}"
     follower = Follower(tiny_model, address)
     result = run_check(tiny_model, address, devices=2)
-    assert follower.wait_for_exit(60) == 0, follower.text[-3000:]
+    assert follower.wait_for_exit(60) == 0, log_excerpt(follower.text)
     assert "following host 0's steps" in follower.text
     assert result["devices"] == 4 and result["compiles_after_warmup"] == 0
     assert_same_generation(result, reference)
@@ -105,7 +109,12 @@ def test_two_host_server(tiny_model, reference):
     address = f"127.0.0.1:{free_port()}"
     follower = Follower(tiny_model, address)
     args = [*SERVER_ARGS, *engine_flags(LIMITS), *multi_host_flags(address, 0)]
-    with RemoteServer(tiny_model, args, env=TWO_DEVICES) as server:
+    try:
+        server = RemoteServer(tiny_model, args, env=TWO_DEVICES)
+    except (RuntimeError, TimeoutError) as e:  # host 0's log alone may not say why
+        follower.wait_for_exit(0)
+        raise AssertionError(f"{e}\nhost 1's log:\n{log_excerpt(follower.text)}") from None
+    with server:
         client = openai.OpenAI(base_url=server.url_for("v1"), api_key="none", max_retries=0)
         choices = client.completions.create(
             model=MODEL_NAME, prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1
@@ -114,4 +123,21 @@ def test_two_host_server(tiny_model, reference):
     for choice, logprobs in zip(choices, reference["logprobs"], strict=True):
         np.testing.assert_allclose(choice.logprobs.token_logprobs, logprobs, atol=1e-4, rtol=0)
     # The server's engine told host 1 to stop as it shut down.
-    assert follower.wait_for_exit(60) == 0, follower.text[-3000:]
+    assert follower.wait_for_exit(60) == 0, log_excerpt(follower.text)
+
+
+def test_a_host_failing_at_start_up_ends_every_host_at_once(tiny_model):
+    """Host 0, given another tensor-parallel size than host 1, fails after the hosts have
+    joined: its engine exits with its own error (not jax's abort after the 5-minute
+    shutdown barrier, which waits for a host 1 stuck in a collective host 0 never joins),
+    and host 1 ends with it."""
+    address = f"127.0.0.1:{free_port()}"
+    follower = Follower(tiny_model, address)
+    args = [*SERVER_ARGS, *engine_flags(LIMITS), *multi_host_flags(address, 0)]
+    args[args.index("--tensor-parallel-size") + 1] = "2"
+    with pytest.raises(RuntimeError) as failure:
+        RemoteServer(tiny_model, args, env=TWO_DEVICES)
+    message = str(failure.value)
+    assert "tensor_parallel_size must be the number of devices of all hosts" in message
+    assert "the engine-core process failed to start (exit code 1)" in message
+    assert follower.wait_for_exit(30) not in (None, 0), log_excerpt(follower.text)
