@@ -174,12 +174,37 @@ def _threshold(
     return jnp.maximum(nucleus, kth)
 
 
-def _gumbel_sample(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
-    def noise(seed, index, row):
-        key = jax.random.fold_in(jax.random.key(seed), index)
-        return row + jax.random.gumbel(key, row.shape, row.dtype)
+def _draw(logits: jax.Array, meta: SamplingMetadata, block: int = 128) -> jax.Array:
+    """[R] a token of each row drawn from softmax(row), by one uniform number per row
+    (from the request's seed and output index) found in the row's cumulative
+    probabilities: the first token whose cumulative sum exceeds it.
 
-    return argmax(jax.vmap(noise)(meta.seeds, meta.output_index, logits))
+    The Gumbel-max trick drew a number per vocabulary entry instead (~3.3 ms a row of
+    49152 and 63 ms for [64, 32000] on the 2-core CPU, against ~0.3 and ~3 ms here). The
+    cumulative sum goes in two levels, as `argmax`: over blocks of `block` columns, then
+    inside the block the draw falls in. A token of probability 0 (masked) is never drawn:
+    should rounding between the two levels land the draw on one, the row's argmax is taken.
+    """
+    def uniform(seed, index):
+        key = jax.random.fold_in(jax.random.key(seed), index)
+        return jax.random.uniform(key, (), jnp.float32)
+
+    rows, vocab = logits.shape
+    num_blocks = cdiv(vocab, block)
+    weights = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # the largest is 1
+    weights = jnp.pad(weights, ((0, 0), (0, num_blocks * block - vocab)))
+    weights = weights.reshape(rows, num_blocks, block)
+    block_mass = jnp.sum(weights, axis=-1)  # [R, num_blocks]
+    block_cdf = jnp.cumsum(block_mass, axis=-1)
+    target = jax.vmap(uniform)(meta.seeds, meta.output_index) * block_cdf[:, -1]  # [R]
+    chosen = jnp.minimum(jnp.sum(block_cdf <= target[:, None], axis=-1), num_blocks - 1)
+    before = jnp.take_along_axis(block_cdf - block_mass, chosen[:, None], axis=-1)  # [R, 1]
+    inside = jnp.take_along_axis(weights, chosen[:, None, None], axis=1)[:, 0]  # [R, block]
+    offset = jnp.sum(before + jnp.cumsum(inside, axis=-1) <= target[:, None], axis=-1)
+    offset = jnp.minimum(offset, block - 1)
+    drawn = chosen * block + offset
+    drawn_weight = jnp.take_along_axis(inside, offset[:, None], axis=-1)[:, 0]
+    return jnp.where(drawn_weight > 0, drawn, argmax(logits)).astype(jnp.int32)
 
 
 def _sample_general(logits: jax.Array, meta: SamplingMetadata, state: SamplingState):
@@ -197,7 +222,7 @@ def _sample_general(logits: jax.Array, meta: SamplingMetadata, state: SamplingSt
         scaled = logits / jnp.where(greedy, 1.0, meta.temperature)[:, None]
         truncating = jnp.any((meta.top_k > 0) | (meta.top_p < 1.0) | (meta.min_p > 0.0))
         scaled = branch(truncating, _truncate, lambda l, m: l, scaled, meta)
-        return _gumbel_sample(scaled, meta)
+        return _draw(scaled, meta)
 
     all_greedy = jnp.all(greedy | ~meta.sample_mask)
     sampled_random = branch(all_greedy, lambda l: greedy_ids, random_ids, logits)

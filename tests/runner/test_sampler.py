@@ -125,6 +125,25 @@ def test_random_sampling_follows_seed_and_distribution():
     assert abs(counts[0] / 200 - 0.7) < 0.1 and counts[3:].sum() == 0
 
 
+def test_draws_over_an_odd_vocabulary_follow_the_probabilities_and_skip_masked_ids():
+    """The draw's two levels (blocks of 128 ids, then inside one) over 300 ids: tokens at
+    block edges come as often as their probability, masked ids (top-k here) never."""
+    V_odd, R = 300, 512
+    probs = np.full(V_odd, 1e-3)
+    probs[[0, 127, 128, 255, 256, 299]] = [0.3, 0.25, 0.2, 0.1, 0.05, 0.02]
+    logits = jnp.tile(jnp.log(jnp.asarray(probs / probs.sum(), jnp.float32)), (R, 1))
+    counts = np.zeros(V_odd)
+    state = SamplingState.zeros(R, V_odd)
+    for index in range(8):
+        meta = _meta(R, temperature=[1.0] * R, top_k=[6] * R, output_index=[index] * R)
+        ids, _ = sample(logits, meta, state)
+        counts += np.bincount(np.asarray(ids), minlength=V_odd)
+    kept = [0, 127, 128, 255, 256, 299]
+    assert counts.sum() == counts[kept].sum()  # top-k's masked ids never drawn
+    expected = probs[kept] / probs[kept].sum()
+    np.testing.assert_allclose(counts[kept] / counts.sum(), expected, atol=0.03)
+
+
 def test_penalties_and_bias_follow_vllm_formulas():
     logits = _logits(1, seed=2)
     state = SamplingState.zeros(2, V)
