@@ -185,6 +185,7 @@ def _draw(logits: jax.Array, meta: SamplingMetadata, block: int = 128) -> jax.Ar
     inside the block the draw falls in. A token of probability 0 (masked) is never drawn:
     should rounding between the two levels land the draw on one, the row's argmax is taken.
     """
+
     def uniform(seed, index):
         key = jax.random.fold_in(jax.random.key(seed), index)
         return jax.random.uniform(key, (), jnp.float32)
