@@ -1,9 +1,9 @@
 """Work a step may skip: `lax.cond` where the device picks the branch, both branches and a
 select where a conditional would make the host wait.
 
-Where it sits: `sampler.py` and `step.py` skip what a batch does not ask for (penalties,
-top-k / top-p, random draws, top logprobs, grammar masking) with `branch`, inside the
-jitted decode and sampling programs.
+Where it sits: `sampler.py`, `truncation.py` and `step.py` skip what a batch does not ask
+for (penalties, top-k / top-p, random draws, top logprobs, grammar masking) with `branch`,
+inside the jitted decode and sampling programs.
 
 Why two ways: XLA:CPU and XLA:TPU pick a conditional's branch where the program runs, so
 skipping saves the work. XLA:GPU copies the predicate to the host and waits for it: the

@@ -11,7 +11,7 @@ Promises:
   the batch (and after preemption);
 - vLLM's semantics and order: logit bias, min_tokens (EOS and stop ids masked), penalties
   (repetition over prompt + output, presence / frequency over output), temperature,
-  min-p, top-k, top-p;
+  min-p, top-k, top-p (`truncation.py`);
 - logprobs are the model's raw log-softmax (vLLM's default `raw_logprobs`), with the
   sampled token's rank;
 - work a batch does not ask for (penalties, truncation, random draws) is skipped with
@@ -30,6 +30,7 @@ import numpy as np
 
 from jengine.core.kv_cache_utils import cdiv
 from jengine.runner.branches import branch
+from jengine.runner.truncation import truncate
 from jengine.sampling_params import GREEDY_TEMPERATURE_EPS
 
 MAX_SUPPRESSED_IDS = 16  # EOS + stop token ids masked before min_tokens
@@ -108,72 +109,6 @@ def _apply_history(raw: jax.Array, meta: SamplingMetadata, state: SamplingState)
     return jnp.where(meta.use_history[:, None], logits, raw)
 
 
-# Top-k and top-p need the largest logits in order. XLA's sort of a whole vocabulary is
-# slow on CPU (~90 ms for 8 rows of 49k, ~190 ms for 256 rows of 4k), so the thresholds
-# are read from the TRUNCATION_CANDIDATES largest logits (`lax.top_k`: ~2 ms, ~20 ms);
-# only a batch where some row's kept set may reach past them (a top_k above it, or a
-# nucleus wider than it) sorts the vocabulary.
-TRUNCATION_CANDIDATES = 256
-
-
-def _truncate(
-    logits: jax.Array, meta: SamplingMetadata, num_candidates: int = TRUNCATION_CANDIDATES
-) -> jax.Array:
-    """min-p, top-k, top-p on temperature-scaled logits: masked entries become -inf."""
-    vocab = logits.shape[-1]
-    probs = jax.nn.softmax(logits, axis=-1)
-    logits = jnp.where(probs < meta.min_p[:, None] * probs.max(-1, keepdims=True), -jnp.inf, logits)
-    num_candidates = min(num_candidates, vocab)
-    candidates = jax.lax.top_k(logits, num_candidates)[0]  # descending
-    kth, probs = _top_k_cut(logits, candidates, meta)
-    # The candidates decide a row unless its top_k reaches past them, or its nucleus may:
-    # more tokens survive top-k than there are candidates and theirs fall short of top_p.
-    survivors = jnp.sum(logits >= kth, axis=-1)
-    short = jnp.sum(probs, axis=-1) < meta.top_p
-    undecided = (meta.top_k > num_candidates) | (
-        (meta.top_p < 1.0) & (survivors > num_candidates) & short
-    )
-
-    def from_sorted_vocabulary():
-        largest = -jnp.sort(-logits, axis=-1)
-        return _threshold(largest, *_top_k_cut(logits, largest, meta), meta)
-
-    threshold = branch(
-        jnp.any(undecided),
-        from_sorted_vocabulary,
-        lambda: _threshold(candidates, kth, probs, meta),
-    )
-    return jnp.where(logits < threshold, -jnp.inf, logits)
-
-
-def _top_k_cut(
-    logits: jax.Array, largest: jax.Array, meta: SamplingMetadata
-) -> tuple[jax.Array, jax.Array]:
-    """From each row's largest logits in descending order (as many as its top_k): [R, 1]
-    the top_k-th largest logit (-inf where top_k is off), and the probabilities of
-    `largest` once top-k has cut the row there (renormalized over every logit top-k
-    keeps, ties included)."""
-    k = jnp.clip(meta.top_k, 1, largest.shape[-1])
-    kth = jnp.take_along_axis(largest, (k - 1)[:, None], axis=-1)
-    kth = jnp.where(meta.top_k[:, None] > 0, kth, -jnp.inf)
-    log_normalizer = jax.nn.logsumexp(jnp.where(logits >= kth, logits, -jnp.inf), -1, keepdims=True)
-    return kth, jnp.where(largest >= kth, jnp.exp(largest - log_normalizer), 0.0)
-
-
-def _threshold(
-    largest: jax.Array, kth: jax.Array, probs: jax.Array, meta: SamplingMetadata
-) -> jax.Array:
-    """[R, 1] the smallest logit top-k and top-p keep, from each row's largest logits in
-    descending order (enough of them to hold every kept one), their top-k cut and
-    probabilities (`_top_k_cut`)."""
-    exclusive_cumsum = jnp.cumsum(probs, axis=-1) - probs
-    keep = exclusive_cumsum < meta.top_p[:, None]  # the first token is always kept
-    nucleus = jnp.min(jnp.where(keep, largest, jnp.inf), axis=-1, keepdims=True)
-    # top_p 1 keeps everything (rounding must not let the cumsum drop the tail).
-    nucleus = jnp.where(meta.top_p[:, None] < 1.0, nucleus, -jnp.inf)
-    return jnp.maximum(nucleus, kth)
-
-
 def _draw(logits: jax.Array, meta: SamplingMetadata, block: int = 128) -> jax.Array:
     """[R] a token of each row drawn from softmax(row), by one uniform number per row
     (from the request's seed and output index) found in the row's cumulative
@@ -222,7 +157,7 @@ def _sample_general(logits: jax.Array, meta: SamplingMetadata, state: SamplingSt
     def random_ids(logits):
         scaled = logits / jnp.where(greedy, 1.0, meta.temperature)[:, None]
         truncating = jnp.any((meta.top_k > 0) | (meta.top_p < 1.0) | (meta.min_p > 0.0))
-        scaled = branch(truncating, _truncate, lambda l, m: l, scaled, meta)
+        scaled = branch(truncating, truncate, lambda l, m: l, scaled, meta)
         return _draw(scaled, meta)
 
     all_greedy = jnp.all(greedy | ~meta.sample_mask)

@@ -7,13 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jengine.runner import branches, sampler
+from jengine.runner import branches, sampler, truncation
 from jengine.runner.prepared_step import neutral_sampling_arrays
 from jengine.runner.sampler import MAX_SUPPRESSED_IDS, SamplingMetadata, SamplingState
 
 # Jitted as in the runner: op-by-op dispatch would be slow and test a different program.
 sample = jax.jit(sampler.sample)
-_truncate = jax.jit(sampler._truncate, static_argnums=2)
+_truncate = jax.jit(truncation.truncate, static_argnums=2)
 _apply_history = jax.jit(sampler._apply_history)
 top_logprobs = jax.jit(sampler.top_logprobs, static_argnums=2)
 write_slot_history = jax.jit(sampler.write_slot_history)
@@ -100,10 +100,10 @@ def test_truncation_rules(num_candidates):
     assert set(np.nonzero(kept[3])[0]) == {order[3, 0]}  # top-p tiny keeps the best token
 
 
-def test_truncation_from_the_largest_logits_equals_sorting_the_vocabulary():
-    """Thresholds read off the 4 largest logits, or off a sorted vocabulary when a row's
-    kept set may reach past them (a top_k of 9, a wide nucleus): the same masks as with
-    the whole vocabulary sorted."""
+def test_truncation_from_the_largest_logits_equals_the_whole_vocabulary():
+    """Thresholds read off the 4 largest logits, or found by bisection when a row's kept
+    set may reach past them (a top_k of 9, a wide nucleus): the same masks as with every
+    logit a candidate."""
     logits = _logits(4, seed=2)
     decided = _meta(4, top_k=[3, 0, 4, 2], top_p=[1.0, 0.05, 0.5, 1.0], min_p=[0, 0, 0, 0.3])
     undecided = _meta(4, top_k=[3, 9, 0, 0], top_p=[1.0, 1.0, 0.95, 1.0], min_p=[0, 0, 0, 0.3])
@@ -111,6 +111,48 @@ def test_truncation_from_the_largest_logits_equals_sorting_the_vocabulary():
         np.testing.assert_array_equal(_truncate(logits, meta, 4), _truncate(logits, meta, V))
     kept = np.isfinite(np.asarray(_truncate(logits, undecided, 4)))
     assert kept[1].sum() == 9 and kept[2].sum() > 4
+
+
+def _kept_by_sorting(logits, top_k, top_p, min_p):
+    """One row's kept ids by vLLM's rules, stated over its sorted logits in numpy."""
+    probs = np.exp(logits - logits.max())
+    logits = np.where(probs < min_p * probs.max(), -np.inf, logits)
+    largest = np.sort(logits)[::-1]
+    kth = largest[min(top_k, len(largest)) - 1] if top_k > 0 else -np.inf
+    kept = np.where(logits >= kth, logits, -np.inf)
+    probs = np.exp(kept - kept.max()) / np.exp(kept - kept.max()).sum()
+    order = np.argsort(-kept, kind="stable")
+    exclusive = np.cumsum(probs[order]) - probs[order]
+    nucleus = kept[order][exclusive < top_p].min() if top_p < 1.0 else -np.inf
+    return set(np.nonzero(np.isfinite(logits) & (logits >= max(kth, nucleus)))[0])
+
+
+def test_bisection_keeps_what_sorting_keeps_over_flat_peaked_tied_and_masked_rows():
+    """2000 ids, 8 candidates, so that most rows are found by bisection: flat rows (a wide
+    nucleus), peaked ones, ties at the cut, zeros of both signs and -inf (masked) logits,
+    against the rules applied to the sorted row."""
+    rng = np.random.default_rng(7)
+    R, vocab = 12, 2000
+    logits = rng.normal(size=(R, vocab)).astype(np.float32)
+    logits[:4] *= 0.01  # flat: top-p keeps most of the vocabulary
+    logits[4:8] *= 6.0  # peaked
+    logits[8, :1000] = np.round(logits[8, :1000])  # many ties
+    logits[9, ::3] = 0.0
+    logits[9, 1::3] = -0.0
+    logits[10, ::2] = -np.inf
+    logits[11, :40] = 5.0  # 40 tied largest
+    top_k = rng.choice([0, 0, 5, 40, 300, 1999], size=R)
+    top_k[:4] = [0, 0, 300, 1999]
+    top_k[11] = 20  # inside the tie
+    top_p = rng.choice([1.0, 0.95, 0.5, 0.1], size=R)
+    top_p[:4] = 0.9
+    min_p = np.where(rng.random(R) < 0.25, 0.5, 0.0)
+    meta = _meta(R, top_k=top_k, top_p=top_p, min_p=min_p)
+    kept = np.isfinite(np.asarray(_truncate(jnp.asarray(logits), meta, 8)))
+    for row in range(R):
+        expected = _kept_by_sorting(logits[row], top_k[row], top_p[row], min_p[row])
+        assert set(np.nonzero(kept[row])[0]) == expected, row
+    assert kept[:2].sum(-1).min() > 1000 and kept[11].sum() == 40
 
 
 def test_random_sampling_follows_seed_and_distribution():
