@@ -13,13 +13,16 @@ How, without sorting a vocabulary (XLA:CPU's sort of [1, 32000] takes ~12 ms, of
 TRUNCATION_CANDIDATES largest logits (`lax.top_k`: ~0.5 ms, ~21 ms). A batch where some
 row's kept set may reach past them (a top_k above them, or a nucleus wider than them, as
 a flat distribution's is) finds that threshold by bisection instead, in 32 passes over
-the rows (top_p 0.9 over flat rows: ~1.2 ms at [1, 32000], ~55 ms at [64, 32000]).
+the rows (top_p 0.9 over flat rows: ~1.2 ms at [1, 32000], ~55-70 ms at [64, 32000]).
+The two searches cost ~1 s of compile in each sampling program (~2.2 -> ~3.5 s at
+[1, 32000]; a serve warmup of 48 step shapes, 140 -> 154 s).
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jengine.runner import branches
 from jengine.runner.branches import branch
 
 TRUNCATION_CANDIDATES = 256
@@ -33,6 +36,7 @@ def truncate(logits: jax.Array, meta, num_candidates: int = TRUNCATION_CANDIDATE
     probs = jax.nn.softmax(logits, axis=-1)
     logits = jnp.where(probs < meta.min_p[:, None] * probs.max(-1, keepdims=True), -jnp.inf, logits)
     num_candidates = min(num_candidates, vocab)
+    # Read only through gathers: a slice of them too makes XLA:CPU sort the whole row.
     candidates = jax.lax.top_k(logits, num_candidates)[0]  # descending
     kth = branch(
         jnp.any(meta.top_k > num_candidates),
@@ -41,7 +45,9 @@ def truncate(logits: jax.Array, meta, num_candidates: int = TRUNCATION_CANDIDATE
         logits,
         meta.top_k,
     )
-    probs = _probabilities(logits, candidates, kth)
+    # Probabilities once top-k has cut the row at kth: over every logit it keeps, ties too.
+    log_normalizer = jax.nn.logsumexp(jnp.where(logits >= kth, logits, -jnp.inf), -1, keepdims=True)
+    probs = jnp.where(candidates >= kth, jnp.exp(candidates - log_normalizer), 0.0)
     # The candidates hold a row's nucleus unless it may reach past them: more tokens
     # survive top-k than there are candidates, and theirs fall short of top_p.
     survivors = jnp.sum(logits >= kth, axis=-1)
@@ -50,9 +56,10 @@ def truncate(logits: jax.Array, meta, num_candidates: int = TRUNCATION_CANDIDATE
     nucleus = branch(
         jnp.any(undecided),
         _nucleus_by_bisection,
-        lambda logits, kth, top_p: _nucleus(candidates, probs, top_p),
+        lambda logits, kth, log_normalizer, top_p: _nucleus(candidates, probs, top_p),
         logits,
         kth,
+        log_normalizer,
         meta.top_p,
     )
     return jnp.where(logits < jnp.maximum(nucleus, kth), -jnp.inf, logits)
@@ -66,13 +73,6 @@ def _kth_of_largest(largest: jax.Array, top_k: jax.Array) -> jax.Array:
     return jnp.where(top_k[:, None] > 0, kth, -jnp.inf)
 
 
-def _probabilities(logits: jax.Array, values: jax.Array, kth: jax.Array) -> jax.Array:
-    """Probabilities of `values` (logits of the row) once top-k has cut the row at `kth`:
-    renormalized over every logit it keeps, ties included; 0 below the cut."""
-    log_normalizer = jax.nn.logsumexp(jnp.where(logits >= kth, logits, -jnp.inf), -1, keepdims=True)
-    return jnp.where(values >= kth, jnp.exp(values - log_normalizer), 0.0)
-
-
 def _nucleus(largest: jax.Array, probs: jax.Array, top_p: jax.Array) -> jax.Array:
     """[R, 1] the smallest logit top-p keeps, from each row's largest logits in descending
     order (enough to hold every kept one) and their probabilities; -inf where top_p is 1."""
@@ -83,53 +83,56 @@ def _nucleus(largest: jax.Array, probs: jax.Array, top_p: jax.Array) -> jax.Arra
     return jnp.where(top_p[:, None] < 1.0, nucleus, -jnp.inf)
 
 
-# A threshold past the candidates is a logit of the row at the boundary of a count (of
-# logits at or above it) or a mass (of probability above it) that only falls as the
-# threshold rises: found by halving a range of float32 values in the order of `_order_key`.
-
-
 def _kth_by_bisection(logits: jax.Array, top_k: jax.Array) -> jax.Array:
-    """[R, 1] as `_kth_of_largest` for any top_k: the largest value v with at least top_k
-    logits >= v is one key below the least with fewer."""
-    keys = _order_key(logits)
-    k = jnp.clip(top_k, 1, logits.shape[-1])[:, None]
-
-    def fewer_than_k(value):
-        return jnp.sum(logits >= value, axis=-1, keepdims=True) < k
-
-    smallest, largest = keys.min(-1, keepdims=True), keys.max(-1, keepdims=True)
-    past_kth = _least_key_where(fewer_than_k, smallest, largest + 1)
-    return jnp.where(top_k[:, None] > 0, _from_order_key(past_kth - 1), -jnp.inf)
+    """[R, 1] as `_kth_of_largest` for any top_k: the least value with fewer than top_k
+    logits above it."""
+    k = jnp.clip(top_k, 1, logits.shape[-1])[:, None].astype(jnp.float32)
+    kth = _least_value_with_less_above(logits, 1.0, k)
+    return jnp.where(top_k[:, None] > 0, kth, -jnp.inf)
 
 
-def _nucleus_by_bisection(logits: jax.Array, kth: jax.Array, top_p: jax.Array) -> jax.Array:
+def _nucleus_by_bisection(logits, kth, log_normalizer, top_p) -> jax.Array:
     """[R, 1] as `_nucleus` over the whole row: the least value with less than top_p of
-    the probability (top-k cut at `kth`) above it."""
-    keys = _order_key(logits)
-    probs = _probabilities(logits, logits, kth)
-
-    def less_than_top_p_above(value):
-        mass_above = jnp.sum(jnp.where(logits > value, probs, 0.0), -1, keepdims=True)
-        return mass_above < top_p[:, None]
-
-    smallest, largest = keys.min(-1, keepdims=True), keys.max(-1, keepdims=True)
-    nucleus = _from_order_key(_least_key_where(less_than_top_p_above, smallest - 1, largest))
+    the probability (top-k cut at `kth`, `log_normalizer` the kept logits') above it."""
+    probs = jnp.where(logits >= kth, jnp.exp(logits - log_normalizer), 0.0)
+    nucleus = _least_value_with_less_above(logits, probs, top_p[:, None])
     return jnp.where(top_p[:, None] < 1.0, nucleus, -jnp.inf)
 
 
-def _least_key_where(holds, low: jax.Array, high: jax.Array) -> jax.Array:
-    """The least order key in (low, high] where `holds` (given the key's float value)
-    holds, for `holds` false at `low`, true at `high` and monotone between: 32 halvings
-    cover every uint32 range. `holds` is asked only inside (low, high], never at `low`.
+def _least_value_with_less_above(logits, weights, limit) -> jax.Array:
+    """[R, 1] the least value v (a logit of the row, or -inf) whose logits above it weigh
+    less than `limit` (> 0) in total, by halving the range of float32 values from -inf to
+    the row's largest in the order of `_order_key`: the weight above v only falls as v
+    rises, and 32 halvings cover any uint32 range.
 
-    The halvings are unrolled, not a loop: XLA:GPU launches each turn of a loop from the
-    host (`tests/runner/test_gpu_programs.py`), and on CPU the unrolled form is no slower.
+    A loop on CPU and TPU; unrolled on GPUs, which launch each turn of a loop from the
+    host (`tests/runner/test_gpu_programs.py`). Unrolled, XLA:CPU took ~2x as long to
+    compile the sampling programs, which warmup compiles one per step shape.
     """
-    for _ in range(32):
+
+    def halve(_, bounds):
+        low, high = bounds  # the weight above low's value is at least limit, high's less
         middle = high - (high - low) // 2  # high once they meet: its answer is known
-        true = holds(_from_order_key(middle))
-        low, high = jnp.where(true, low, middle), jnp.where(true, middle, high)
-    return high
+        value = _from_order_key(middle)
+        less = jnp.sum(jnp.where(logits > value, weights, 0.0), -1, keepdims=True) < limit
+        return jnp.where(less, low, middle), jnp.where(less, middle, high)
+
+    def looped(low, high):
+        return jax.lax.fori_loop(0, 32, halve, (low, high))[1]
+
+    def unrolled(low, high):
+        for turn in range(32):
+            low, high = halve(turn, (low, high))
+        return high
+
+    largest = jnp.max(logits, axis=-1, keepdims=True)
+    below_every_value = _order_key(jnp.full_like(largest, -jnp.inf)) - 1
+    # Read when traced: tests unroll on this CPU too, as a GPU would.
+    on_gpus = dict.fromkeys(branches.SELECTING_PLATFORMS, unrolled)
+    high = jax.lax.platform_dependent(
+        below_every_value, _order_key(largest), **on_gpus, default=looped
+    )
+    return _from_order_key(high)
 
 
 def _order_key(x: jax.Array) -> jax.Array:
