@@ -142,5 +142,6 @@ def _order_key(x: jax.Array) -> jax.Array:
 
 
 def _from_order_key(key: jax.Array) -> jax.Array:
+    """uint32 -> float32: the inverse of `_order_key`."""
     bits = jnp.where(key >= _SIGN, key & ~_SIGN, ~key)
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
