@@ -17,7 +17,9 @@ What it promises:
   collective never reaches the collective timeout; steps and keep-alives are sent under
   one lock, which the step holds until its device work is done, so every host sees the
   same sequence of collectives;
-- a host that fails ends at once (`exit_now`), and so, within seconds, do the others.
+- a host that fails ends at once (`exit_now`), and so, within seconds, do the others;
+- warmup's dummy steps, the first collectives of most programs, start on every host
+  together (`wait_for_every_host`), however long each took to compile.
 """
 
 import enum
@@ -70,6 +72,22 @@ def initialize(parallel: ParallelConfig) -> None:
             f"tensor_parallel_size must be the number of devices of all hosts together "
             f"({jax.device_count()}) with num_hosts > 1, got {parallel.tensor_parallel_size}"
         )
+
+
+def wait_for_every_host(name: str, timeout_seconds: float = 1800.0) -> None:
+    """Block until every host has reached the point `name` (nothing to wait for on one).
+
+    Through the coordination service, not a collective: the first run of a collective sets
+    up a gloo context, which waits only 30 s for the other hosts, and hosts compiling
+    warmup's programs side by side drift further apart than that under load (a CI run:
+    host 0 reached warmup's first dummy step 30 s before host 1 and failed with "Gloo
+    context initialization failed: DEADLINE_EXCEEDED").
+    """
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed as jax_distributed  # the client `initialize` started
+
+    jax_distributed.global_state.client.wait_at_barrier(name, int(timeout_seconds * 1000))
 
 
 def exit_now(exit_code: int) -> NoReturn:

@@ -46,6 +46,7 @@ from jengine.core.outputs import ModelRunnerOutput
 from jengine.core.sched_output import SchedulerOutput
 from jengine.models.lora import with_lora_slots
 from jengine.pallas_kernels.ragged_paged_attention import resolve_impl
+from jengine.runner import distributed
 from jengine.runner.buckets import BucketSpec, StepShape
 from jengine.runner.compilation import CompileCounter, StaticJit, compile_ahead_of_time
 from jengine.runner.draft_model import DraftModel, check_draft_model
@@ -257,6 +258,7 @@ class ModelRunner:
         if self.draft is not None:
             programs += self.draft.programs(map(PreparedStep.padding, shapes), self.replicated)
         compile_ahead_of_time(programs)
+        distributed.wait_for_every_host("jengine: warmup compiled")
         outputs = [self._run(step)[:2] for step in steps]
         if lora:  # the slot writer (slots are empty: writing zeros changes nothing)
             self.params = self.lora.write(self.params, 1, None)
