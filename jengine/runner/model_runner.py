@@ -57,11 +57,7 @@ from jengine.runner.kv_cache_sizing import KVCacheSizing, default_kv_budget, wei
 from jengine.runner.lora_slots import LoRASlots
 from jengine.runner.pooler import Pooler, host_rows
 from jengine.runner.prepared_step import PreparedStep
-from jengine.runner.sampler import (
-    SamplingState,
-    slot_history_args,
-    write_slot_history,
-)
+from jengine.runner.sampler import SamplingState, slot_history_args, write_slot_history
 from jengine.runner.sharding import TensorParallel
 from jengine.runner.step import (
     ForwardInputs,
