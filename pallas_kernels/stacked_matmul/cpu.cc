@@ -51,15 +51,28 @@ constexpr int64_t kRowByRowRows = 16;
 constexpr int64_t kMaxRows = 128;
 // Rows of x up to which each weight row is streamed alone (`ManyRows`).
 constexpr int64_t kStreamRows = 8;
-// How far ahead `RowsOutputs` asks for each streamed weight row, as a hint that the row is
-// read once (prefetchnta): a decode step reads every weight once, and without the hint
-// those reads evict from the caches what is read again (x, the KV cache, the host's own
-// data). On a 2-core AVX2 EPYC the 56M model's decode matmuls alone ran 6.15 against 6.64
-// ms (median of 16, the two alternated in one process), the engine's single-stream decode
-// 113.7 against 105.3 tok/s; 128 floats ahead was no faster than no hint, 256 or more,
-// or a prefetch into every cache level, slower (bench/README.md).
+// On AMD CPUs `RowsOutputs` asks for each streamed weight row kPrefetchFloats ahead, as a
+// hint that the row is read once (prefetchnta): a decode step reads every weight once, and
+// without the hint those reads evict from the caches what is read again (x, the KV cache,
+// the host's own data). On a 2-core AVX2 EPYC the 56M model's decode matmuls alone ran
+// 6.15 against 6.64 ms (median of 16, the two alternated in one process), the engine's
+// single-stream decode 113.7 against 105.3 tok/s; 128 floats ahead was no faster than no
+// hint, 256 or more, or a prefetch into every cache level, slower (bench/README.md). Not
+// measured on Intel, whose L2 streamer the hint may keep from running ahead: off there.
 constexpr int64_t kFloatsPerLine = 16;
 constexpr int64_t kPrefetchFloats = 64;
+
+bool StreamHint() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  static const bool amd = [] {
+    __builtin_cpu_init();  // the kernel is a shared library: not initialized for it before
+    return __builtin_cpu_is("amd") != 0;
+  }();
+  return amd;
+#else
+  return false;
+#endif
+}
 
 inline v8 Load(const float* p) {
   v8 x;
@@ -157,7 +170,8 @@ void Outputs(const Work& p, const Segment& s, int64_t begin, int64_t end) {
 // loop sums each output in the same order, so results do not depend on which loop ran or
 // which rows were read beside it.
 template <int TR, int S>
-void RowsOutputs(const Work& p, const Segment& s, int64_t begin, int64_t end, int64_t t0) {
+void RowsOutputs(const Work& p, const Segment& s, int64_t begin, int64_t end, int64_t t0,
+                 bool hint) {
   const int64_t D = p.dim, F = s.num_outputs;
   const float* x = p.x + t0 * D;
   const int64_t part = (end - begin) / S;  // rows in each of the S parts
@@ -167,7 +181,7 @@ void RowsOutputs(const Work& p, const Segment& s, int64_t begin, int64_t end, in
     v8 acc[S][TR] = {};
     for (int64_t d = 0; d < D; d += kLanes) {
       // Each 64-byte line of the S rows asked for kPrefetchFloats ahead, non-temporally.
-      if (d % kFloatsPerLine == 0)
+      if (hint && d % kFloatsPerLine == 0)
         for (int k = 0; k < S; ++k) __builtin_prefetch(w[k] + d + kPrefetchFloats, 0, 0);
       for (int k = 0; k < S; ++k) {
         const v8 row = Load(w[k] + d);
@@ -178,17 +192,18 @@ void RowsOutputs(const Work& p, const Segment& s, int64_t begin, int64_t end, in
       for (int t = 0; t < TR; ++t) s.out[(t0 + t) * F + j + k * part] = Sum(acc[k][t]);
   }
   // The last rows (fewer than S), one at a time.
-  if constexpr (S > 1) RowsOutputs<TR, 1>(p, s, begin + S * part, end, t0);
+  if constexpr (S > 1) RowsOutputs<TR, 1>(p, s, begin + S * part, end, t0, hint);
 }
 
 // S * TR sums, with TR rows of x and a weight vector, stay within 16 vector registers.
 void ManyRows(const Work& p, const Segment& s, int64_t begin, int64_t end) {
+  const bool hint = StreamHint();
   int64_t t = 0;
-  for (; t + 4 <= p.num_rows; t += 4) RowsOutputs<4, 2>(p, s, begin, end, t);
+  for (; t + 4 <= p.num_rows; t += 4) RowsOutputs<4, 2>(p, s, begin, end, t, hint);
   switch (p.num_rows - t) {
-    case 3: RowsOutputs<3, 2>(p, s, begin, end, t); break;
-    case 2: RowsOutputs<2, 4>(p, s, begin, end, t); break;
-    case 1: RowsOutputs<1, 8>(p, s, begin, end, t); break;
+    case 3: RowsOutputs<3, 2>(p, s, begin, end, t, hint); break;
+    case 2: RowsOutputs<2, 4>(p, s, begin, end, t, hint); break;
+    case 1: RowsOutputs<1, 8>(p, s, begin, end, t, hint); break;
   }
 }
 
