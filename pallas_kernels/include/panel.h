@@ -11,7 +11,7 @@
 // buffer. Here a panel of kPanelRows weight rows ([rows, D]) multiplies every row of
 // x by fused multiply-adds: x is transposed once per call into columns, so a vector holds
 // 16 (AVX-512) or 8 rows of x at one input and a weight is broadcast against it; a tile of
-// 6 weight rows x 64 rows of x (4 x 16 with AVX2) keeps 24 (8) sums in registers, over
+// 6 weight rows x 64 rows of x (6 x 16 with AVX2) keeps 24 (12) sums in registers, over
 // blocks of 64 inputs that stay in L1.
 // Each output sums its blocks' chains in input order: the reference's result to float32
 // rounding.
@@ -53,9 +53,14 @@ constexpr int64_t kPanelRows = 30;  // weight rows of a panel (a work item's)
 constexpr int kTileRows = 6;        // weight rows of a tile
 constexpr int kTileVectors = 4;     // blocks of 16 rows of x in a tile
 #else
-constexpr int64_t kPanelRows = 32;
-constexpr int kTileRows = 4;
-constexpr int kTileVectors = 1;  // 8 sums of 8 lanes, 2 rows of x and a weight: 11 of 16
+// AVX2: a tile of 6 weight rows x 2 vectors of 8 rows of x, 12 sums, 15 of 16 registers.
+// A fused multiply-add waits ~4-5 cycles for its sum, and two start a cycle: 8 chains (4
+// weight rows) left the multipliers idle part of the time. On a 2-core AVX2 EPYC the
+// benchmark model's layer matmuls at 128 and 32 rows of x took 0.85x the time of 4-row
+// tiles (median of 25, the two builds alternated in one process, bench/README.md).
+constexpr int64_t kPanelRows = 30;
+constexpr int kTileRows = 6;
+constexpr int kTileVectors = 1;
 #endif
 
 inline fvec MultiplyAdd(fvec a, fvec b, fvec c) {

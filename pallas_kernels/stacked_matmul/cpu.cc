@@ -13,7 +13,7 @@
 // XLA's intra-op thread pool; with several weights the items of all of them are shared
 // out at once, so a small projection (k, v) does not run alone on one thread and a decode
 // layer hands work to the pool twice less often (bench/README.md). Past kRowByRowRows the
-// products are compute-bound: items of `panel::kPanelRows` weight rows (30 with AVX-512)
+// products are compute-bound: items of `panel::kPanelRows` weight rows (30)
 // multiply every row of x through the register tiles of `panel.h` (pallas_kernels/include),
 // which XLA's GEMM would first copy out of the stack and pack anew every call.
 //
