@@ -44,22 +44,19 @@ inline fvec Load(const float* p) {
   return v;
 }
 
-#ifdef __AVX512F__
-// A tile of 6 weight rows x 4 blocks of 16 rows of x: 24 sums, 4 vectors of x and a
-// weight, 29 of 32 registers. 4 weight rows (16 sums) ran 4% slower over the shapes of
-// the benchmark model and SmolLM2 at 17-128 rows (bench/README.md): a step's 4 loads of x
-// are shared by 24 products rather than 16. Panels of 30 rows are 5 such tiles.
+// A tile: 6 weight rows x kTileVectors blocks of 16 rows of x; panels of 30 rows are 5.
+// - AVX-512: 4 blocks, 24 sums, 4 vectors of x and a weight, 29 of 32 registers. 4 weight
+//   rows (16 sums) ran 4% slower over the shapes of the benchmark model and SmolLM2 at
+//   17-128 rows (bench/README.md): a step's 4 loads of x are shared by 24 products, not 16.
+// - AVX2: 1 block (2 vectors of 8), 12 sums, 15 of 16 registers. A fused multiply-add waits
+//   ~4-5 cycles for its sum and two start a cycle, so 4 weight rows' 8 chains left the
+//   multipliers idle part of the time: on a 2-core AVX2 EPYC the benchmark model's layer
+//   matmuls at 32-128 rows of x took 0.85x the time of 4-row tiles (bench/README.md).
 constexpr int64_t kPanelRows = 30;  // weight rows of a panel (a work item's)
 constexpr int kTileRows = 6;        // weight rows of a tile
-constexpr int kTileVectors = 4;     // blocks of 16 rows of x in a tile
+#ifdef __AVX512F__
+constexpr int kTileVectors = 4;  // blocks of 16 rows of x in a tile
 #else
-// AVX2: a tile of 6 weight rows x 2 vectors of 8 rows of x, 12 sums, 15 of 16 registers.
-// A fused multiply-add waits ~4-5 cycles for its sum, and two start a cycle: 8 chains (4
-// weight rows) left the multipliers idle part of the time. On a 2-core AVX2 EPYC the
-// benchmark model's layer matmuls at 128 and 32 rows of x took 0.85x the time of 4-row
-// tiles (median of 25, the two builds alternated in one process, bench/README.md).
-constexpr int64_t kPanelRows = 30;
-constexpr int kTileRows = 6;
 constexpr int kTileVectors = 1;
 #endif
 
