@@ -59,7 +59,7 @@ constexpr int64_t kStreamRows = 8;
 // single-stream decode 113.7 against 105.3 tok/s; 128 floats ahead was no faster than no
 // hint, 256 or more, or a prefetch into every cache level, slower (bench/README.md). Not
 // measured on Intel, whose L2 streamer the hint may keep from running ahead: off there.
-constexpr int64_t kFloatsPerLine = 16;
+constexpr int64_t kFloatsPerLine = 64 / sizeof(float);  // a 64-byte cache line
 constexpr int64_t kPrefetchFloats = 64;
 
 bool StreamHint() {
