@@ -40,7 +40,7 @@ from jengine.models import AttentionMetadata
 from jengine.pallas_kernels.ragged_paged_attention import resolve_impl
 from jengine.runner.buckets import next_power_of_two
 from jengine.runner.compilation import StaticJit
-from jengine.runner.huge_pages import move_to_huge_pages
+from jengine.runner.huge_pages import move_to_huge_pages, zeros_in_huge_pages
 from jengine.runner.kv_cache_sizing import KVCacheSizing
 from jengine.runner.prepared_step import PreparedStep
 from jengine.runner.step import ForwardInputs
@@ -191,6 +191,7 @@ class DraftModel:
         move_to_huge_pages(self.params)  # its decode streams its weights too
         cache_shape = model.kv_cache_shape(num_blocks, block_size)
         self.kv_cache = jax.device_put(jnp.zeros(cache_shape, model.dtype), device)
+        zeros_in_huge_pages(self.kv_cache)
         q = jax.ShapeDtypeStruct(
             (1, self.config.num_attention_heads, self.config.head_dim), model.dtype
         )

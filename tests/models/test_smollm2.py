@@ -19,7 +19,7 @@ from jengine import LLM, SamplingParams
 from jengine.models.checkpoint import installed_smollm2
 from jengine.runner.kv_cache_sizing import weight_bytes
 from tests.engine.engine_helpers import hf_teacher_forced
-from tests.runner.test_huge_pages import collapse_expected
+from tests.runner.test_huge_pages import collapse_expected, huge_bytes_around
 
 SMOLLM2 = installed_smollm2()
 MAX_TOKENS = 24
@@ -156,6 +156,20 @@ def test_greedy_chat_replies_equal_transformers(llm, hf_model):
         np.testing.assert_allclose(ours, logprobs, atol=1e-4, rtol=0)
     # Real answers, not noise: the first question's reply is the known one.
     assert "Paris" in outputs[0].outputs[0].text
+
+
+def test_the_kv_cache_stays_where_it_was_made_in_huge_pages(llm):
+    """The runner made the KV cache in huge pages (`huge_pages.zeros_in_huge_pages`), and
+    every step program above (prefill chunks, decodes, preemption's recomputes) wrote it in
+    place: the cache still lies in that memory, in huge pages where the steps wrote it."""
+    runner = llm.engine_core.runner
+    report = runner.kv_cache_huge_pages
+    assert report.eligible_bytes >= 8 * 2**20, report  # 30 layers x 22 blocks: 15.5 MiB
+    if collapse_expected():
+        assert report.collapsed_bytes == report.eligible_bytes, report
+        assert huge_bytes_around(runner.kv_cache) >= 8 * 2**20
+    else:
+        assert report.reason, report
 
 
 def _held_out_perplexity(llm) -> float:

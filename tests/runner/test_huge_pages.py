@@ -1,6 +1,7 @@
-"""Weights moved into 2 MiB pages (jengine/runner/huge_pages.py): only whole pages inside a
-CPU buffer, values unchanged, reasons instead of errors, and the kernel's own account
-(/proc/self/smaps) showing the pages moved where the kernel can move them."""
+"""Weights moved into 2 MiB pages, and the KV cache made in them (jengine/runner/huge_pages.py):
+only whole pages inside a CPU buffer, values unchanged, reasons instead of errors, and the
+kernel's own account (/proc/self/smaps) showing the pages moved where the kernel can move
+them."""
 
 import ctypes
 import errno
@@ -20,6 +21,7 @@ from jengine.runner.huge_pages import (
     back_with_huge_pages,
     move_to_huge_pages,
     page_range,
+    zeros_in_huge_pages,
 )
 
 MIB = 2**20
@@ -223,3 +225,37 @@ def test_in_the_background_the_report_is_logged(monkeypatch, caplog):
         report = move_to_huge_pages(weights).result(timeout=60)
     assert report.eligible_bytes > 0
     assert report.describe() in caplog.text
+
+
+def test_a_cache_of_zeros_is_faulted_in_huge_pages_where_written(monkeypatch, caplog):
+    """What `ModelRunner` does with the KV cache: zeros just made, advised before any step.
+    A step's in-place write (the cache donated) keeps the buffer where it was and lands in
+    huge pages; what no step wrote still reads zero, and memory never written holds none."""
+    monkeypatch.delenv(huge_pages.SWITCH, raising=False)
+    cache = jax.jit(lambda: jnp.zeros((4, 2, 1024, 1024)))()  # 32 MiB
+    pointer = cache.unsafe_buffer_pointer()
+    with caplog.at_level(logging.INFO, logger="jengine.runner.huge_pages"):
+        report = zeros_in_huge_pages(cache)
+    start, length = page_range(pointer, cache.nbytes)
+    assert report.eligible_bytes == length >= 28 * MIB
+    write = jax.jit(lambda c: c.at[1, 0, 256:264].set(1.0), donate_argnums=0)  # 32 KiB
+    cache = write(cache)
+    assert cache.unsafe_buffer_pointer() == pointer
+    if collapse_expected():
+        assert report.reason is None and report.collapsed_bytes == report.eligible_bytes
+        assert f"{length // MIB} MiB of the KV cache in huge pages" in caplog.text
+        # The written 32 KiB sit in one 2 MiB page (or two); the rest was given back.
+        assert 2 * MIB <= huge_bytes_around(cache) <= 4 * MIB
+    else:
+        assert report.collapsed_bytes == 0 and report.reason
+    values = np.asarray(cache)
+    assert values.sum() == 8 * 1024 and (values[1, 0, 256:264] == 1).all()
+
+
+def test_a_cache_switched_off_stays_in_small_pages(monkeypatch):
+    monkeypatch.setenv(huge_pages.SWITCH, "0")
+    cache = jax.jit(lambda: jnp.zeros((4, 2, 1024, 1024)))()
+    report = zeros_in_huge_pages(cache)
+    assert report.collapsed_bytes == 0 and "JENGINE_HUGE_PAGES=0" in report.describe()
+    cache = jax.jit(lambda c: c.at[1, 0, 256:264].set(1.0), donate_argnums=0)(cache)
+    assert huge_bytes_around(cache) == 0
