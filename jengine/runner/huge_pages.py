@@ -16,9 +16,10 @@ memory that asks, so the weights ask here, after the fact: `MADV_COLLAPSE` (Linu
 copies a range's small pages into huge ones in place, values and addresses unchanged.
 Attention's walks read each request's pages of the KV cache, 4 KiB of one kv head at a
 time, scattered over the whole cache: the 56M benchmark model's decode attention at 128
-requests of 224 tokens took 0.79x the time on a cache in 2 MiB pages (bench/README.md,
-"The KV cache in 2 MiB pages"). The cache is zeros when made, so it needs no copy: its
-small pages are given back and each 2 MiB is faulted in whole when first written.
+requests of 224 tokens took 0.79x the time on a cache in 2 MiB pages (bench/README.md, "An
+AVX-512 EPYC again, and the KV cache in 2 MiB pages"). The cache is zeros when made, so it
+needs no copy: its small pages are given back and each 2 MiB is faulted in whole when
+first written.
 
 Promises:
 - only buffers on CPU devices are touched, and of each only the whole 2 MiB pages that lie
@@ -28,7 +29,8 @@ Promises:
 - never raises: an older kernel, transparent huge pages set to "never", another OS or a
   refused collapse leave the pages as they were, and the report says why;
 - the steps may run meanwhile: a collapse keeps the values, and a page being moved is
-  only waited on for the copy; the cache reads as the zeros it was made of;
+  only waited on for the copy; the cache, advised before any step, reads as the zeros it
+  was made of;
 - `JENGINE_HUGE_PAGES=0` turns it off (a baseline for benchmarks, or a kernel that
   misbehaves).
 """
