@@ -111,8 +111,7 @@ def zeros_in_huge_pages(cache: jax.Array) -> HugePageReport:
     their small pages given back (`MADV_DONTNEED`: the range reads as zeros again), so
     each 2 MiB is faulted in as one huge page when a step first writes it. Takes
     milliseconds; the part of a cache no request reaches holds no memory. Logs the report."""
-    ranges = [page_range(pointer, size) for pointer, size in _cpu_buffers(cache)]
-    ranges = [(start, length) for start, length in ranges if length]
+    ranges = _whole_pages(cache)
     eligible = sum(length for _, length in ranges)
     reason = _unavailable() if ranges else None
     advised, started = 0, time.perf_counter()
@@ -135,8 +134,7 @@ def zeros_in_huge_pages(cache: jax.Array) -> HugePageReport:
 def back_with_huge_pages(tree) -> HugePageReport:
     """Move every CPU-device buffer of `tree` (a pytree of jax arrays) into huge pages,
     where the kernel lets it; see the module's promises."""
-    ranges = [page_range(pointer, size) for pointer, size in _cpu_buffers(tree)]
-    ranges = [(start, length) for start, length in ranges if length]
+    ranges = _whole_pages(tree)
     eligible = sum(length for _, length in ranges)
     if not ranges:
         return HugePageReport()
@@ -247,6 +245,12 @@ def huge_page_size() -> int:
             return int(f.read())
     except (OSError, ValueError):
         return DEFAULT_HUGE_PAGE
+
+
+def _whole_pages(tree) -> list[tuple[int, int]]:
+    """(start, length) of the whole huge pages inside each CPU buffer of `tree` that has any."""
+    ranges = [page_range(pointer, size) for pointer, size in _cpu_buffers(tree)]
+    return [(start, length) for start, length in ranges if length]
 
 
 def _cpu_buffers(tree) -> list[tuple[int, int]]:
