@@ -47,6 +47,7 @@ from jengine.core.sched_output import SchedulerOutput
 from jengine.models.lora import with_lora_slots
 from jengine.pallas_kernels.ragged_paged_attention import resolve_impl
 from jengine.runner import distributed
+from jengine.runner.branches import selects
 from jengine.runner.buckets import BucketSpec, StepShape
 from jengine.runner.compilation import CompileCounter, StaticJit, compile_ahead_of_time
 from jengine.runner.draft_model import DraftModel, check_draft_model
@@ -174,14 +175,20 @@ class ModelRunner:
         self.attention_impl = resolve_impl(attention_impl, q, self.kv_cache, self.device.platform)
         mesh = tp.mesh if tp else None
         bound = (self.graphdef, self.attention_impl, mesh)  # the model steps' static arguments
+        select = selects(self.device.platform)  # how the sampling steps skip work
         self._forward_fn = StaticJit(forward_step, *bound, donate_argnums=(1,))
-        self._decode_fn = StaticJit(decode_step, *bound, donate_argnums=(1, 3))
+        self._decode_fn = StaticJit(decode_step, *bound, select, donate_argnums=(1, 3))
         self.num_decode_steps = num_decode_steps
         self._multi_decode_fn = StaticJit(
-            multi_decode_step, *bound, block_size, num_decode_steps, donate_argnums=(1, 3)
+            multi_decode_step,
+            *bound,
+            select,
+            block_size,
+            num_decode_steps,
+            donate_argnums=(1, 3),
         )
         self._first_rows = jax.jit(first_rows, static_argnums=1)
-        self._sample_fn = StaticJit(sample_step, self.graphdef, mesh, donate_argnums=(0,))
+        self._sample_fn = StaticJit(sample_step, self.graphdef, mesh, select, donate_argnums=(0,))
         self._prompt_logprobs_fn = StaticJit(prompt_logprobs_step, self.graphdef, mesh)
         self._write_history = jax.jit(write_slot_history, donate_argnums=0)
         self._compile_counter = CompileCounter()

@@ -143,9 +143,15 @@ def _draw(logits: jax.Array, meta: SamplingMetadata, block: int = 128) -> jax.Ar
     return jnp.where(drawn_weight > 0, drawn, argmax(logits)).astype(jnp.int32)
 
 
-def _sample_general(logits: jax.Array, meta: SamplingMetadata, state: SamplingState):
+def _sample_general(logits, meta: SamplingMetadata, state: SamplingState, select: bool):
     logits = branch(
-        jnp.any(meta.use_history), _apply_history, lambda l, m, s: l, logits, meta, state
+        jnp.any(meta.use_history),
+        _apply_history,
+        lambda l, m, s: l,
+        logits,
+        meta,
+        state,
+        select=select,
     )
     rows = jnp.arange(logits.shape[0])[:, None]
     suppressed = jnp.where(meta.suppressed_ids >= 0, meta.suppressed_ids, logits.shape[-1])
@@ -157,19 +163,26 @@ def _sample_general(logits: jax.Array, meta: SamplingMetadata, state: SamplingSt
     def random_ids(logits):
         scaled = logits / jnp.where(greedy, 1.0, meta.temperature)[:, None]
         truncating = jnp.any((meta.top_k > 0) | (meta.top_p < 1.0) | (meta.min_p > 0.0))
-        scaled = branch(truncating, truncate, lambda l, m: l, scaled, meta)
+        scaled = branch(
+            truncating,
+            lambda l, m: truncate(l, m, select=select),
+            lambda l, m: l,
+            scaled,
+            meta,
+            select=select,
+        )
         return _draw(scaled, meta)
 
     all_greedy = jnp.all(greedy | ~meta.sample_mask)
-    sampled_random = branch(all_greedy, lambda l: greedy_ids, random_ids, logits)
+    sampled_random = branch(all_greedy, lambda l: greedy_ids, random_ids, logits, select=select)
     return jnp.where(greedy, greedy_ids, sampled_random)
 
 
 def sample(
-    logits: jax.Array, meta: SamplingMetadata, state: SamplingState
+    logits: jax.Array, meta: SamplingMetadata, state: SamplingState, *, select: bool
 ) -> tuple[jax.Array, SamplingState]:
     """[R, V] f32 logits -> ([R] int32 sampled ids, state with the new tokens counted and
-    each sampling slot's last token set)."""
+    each sampling slot's last token set); `select` as `branches.branch`'s."""
     # A plain greedy batch (no history) is an argmax of the logits as they are; the general
     # path copies the [R, V] logits at least once (~2 ms at 64 rows, ~50 us at one). Ids
     # masked until min_tokens do not leave it: where a row's argmax is not one of them, it
@@ -177,15 +190,22 @@ def sample(
     plain_greedy = ~jnp.any(meta.use_history) & jnp.all(
         (meta.temperature < GREEDY_TEMPERATURE_EPS) | ~meta.sample_mask
     )
-    unmasked = branch(plain_greedy, argmax, lambda l: jnp.full(l.shape[:1], -1, jnp.int32), logits)
+    unmasked = branch(
+        plain_greedy,
+        argmax,
+        lambda l: jnp.full(l.shape[:1], -1, jnp.int32),
+        logits,
+        select=select,
+    )
     hits_masked = jnp.any(unmasked[:, None] == meta.suppressed_ids, axis=-1) & meta.sample_mask
     sampled = branch(
         plain_greedy & ~jnp.any(hits_masked),
         lambda l, m, s: unmasked,
-        _sample_general,
+        lambda l, m, s: _sample_general(l, m, s, select),
         logits,
         meta,
         state,
+        select=select,
     ).astype(jnp.int32)
 
     # Count the new token for penalties; rows that yield nothing write out of range.

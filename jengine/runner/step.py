@@ -1,7 +1,8 @@
 """The step as pure functions over pytrees, and the pytrees they hand each other.
 
 Where it sits: `ModelRunner` jits these functions once (binding the graphdef, the
-attention implementation and the tensor-parallel mesh as static arguments) and calls them
+attention implementation, the tensor-parallel mesh and, for those that sample, whether
+its platform's branches select (`branches.selects`) as static arguments) and calls them
 every step: `ForwardInputs.from_prepared`
 turns the numpy `PreparedStep` of `input_batch.py` into the model's inputs and
 `sampling_args` into the sampling program's, `forward_step`
@@ -17,7 +18,7 @@ Promises:
   the KV cache, so it is updated in place; an input whose `from_slot` is set is that
   slot's `last_token` (the previous step's sampled token, never seen by the host);
 - `sample_step` is `(sampling_state, params, rows, meta, want_logprobs, grammar_bitmask,
-  use_grammar) -> (sampling_state, SampleOutputs)` (graphdef and mesh bound): the LM head
+  use_grammar) -> (sampling_state, SampleOutputs)` (graphdef, mesh, select bound): the LM head
   runs over the S sampling rows only, not over every request row of the step's shape;
   the runner donates the sampling state; the top-logprob work runs only when
   `want_logprobs` is true and the structured-output masking only when `use_grammar` is
@@ -151,6 +152,7 @@ def _logits(model, rows, mesh):
 def sample_step(
     graphdef,
     mesh,
+    select: bool,
     sampling_state,
     params,
     rows,
@@ -167,8 +169,15 @@ def sample_step(
     masking costs nothing.
     """
     logits = _logits(nnx.merge(graphdef, params), rows, mesh)
-    logits = branch(use_grammar, apply_token_bitmask, lambda x, _: x, logits, grammar_bitmask)
-    sampled, sampling_state = sample(logits, meta, sampling_state)
+    logits = branch(
+        use_grammar,
+        apply_token_bitmask,
+        lambda x, _: x,
+        logits,
+        grammar_bitmask,
+        select=select,
+    )
+    sampled, sampling_state = sample(logits, meta, sampling_state, select=select)
 
     def compute(_):
         return top_logprobs(logits, sampled, MAX_LOGPROBS)
@@ -181,7 +190,7 @@ def sample_step(
             jnp.zeros((rows,), jnp.int32),
         )
 
-    logprobs = branch(want_logprobs, compute, skip, None)
+    logprobs = branch(want_logprobs, compute, skip, None, select=select)
     return sampling_state, SampleOutputs(sampled, *logprobs)
 
 
@@ -189,6 +198,7 @@ def decode_step(
     graphdef,
     attention_impl,
     mesh,
+    select: bool,
     params,
     kv_cache,
     inputs: ForwardInputs,
@@ -205,6 +215,7 @@ def decode_step(
     sampling_state, sampled = sample_step(
         graphdef,
         mesh,
+        select,
         sampling_state,
         params,
         rows,
@@ -220,6 +231,7 @@ def multi_decode_step(
     graphdef,
     attention_impl,
     mesh,
+    select: bool,
     block_size: int,
     num_steps: int,
     params,
@@ -250,6 +262,7 @@ def multi_decode_step(
             graphdef,
             attention_impl,
             mesh,
+            select,
             params,
             kv_cache,
             inputs,

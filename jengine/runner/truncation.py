@@ -22,16 +22,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jengine.runner import branches
 from jengine.runner.branches import branch
 
 TRUNCATION_CANDIDATES = 256
 _SIGN = np.uint32(0x80000000)  # the float sign bit
 
 
-def truncate(logits: jax.Array, meta, num_candidates: int = TRUNCATION_CANDIDATES) -> jax.Array:
+def truncate(
+    logits: jax.Array, meta, num_candidates: int = TRUNCATION_CANDIDATES, *, select: bool
+) -> jax.Array:
     """[R, V] temperature-scaled logits with what min-p, top-k and top-p drop set to -inf
-    (`meta`: the sampler's `SamplingMetadata`, [R] top_k, top_p, min_p)."""
+    (`meta`: the sampler's `SamplingMetadata`, [R] top_k, top_p, min_p; `select`: as
+    `branches.branch`'s)."""
     vocab = logits.shape[-1]
     probs = jax.nn.softmax(logits, axis=-1)
     logits = jnp.where(probs < meta.min_p[:, None] * probs.max(-1, keepdims=True), -jnp.inf, logits)
@@ -40,10 +42,11 @@ def truncate(logits: jax.Array, meta, num_candidates: int = TRUNCATION_CANDIDATE
     candidates = jax.lax.top_k(logits, num_candidates)[0]  # descending
     kth = branch(
         jnp.any(meta.top_k > num_candidates),
-        _kth_by_bisection,
+        lambda logits, top_k: _kth_by_bisection(logits, top_k, unroll=select),
         lambda logits, top_k: _kth_of_largest(candidates, top_k),
         logits,
         meta.top_k,
+        select=select,
     )
     # Probabilities once top-k has cut the row at kth: over every logit it keeps, ties too.
     log_normalizer = jax.nn.logsumexp(jnp.where(logits >= kth, logits, -jnp.inf), -1, keepdims=True)
@@ -55,12 +58,13 @@ def truncate(logits: jax.Array, meta, num_candidates: int = TRUNCATION_CANDIDATE
     undecided = (meta.top_p < 1.0) & (survivors > num_candidates) & short
     nucleus = branch(
         jnp.any(undecided),
-        _nucleus_by_bisection,
+        lambda *args: _nucleus_by_bisection(*args, unroll=select),
         lambda logits, kth, log_normalizer, top_p: _nucleus(candidates, probs, top_p),
         logits,
         kth,
         log_normalizer,
         meta.top_p,
+        select=select,
     )
     return jnp.where(logits < jnp.maximum(nucleus, kth), -jnp.inf, logits)
 
@@ -83,31 +87,32 @@ def _nucleus(largest: jax.Array, probs: jax.Array, top_p: jax.Array) -> jax.Arra
     return jnp.where(top_p[:, None] < 1.0, nucleus, -jnp.inf)
 
 
-def _kth_by_bisection(logits: jax.Array, top_k: jax.Array) -> jax.Array:
+def _kth_by_bisection(logits: jax.Array, top_k: jax.Array, unroll: bool) -> jax.Array:
     """[R, 1] as `_kth_of_largest` for any top_k: the least value with fewer than top_k
     logits above it."""
     k = jnp.clip(top_k, 1, logits.shape[-1])[:, None].astype(jnp.float32)
-    kth = _least_value_with_less_above(logits, 1.0, k)
+    kth = _least_value_with_less_above(logits, 1.0, k, unroll)
     return jnp.where(top_k[:, None] > 0, kth, -jnp.inf)
 
 
-def _nucleus_by_bisection(logits, kth, log_normalizer, top_p) -> jax.Array:
+def _nucleus_by_bisection(logits, kth, log_normalizer, top_p, unroll: bool) -> jax.Array:
     """[R, 1] as `_nucleus` over the whole row: the least value with less than top_p of
     the probability (top-k cut at `kth`, `log_normalizer` the kept logits') above it."""
     probs = jnp.where(logits >= kth, jnp.exp(logits - log_normalizer), 0.0)
-    nucleus = _least_value_with_less_above(logits, probs, top_p[:, None])
+    nucleus = _least_value_with_less_above(logits, probs, top_p[:, None], unroll)
     return jnp.where(top_p[:, None] < 1.0, nucleus, -jnp.inf)
 
 
-def _least_value_with_less_above(logits, weights, limit) -> jax.Array:
+def _least_value_with_less_above(logits, weights, limit, unroll: bool) -> jax.Array:
     """[R, 1] the least value v (a logit of the row, or -inf) whose logits above it weigh
     less than `limit` (> 0) in total, by halving the range of float32 values from -inf to
     the row's largest in the order of `_order_key`: the weight above v only falls as v
     rises, and 32 halvings cover any uint32 range.
 
-    A loop on CPU and TPU; unrolled on GPUs, which launch each turn of a loop from the
-    host (`tests/runner/test_gpu_programs.py`). Unrolled, XLA:CPU took ~2x as long to
-    compile the sampling programs, which warmup compiles one per step shape.
+    A loop on CPU and TPU; `unroll`ed on GPUs (where `branches.selects`), which launch
+    each turn of a loop from the host (`tests/runner/test_gpu_programs.py`). Unrolled,
+    XLA:CPU took ~2x as long to compile the sampling programs, which warmup compiles one
+    per step shape.
     """
 
     def halve(_, bounds):
@@ -117,22 +122,14 @@ def _least_value_with_less_above(logits, weights, limit) -> jax.Array:
         less = jnp.sum(jnp.where(logits > value, weights, 0.0), -1, keepdims=True) < limit
         return jnp.where(less, low, middle), jnp.where(less, middle, high)
 
-    def looped(low, high):
-        return jax.lax.fori_loop(0, 32, halve, (low, high))[1]
-
-    def unrolled(low, high):
-        for turn in range(32):
-            low, high = halve(turn, (low, high))
-        return high
-
     largest = jnp.max(logits, axis=-1, keepdims=True)
-    below_every_value = _order_key(jnp.full_like(largest, -jnp.inf)) - 1
-    # Read when traced: tests unroll on this CPU too, as a GPU would.
-    on_gpus = dict.fromkeys(branches.SELECTING_PLATFORMS, unrolled)
-    high = jax.lax.platform_dependent(
-        below_every_value, _order_key(largest), **on_gpus, default=looped
-    )
-    return _from_order_key(high)
+    bounds = (_order_key(jnp.full_like(largest, -jnp.inf)) - 1, _order_key(largest))
+    if unroll:
+        for turn in range(32):
+            bounds = halve(turn, bounds)
+    else:
+        bounds = jax.lax.fori_loop(0, 32, halve, bounds)
+    return _from_order_key(bounds[1])
 
 
 def _order_key(x: jax.Array) -> jax.Array:

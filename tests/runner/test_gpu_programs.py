@@ -6,8 +6,9 @@ loop by launching each turn from the host. A conditional in the decode program m
 step's dispatch return only when the step's device work was done (async scheduling then
 overlapped nothing), and a binary search in the attention's metadata launched 8 turns in
 every layer at 256 requests (~5 ms of host time a step): both measured on an H100
-(bench/README.md, "On a GPU"). Here the programs are traced with the GPU kernel and their
-control flow read off the jaxpr, platform-dependent branches resolved for each platform.
+(bench/README.md, "On a GPU"). Here the programs are traced with the GPU kernel and the
+branches a GPU's runner binds (`branches.selects`), and their control flow read off the
+jaxpr (a platform-dependent conditional resolved for the platform).
 """
 
 import functools
@@ -16,6 +17,7 @@ import jax
 import pytest
 from jax.extend import core as jax_core
 
+from jengine.runner.branches import selects
 from jengine.runner.prepared_step import PreparedStep
 from jengine.runner.step import (
     ForwardInputs,
@@ -60,9 +62,10 @@ def control_flow(jaxpr, platform: str) -> list[str]:
     return found
 
 
-def _programs(runner) -> dict:
+def _programs(runner, select: bool) -> dict:
     """name -> (function, arguments) of the step programs, with the GPU attention kernel,
-    over the runner's largest decode shape and its largest mixed (prefill) shape."""
+    over the runner's largest decode shape and its largest mixed (prefill) shape; their
+    branches selecting (as on GPUs) or not (`branches.branch`)."""
     shapes = runner.buckets.all_shapes()
     decode = max((s for s in shapes if s.is_decode), key=lambda s: s.num_reqs)
     mixed = max((s for s in shapes if not s.is_decode), key=lambda s: s.num_tokens)
@@ -76,11 +79,11 @@ def _programs(runner) -> dict:
 
     return {
         "decode": (
-            functools.partial(decode_step, *bound),
+            functools.partial(decode_step, *bound, select),
             (params, kv, inputs(decode), state, *sampling_args(decode, runner.bitmasks)),
         ),
         "multi-step decode": (
-            functools.partial(multi_decode_step, *bound, runner.block_size, 4),
+            functools.partial(multi_decode_step, *bound, select, runner.block_size, 4),
             (params, kv, inputs(decode), state, *sampling_args(decode, runner.bitmasks)),
         ),
         "forward": (
@@ -88,7 +91,7 @@ def _programs(runner) -> dict:
             (params, kv, inputs(mixed), state.last_token),
         ),
         "sampling": (
-            functools.partial(sample_step, runner.graphdef, None),
+            functools.partial(sample_step, runner.graphdef, None, select),
             (state, params, rows, *sampling_args(mixed, runner.bitmasks)),
         ),
     }
@@ -102,11 +105,13 @@ EXPECTED_LOOPS = {"decode": 1, "multi-step decode": 2, "forward": 1, "sampling":
 @pytest.mark.parametrize("attention_setup", ["default-bs16"], indirect=True)
 def test_no_program_makes_a_gpu_host_wait(llm):
     runner = llm.engine_core.runner
-    for name, (function, args) in _programs(runner).items():
-        jaxpr = jax.make_jaxpr(function)(*args).jaxpr
-        on_gpu = control_flow(jaxpr, "cuda")
+    assert not selects("cpu") and selects("cuda") and selects("rocm")
+    on_cpu = _programs(runner, select=False)
+    for name, (function, args) in _programs(runner, select=True).items():
+        on_gpu = control_flow(jax.make_jaxpr(function)(*args).jaxpr, "cuda")
         assert "cond" not in on_gpu and "while" not in on_gpu, (name, on_gpu)
         assert on_gpu.count("scan") == EXPECTED_LOOPS[name], (name, on_gpu)
         if name != "forward":
             # Where the device picks a branch, the sampler still skips what nobody asked for.
-            assert control_flow(jaxpr, "cpu").count("cond") >= 4, name
+            function, args = on_cpu[name]
+            assert control_flow(jax.make_jaxpr(function)(*args).jaxpr, "cpu").count("cond") >= 4

@@ -1,19 +1,19 @@
-"""The on-device sampler against plain numpy statements of each rule, each test run both
-ways the sampler skips work: with conditionals (CPU, TPU) and with every branch computed
-and selected (GPUs), the second forced here."""
+"""The on-device sampler against plain numpy statements of each rule, each test of a
+sampling rule run both ways the sampler skips work: with conditionals (CPU, TPU) and with
+every branch computed and selected (GPUs)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jengine.runner import branches, sampler, truncation
+from jengine.runner import sampler, truncation
 from jengine.runner.prepared_step import neutral_sampling_arrays
 from jengine.runner.sampler import MAX_SUPPRESSED_IDS, SamplingMetadata, SamplingState
 
 # Jitted as in the runner: op-by-op dispatch would be slow and test a different program.
-sample = jax.jit(sampler.sample)
-_truncate = jax.jit(truncation.truncate, static_argnums=2)
+sample = jax.jit(sampler.sample, static_argnames="select")
+_truncate = jax.jit(truncation.truncate, static_argnums=2, static_argnames="select")
 _apply_history = jax.jit(sampler._apply_history)
 top_logprobs = jax.jit(sampler.top_logprobs, static_argnums=2)
 write_slot_history = jax.jit(sampler.write_slot_history)
@@ -21,18 +21,10 @@ write_slot_history = jax.jit(sampler.write_slot_history)
 V = 32
 
 
-@pytest.fixture(autouse=True, params=["conditionals", "selects"])
-def branching(request, monkeypatch):
-    """Run the test with the sampler's branches as this machine's backend takes them, and
-    as a GPU's (`branches.SELECTING_PLATFORMS` then holds the CPU too)."""
-    if request.param == "selects":
-        monkeypatch.setattr(branches, "SELECTING_PLATFORMS", ("cpu", "cuda", "rocm"))
-    jitted = (sample, _truncate, _apply_history, top_logprobs, write_slot_history)
-    for function in jitted:  # traced again, the chosen way
-        function.clear_cache()
-    yield
-    for function in jitted:
-        function.clear_cache()
+@pytest.fixture(params=["conditionals", "selects"])
+def select(request) -> bool:
+    """The sampler's branches as this machine's backend takes them, and as a GPU's."""
+    return request.param == "selects"
 
 
 def _meta(R, **overrides):
@@ -51,18 +43,20 @@ def _logits(R, seed=0):
     return jnp.asarray(np.random.default_rng(seed).normal(size=(R, V)).astype(np.float32) * 3)
 
 
-def test_greedy_is_argmax_and_suppression_applies():
+def test_greedy_is_argmax_and_suppression_applies(select):
     logits = _logits(3)
-    ids, _ = sample(logits, _meta(3), SamplingState.zeros(3, V))
+    ids, _ = sample(logits, _meta(3), SamplingState.zeros(3, V), select=select)
     np.testing.assert_array_equal(ids, np.argmax(logits, -1))
     top = np.argmax(logits, -1)
     suppressed = np.full((3, MAX_SUPPRESSED_IDS), -1, np.int32)
     suppressed[:, 0] = top
-    ids, _ = sample(logits, _meta(3, suppressed_ids=suppressed), SamplingState.zeros(3, V))
+    ids, _ = sample(
+        logits, _meta(3, suppressed_ids=suppressed), SamplingState.zeros(3, V), select=select
+    )
     assert not np.any(np.asarray(ids) == top)
 
 
-def test_greedy_with_masked_ids_is_argmax_of_the_masked_logits():
+def test_greedy_with_masked_ids_is_argmax_of_the_masked_logits(select):
     """min_tokens' masked ids, whether or not a row's argmax is one of them (the plain
     argmax serves the rows where it is not), with tied maxima: the first unmasked maximum."""
     logits = np.asarray(_logits(4, seed=3)).copy()
@@ -81,15 +75,15 @@ def test_greedy_with_masked_ids_is_argmax_of_the_masked_logits():
             suppressed[row, : len(ids)] = ids
             expected[row, ids] = -np.inf
         meta = _meta(4, suppressed_ids=suppressed)
-        ids, _ = sample(jnp.asarray(logits), meta, SamplingState.zeros(4, V))
+        ids, _ = sample(jnp.asarray(logits), meta, SamplingState.zeros(4, V), select=select)
         np.testing.assert_array_equal(ids, np.argmax(expected, -1), err_msg=name)
 
 
 @pytest.mark.parametrize("num_candidates", [4, V])
-def test_truncation_rules(num_candidates):
+def test_truncation_rules(num_candidates, select):
     logits = _logits(4, seed=1)
     meta = _meta(4, top_k=[3, 0, 0, 2], top_p=[1.0, 0.6, 1.0, 0.01], min_p=[0, 0, 0.2, 0])
-    kept = np.isfinite(np.asarray(_truncate(logits, meta, num_candidates)))
+    kept = np.isfinite(np.asarray(_truncate(logits, meta, num_candidates, select=select)))
     order = np.argsort(-np.asarray(logits), -1)
     probs = np.asarray(jax.nn.softmax(logits, -1))
     assert set(np.nonzero(kept[0])[0]) == set(order[0, :3])  # top-k 3
@@ -100,7 +94,7 @@ def test_truncation_rules(num_candidates):
     assert set(np.nonzero(kept[3])[0]) == {order[3, 0]}  # top-p tiny keeps the best token
 
 
-def test_truncation_from_the_largest_logits_equals_the_whole_vocabulary():
+def test_truncation_from_the_largest_logits_equals_the_whole_vocabulary(select):
     """Thresholds read off the 4 largest logits, or found by bisection when a row's kept
     set may reach past them (a top_k of 9, a wide nucleus): the same masks as with every
     logit a candidate."""
@@ -108,8 +102,10 @@ def test_truncation_from_the_largest_logits_equals_the_whole_vocabulary():
     decided = _meta(4, top_k=[3, 0, 4, 2], top_p=[1.0, 0.05, 0.5, 1.0], min_p=[0, 0, 0, 0.3])
     undecided = _meta(4, top_k=[3, 9, 0, 0], top_p=[1.0, 1.0, 0.95, 1.0], min_p=[0, 0, 0, 0.3])
     for meta in (decided, undecided):
-        np.testing.assert_array_equal(_truncate(logits, meta, 4), _truncate(logits, meta, V))
-    kept = np.isfinite(np.asarray(_truncate(logits, undecided, 4)))
+        np.testing.assert_array_equal(
+            _truncate(logits, meta, 4, select=select), _truncate(logits, meta, V, select=select)
+        )
+    kept = np.isfinite(np.asarray(_truncate(logits, undecided, 4, select=select)))
     assert kept[1].sum() == 9 and kept[2].sum() > 4
 
 
@@ -127,7 +123,7 @@ def _kept_by_sorting(logits, top_k, top_p, min_p):
     return set(np.nonzero(np.isfinite(logits) & (logits >= max(kth, nucleus)))[0])
 
 
-def test_bisection_keeps_what_sorting_keeps_over_flat_peaked_tied_and_masked_rows():
+def test_bisection_keeps_what_sorting_keeps_over_flat_peaked_tied_and_masked_rows(select):
     """2000 ids, 8 candidates, so that most rows are found by bisection: flat rows (a wide
     nucleus), peaked ones, ties at the cut, zeros of both signs and -inf (masked) logits,
     against the rules applied to the sorted row."""
@@ -148,7 +144,7 @@ def test_bisection_keeps_what_sorting_keeps_over_flat_peaked_tied_and_masked_row
     top_p[:4] = 0.9
     min_p = np.where(rng.random(R) < 0.25, 0.5, 0.0)
     meta = _meta(R, top_k=top_k, top_p=top_p, min_p=min_p)
-    kept = np.isfinite(np.asarray(_truncate(jnp.asarray(logits), meta, 8)))
+    kept = np.isfinite(np.asarray(_truncate(jnp.asarray(logits), meta, 8, select=select)))
     for row in range(R):
         expected = _kept_by_sorting(logits[row], top_k[row], top_p[row], min_p[row])
         assert set(np.nonzero(kept[row])[0]) == expected, row
@@ -156,15 +152,17 @@ def test_bisection_keeps_what_sorting_keeps_over_flat_peaked_tied_and_masked_row
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's top-k lowering")
-def test_sampling_program_never_sorts_a_vocabulary():
+def test_sampling_program_never_sorts_a_vocabulary(select):
     """The compiled sampler holds no sort: XLA:CPU's sort of one row of 32000 takes ~12 ms.
     A second slice of the candidates (`lax.top_k`'s output) once made XLA sort the row in
     place of its top-k; this is what catches that."""
     R, vocab = 2, 1000
     logits = jnp.zeros((R, vocab))
     programs = {
-        "truncate": _truncate.lower(logits, _meta(R), truncation.TRUNCATION_CANDIDATES),
-        "sample": sample.lower(logits, _meta(R), SamplingState.zeros(R, vocab)),
+        "truncate": _truncate.lower(
+            logits, _meta(R), truncation.TRUNCATION_CANDIDATES, select=select
+        ),
+        "sample": sample.lower(logits, _meta(R), SamplingState.zeros(R, vocab), select=select),
     }
     for name, lowered in programs.items():
         compiled = lowered.compile().as_text()
@@ -172,19 +170,19 @@ def test_sampling_program_never_sorts_a_vocabulary():
         assert "TopK" in compiled, name  # the candidates are there, as XLA's top-k
 
 
-def test_random_sampling_follows_seed_and_distribution():
+def test_random_sampling_follows_seed_and_distribution(select):
     logits = jnp.tile(jnp.log(jnp.asarray([0.7, 0.2, 0.1] + [1e-9] * (V - 3))), (2, 1))
     counts = np.zeros(V)
     state = SamplingState.zeros(2, V)
     for index in range(200):
         meta = _meta(2, temperature=[1.0, 1.0], seeds=[5, 5], output_index=[index, index])
-        ids, state = sample(logits, meta, state)
+        ids, state = sample(logits, meta, state, select=select)
         assert ids[0] == ids[1]  # same seed and position -> same token
         counts[int(ids[0])] += 1
     assert abs(counts[0] / 200 - 0.7) < 0.1 and counts[3:].sum() == 0
 
 
-def test_draws_over_an_odd_vocabulary_follow_the_probabilities_and_skip_masked_ids():
+def test_draws_over_an_odd_vocabulary_follow_the_probabilities_and_skip_masked_ids(select):
     """The draw's two levels (blocks of 128 ids, then inside one) over 300 ids: tokens at
     block edges come as often as their probability, masked ids (top-k here) never."""
     V_odd, R = 300, 512
@@ -195,7 +193,7 @@ def test_draws_over_an_odd_vocabulary_follow_the_probabilities_and_skip_masked_i
     state = SamplingState.zeros(R, V_odd)
     for index in range(8):
         meta = _meta(R, temperature=[1.0] * R, top_k=[6] * R, output_index=[index] * R)
-        ids, _ = sample(logits, meta, state)
+        ids, _ = sample(logits, meta, state, select=select)
         counts += np.bincount(np.asarray(ids), minlength=V_odd)
     kept = [0, 127, 128, 255, 256, 299]
     assert counts.sum() == counts[kept].sum()  # top-k's masked ids never drawn
@@ -203,7 +201,7 @@ def test_draws_over_an_odd_vocabulary_follow_the_probabilities_and_skip_masked_i
     np.testing.assert_allclose(counts[kept] / counts.sum(), expected, atol=0.03)
 
 
-def test_penalties_and_bias_follow_vllm_formulas():
+def test_penalties_and_bias_follow_vllm_formulas(select):
     logits = _logits(1, seed=2)
     state = SamplingState.zeros(2, V)
     prompt = np.full(8, -1, np.int32)
@@ -232,7 +230,7 @@ def test_penalties_and_bias_follow_vllm_formulas():
     expected[3] -= 0.25 * 2 + 0.5
     np.testing.assert_allclose(got, expected, rtol=1e-6)
     # Counting: sampling bumps the slot's output counts for rows that yield a token.
-    ids, new_state = sample(logits, meta, state)
+    ids, new_state = sample(logits, meta, state, select=select)
     assert (
         int(new_state.output_counts[1, int(ids[0])]) == int(state.output_counts[1, int(ids[0])]) + 1
     )
