@@ -3,7 +3,6 @@ equality suite runs under, prompts (the every-feature batch the async-scheduling
 multi-step suites compare modes on), output comparisons and the HF oracle."""
 
 import os
-from collections import Counter
 
 import jax
 import numpy as np
@@ -175,18 +174,3 @@ def assert_engines_clean(engines: dict) -> None:
         assert not core.has_unfinished_requests()
         assert core.num_free_blocks() == core.runner.num_blocks - 1  # nothing leaked
         assert core.compiles_after_warmup() == 0
-
-
-def count_step_kinds(llm) -> Counter:
-    """A Counter of the steps `llm` schedules from now on, by `num_decode_steps` (1: an
-    ordinary step, K: a multi-step decode)."""
-    scheduler = llm.engine_core.scheduler
-    schedule, counts = scheduler.schedule, Counter()
-
-    def counted():
-        output = schedule()
-        counts[output.num_decode_steps] += 1
-        return output
-
-    scheduler.schedule = counted
-    return counts

@@ -21,9 +21,9 @@ from tests.engine.engine_helpers import (
     TIGHT_ENGINE_ARGS,
     assert_engines_clean,
     assert_same_outputs,
-    count_step_kinds,
     every_feature_batch,
 )
+from tests.engine.step_kinds import count_step_kinds
 from tests.entrypoints.tiny_model import make_tiny_model
 
 NUM_STEPS = 4

@@ -28,7 +28,7 @@ from jengine.models import load_model
 from jengine.pallas_kernels.ragged_paged_attention import cpu
 from jengine.runner.prepared_step import PreparedStep
 from jengine.runner.sharding import step_collectives
-from tests.engine.engine_helpers import count_step_kinds
+from tests.engine.step_kinds import count_step_kinds
 
 SHARED = list(range(10, 42))  # two full 16-token blocks: the second prompt hits them
 PROMPTS = [
