@@ -24,13 +24,14 @@ innermost search was traced 32 times a program; a small model's warmup spent ~3 
 import jax
 import jax.numpy as jnp
 
-# Where a conditional waits on the host.
-SELECTING_PLATFORMS = ("cuda", "rocm")
+# Where a conditional waits on the host: a GPU device's `.platform` is "gpu" (CUDA and
+# ROCm alike); "cuda" and "rocm" are the names programs are lowered for.
+SELECTING_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
 def selects(platform: str) -> bool:
-    """Whether programs for `platform` (a jax device's `.platform`) compute both branches
-    and select, rather than run a conditional."""
+    """Whether programs for `platform` (a jax device's `.platform`, or a lowering platform)
+    compute both branches and select, rather than run a conditional."""
     return platform in SELECTING_PLATFORMS
 
 

@@ -105,7 +105,8 @@ EXPECTED_LOOPS = {"decode": 1, "multi-step decode": 2, "forward": 1, "sampling":
 @pytest.mark.parametrize("attention_setup", ["default-bs16"], indirect=True)
 def test_no_program_makes_a_gpu_host_wait(llm):
     runner = llm.engine_core.runner
-    assert not selects("cpu") and selects("cuda") and selects("rocm")
+    # A GPU device's `.platform` is "gpu"; programs are lowered for "cuda" or "rocm".
+    assert all(map(selects, ("gpu", "cuda", "rocm"))) and not selects("cpu") and not selects("tpu")
     on_cpu = _programs(runner, select=False)
     for name, (function, args) in _programs(runner, select=True).items():
         on_gpu = control_flow(jax.make_jaxpr(function)(*args).jaxpr, "cuda")
