@@ -16,9 +16,10 @@ went from 204 to 361 tokens/s; computing both branches cost ~0.4 ms a step at 64
 (bench/README.md, "On a GPU").
 
 Why the way is chosen when traced, not by `lax.platform_dependent` when lowered: that
-traces every platform's way at every branch, and the sampler nests five deep, so its
-innermost search was traced 32 times a program; a small model's warmup spent ~3 s of its
-~5 s (with every program in the compilation cache) tracing ways it never ran.
+traces every platform's way at every branch, and the sampler's branches nest four deep
+above its searches, so each sampling program traced `truncate` 8 times and each of its two
+searches 16 times, looped and unrolled; a small model's warmup spent ~3 s of its ~5 s
+(with every program in the compilation cache) tracing ways it never ran.
 """
 
 import jax
