@@ -110,15 +110,14 @@ class ModelRunner:
         if lora_config is not None:
             model = with_lora_slots(model, lora_config.max_loras, lora_config.max_lora_rank)
         checkpoint_config = model.config  # before tensor parallelism repeats any KV head
-        self.tensor_parallel = None
+        self.tensor_parallel = tp = None
         if tensor_parallel_size > 1:
-            self.tensor_parallel = TensorParallel.create(
+            self.tensor_parallel = tp = TensorParallel.create(
                 tensor_parallel_size, model.config, devices, expert_parallel=expert_parallel
             )
-            model = self.tensor_parallel.fit_model(model)
+            model = tp.fit_model(model)
         self.config = model.config
         self.dtype = model.dtype
-        tp = self.tensor_parallel
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.buckets = BucketSpec.create(
@@ -179,14 +178,8 @@ class ModelRunner:
         self._forward_fn = StaticJit(forward_step, *bound, donate_argnums=(1,))
         self._decode_fn = StaticJit(decode_step, *bound, select, donate_argnums=(1, 3))
         self.num_decode_steps = num_decode_steps
-        self._multi_decode_fn = StaticJit(
-            multi_decode_step,
-            *bound,
-            select,
-            block_size,
-            num_decode_steps,
-            donate_argnums=(1, 3),
-        )
+        multi = (*bound, select, block_size, num_decode_steps)
+        self._multi_decode_fn = StaticJit(multi_decode_step, *multi, donate_argnums=(1, 3))
         self._first_rows = jax.jit(first_rows, static_argnums=1)
         self._sample_fn = StaticJit(sample_step, self.graphdef, mesh, select, donate_argnums=(0,))
         self._prompt_logprobs_fn = StaticJit(prompt_logprobs_step, self.graphdef, mesh)

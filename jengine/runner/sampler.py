@@ -23,6 +23,7 @@ logit bias) sits on device in `SamplingState`, one row per persistent batch slot
 """
 
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -165,7 +166,7 @@ def _sample_general(logits, meta: SamplingMetadata, state: SamplingState, select
         truncating = jnp.any((meta.top_k > 0) | (meta.top_p < 1.0) | (meta.min_p > 0.0))
         scaled = branch(
             truncating,
-            lambda l, m: truncate(l, m, select=select),
+            partial(truncate, select=select),
             lambda l, m: l,
             scaled,
             meta,
@@ -201,7 +202,7 @@ def sample(
     sampled = branch(
         plain_greedy & ~jnp.any(hits_masked),
         lambda l, m, s: unmasked,
-        lambda l, m, s: _sample_general(l, m, s, select),
+        partial(_sample_general, select=select),
         logits,
         meta,
         state,

@@ -18,6 +18,8 @@ The two searches cost ~1 s of compile in each sampling program (~2.2 -> ~3.5 s a
 [1, 32000]; a serve warmup of 48 step shapes, 140 -> 154 s).
 """
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,7 +44,7 @@ def truncate(
     candidates = jax.lax.top_k(logits, num_candidates)[0]  # descending
     kth = branch(
         jnp.any(meta.top_k > num_candidates),
-        lambda logits, top_k: _kth_by_bisection(logits, top_k, unroll=select),
+        partial(_kth_by_bisection, unroll=select),
         lambda logits, top_k: _kth_of_largest(candidates, top_k),
         logits,
         meta.top_k,
@@ -58,7 +60,7 @@ def truncate(
     undecided = (meta.top_p < 1.0) & (survivors > num_candidates) & short
     nucleus = branch(
         jnp.any(undecided),
-        lambda *args: _nucleus_by_bisection(*args, unroll=select),
+        partial(_nucleus_by_bisection, unroll=select),
         lambda logits, kth, log_normalizer, top_p: _nucleus(candidates, probs, top_p),
         logits,
         kth,
