@@ -41,10 +41,10 @@ def gptq_fp8(weight: np.ndarray, gram: np.ndarray) -> dict[str, np.ndarray]:
     # Columns in order of falling input energy (GPTQ's "act order"): the ones that matter
     # most are rounded first, while the most columns are left to take their errors.
     order = np.argsort(-np.diagonal(gram, axis1=1, axis2=2), axis=-1, kind="stable")
-    weight = np.take_along_axis(np.asarray(weight, np.float32), order[:, None, :], axis=-1)
-    # Columns as rows, [L, D, F]: each step below reads and writes whole rows of memory
-    # (1.4-1.7x faster than strided columns of [L, F, D], the same codes).
-    columns = np.ascontiguousarray(weight.transpose(0, 2, 1))
+    # Columns as rows, [L, D, F], in that order: each step below reads and writes whole
+    # rows of memory (1.4-1.7x faster than strided columns of [L, F, D], the same codes).
+    columns = np.asarray(weight, np.float32).transpose(0, 2, 1)
+    columns = np.take_along_axis(columns, order[:, :, None], axis=1)
     upper = np.asarray(_upper_cholesky_of_inverse(jnp.asarray(gram), jnp.asarray(order)))
     codes = np.empty(columns.shape, jnp.float8_e4m3fn)
     row_scales = scales[..., 0]  # [L, F]
