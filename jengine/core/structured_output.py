@@ -17,7 +17,8 @@ with a quiet empty success.
 The grammar library is llguidance (vLLM's `guidance` backend): a Rust Earley parser with
 no dependency (xgrammar, vLLM's default, requires torch and triton, which jengine
 otherwise never installs), JSON schema, regex, Lark and GBNF grammars, and masks computed
-lazily per step in microseconds, so a grammar "compiles" in milliseconds. Jax-free.
+lazily per step in microseconds, so a grammar "compiles" in milliseconds. Regexes and JSON
+schemas first pass through `constraint_dialect`, so they read as in xgrammar. Jax-free.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jengine.core.constraint_dialect import ascii_shorthands, closed_objects
 from jengine.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -63,6 +65,8 @@ def grammar_for(params: StructuredOutputsParams) -> str:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from e
         if not isinstance(schema, dict):
             raise ValueError("structured_outputs.json must be a JSON schema object")
+        if kind == "json":
+            schema = closed_objects(schema)
         # Fixed separators (json.dumps' by default) and no free whitespace: a model cannot
         # pad the output forever.
         options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -73,7 +77,7 @@ def grammar_for(params: StructuredOutputsParams) -> str:
         except ValueError as e:
             raise ValueError(f"structured_outputs.json is not a usable JSON schema: {e}") from e
     if kind == "regex":
-        return LLMatcher.grammar_from_regex(params.regex)
+        return LLMatcher.grammar_from_regex(ascii_shorthands(params.regex))
     if kind == "choice":
         return grammar_from("choice", json.dumps(params.choice))
     try:  # a Lark grammar, or GBNF (converted to Lark)
