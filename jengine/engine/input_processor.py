@@ -23,6 +23,8 @@ from jengine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutp
 PromptType = str | list[int] | dict
 # An embedding request's sampling: the one token that ends its prompt's step, never shown.
 _POOLING_SAMPLING = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+# What `render_chat` sets itself; `chat_template_kwargs` may not.
+_TEMPLATE_RESERVED = {"tokenize", "add_generation_prompt", "continue_final_message"}
 
 
 class InputProcessor:
@@ -81,24 +83,47 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
         chat_template: str | None = None,
-        **template_kwargs,
+        *,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> tuple[str, list[int]]:
         """Chat messages -> (prompt text, token ids) through `chat_template` (a Jinja
-        template; default: the model's own). The template writes the special tokens it
-        wants (BOS), so none are added by default."""
+        template; default: the model's own), as vLLM renders them: `tools` and
+        `chat_template_kwargs` reach the template, and `continue_final_message` leaves the
+        last message open for the reply to continue. The template writes the special tokens
+        it wants (BOS), so none are added by default. Every problem is a ValueError whose
+        message starts with the argument it is about, where there is one."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer")
         if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError(
                 "this model's tokenizer has no chat template; give one (--chat-template)"
             )
-        text = self.tokenizer.apply_chat_template(
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=False,
-            chat_template=chat_template,
-            **template_kwargs,
-        )
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        template_kwargs = dict(chat_template_kwargs or {})
+        if reserved := sorted(_TEMPLATE_RESERVED & template_kwargs.keys()):
+            raise ValueError(f"chat_template_kwargs may not set {reserved}")
+        if tools:
+            template_kwargs["tools"] = tools
+        messages = [
+            {**m, "content": text_of_content(m["content"])}
+            if isinstance(m, dict) and isinstance(m.get("content"), list)
+            else m
+            for m in messages
+        ]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                chat_template=chat_template,
+                **template_kwargs,
+            )
+        except Exception as e:  # jinja errors, raise_exception() in templates, ...
+            raise ValueError(f"could not apply the chat template: {e}") from e
         return text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
@@ -208,3 +233,15 @@ def load_chat_template(template: str | None) -> str | None:
             return f.read()
     except OSError as e:
         raise ValueError(f"chat template {template!r} is neither a file nor a template: {e}") from e
+
+
+def text_of_content(content: str | list[dict] | None) -> str:
+    """A message's content as templates take it: OpenAI's text parts joined by newlines."""
+    if not isinstance(content, list):
+        return content or ""
+    if not all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        for part in content
+    ):
+        raise ValueError("only text content parts are supported")
+    return "\n".join(part["text"] for part in content)

@@ -189,24 +189,36 @@ class LLM:
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
-        add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list, through `chat_template` (a
-        Jinja template; default: the model's)."""
+        """Generate replies to one conversation or a list, as vLLM's `LLM.chat`: each
+        rendered through `chat_template` (a Jinja template; default: the model's) with
+        `tools` and `chat_template_kwargs` (e.g. `{"enable_thinking": False}`) passed to
+        it; `continue_final_message` (with `add_generation_prompt=False`) continues the
+        last message instead of answering it. Content may be a string or OpenAI's text
+        parts. The reply is text: parse tool calls from it as the model writes them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         render = self.llm_engine.input_processor.render_chat
-        prompts = [
-            {"prompt": text, "prompt_token_ids": token_ids}
-            for text, token_ids in (
-                render(conv, add_generation_prompt, chat_template=chat_template)
-                for conv in conversations
+        prompts = []
+        for conversation in conversations:
+            text, token_ids = render(
+                conversation,
+                add_generation_prompt,
+                chat_template=chat_template,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
             )
-        ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run_engine(self, request_ids: list[str], show_progress: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

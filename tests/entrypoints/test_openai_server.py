@@ -400,6 +400,28 @@ def test_served_text_equals_llm_generate(client, tiny_model):
     offline_chat = llm.chat(MESSAGES, params, use_tqdm=False)[0].outputs[0].text
     assert served_chat == offline_chat
 
+    # vLLM's LLM.chat arguments render as the chat route's fields do.
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    served_tools = chat(client, messages=MESSAGES, max_tokens=24,
+                        extra_body={"chat_template_kwargs": {"tools": [weather]}})  # fmt: skip
+    [offline_tools] = llm.chat(MESSAGES, params, use_tqdm=False, tools=[weather],
+                               chat_template=TOOL_CHAT_TEMPLATE)  # fmt: skip
+    assert offline_tools.prompt.startswith("<|system|>\nTools: get_weather<|end|>")
+    assert offline_tools.outputs[0].text == served_tools.choices[0].message.content
+    parts = [{"type": "text", "text": "Paris"}, {"type": "text", "text": "is"}]
+    partial = [*MESSAGES, {"role": "assistant", "content": parts}]
+    continued = dict(add_generation_prompt=False, continue_final_message=True)
+    served_continued = chat(client, messages=partial, max_tokens=24, extra_body=continued)
+    [offline_continued] = llm.chat(partial, params, use_tqdm=False, **continued)
+    assert offline_continued.prompt.endswith("Paris\nis")
+    assert offline_continued.outputs[0].text == served_continued.choices[0].message.content
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
+        llm.chat(partial, params, continue_final_message=True)
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set"):
+        llm.chat(MESSAGES, params, chat_template_kwargs={"tokenize": True})
+    with pytest.raises(ValueError, match="only text content parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url"}]}], params)
+
 
 # -- load -------------------------------------------------------------------------------
 
@@ -498,6 +520,9 @@ BAD_CHATS = [
     ),
     ({"messages": MESSAGES, "response_format": {"type": "xml"}}, "response_format.type"),
     ({"messages": MESSAGES, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
+    ({"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ({"messages": MESSAGES, "chat_template": "{{ raise_exception('no') }}"}, "messages"),
     (
         {"messages": MESSAGES, "logprobs": True, "return_tokens_as_token_ids": True},
         "return_tokens_as_token_ids",

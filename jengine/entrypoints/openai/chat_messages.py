@@ -9,6 +9,7 @@ a mapping where they are a JSON object, since templates iterate them (`| tojson`
 
 import json
 
+from jengine.engine.input_processor import text_of_content
 from jengine.entrypoints.openai.protocol import ChatMessageParam, OpenAIError
 
 
@@ -17,17 +18,11 @@ def template_messages(message_params: list[ChatMessageParam]) -> list[dict]:
 
 
 def _template_message(index: int, message: ChatMessageParam) -> dict:
-    content = message.content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise OpenAIError(
-                    "only text content parts are supported", param=f"messages.{index}.content"
-                )
-            parts.append(part["text"])
-        content = "\n".join(parts)
-    entry = {"role": message.role, "content": content or ""}
+    try:
+        content = text_of_content(message.content)
+    except ValueError as e:
+        raise OpenAIError(str(e), param=f"messages.{index}.content") from None
+    entry = {"role": message.role, "content": content}
     if message.name is not None:
         entry["name"] = message.name
     if message.tool_call_id is not None:

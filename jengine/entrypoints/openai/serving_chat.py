@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 
 from jengine.engine.output_processor import RequestOutputKind
 from jengine.entrypoints.openai.chat_messages import template_messages
+from jengine.entrypoints.openai.errors import param_of, to_openai_error
 from jengine.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -60,8 +61,6 @@ from jengine.entrypoints.openai.tool_parsers import (
     get_tool_parser,
 )
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput
-
-_TEMPLATE_RESERVED = {"tokenize", "add_generation_prompt", "continue_final_message"}
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -106,19 +105,18 @@ class OpenAIServingChat(OpenAIServing):
                 param="tool_choice",
             )
         tool_constraint = tool_choice_constraint(request)
-        template_kwargs = dict(request.chat_template_kwargs or {})
+        tools = None
         if request.tools and tool_choice != "none":
-            template_kwargs["tools"] = [
-                tool.model_dump(exclude_none=True) for tool in request.tools
-            ]
+            tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
         messages = template_messages(request.messages)
         text, token_ids = self.render(
             messages,
             request.add_generation_prompt,
             request.continue_final_message,
-            template_kwargs,
+            request.chat_template_kwargs,
             request.add_special_tokens,
             request.chat_template,
+            tools,
         )
         text, token_ids = truncated(request, text, token_ids, self.max_model_len)
         requested = request.max_completion_tokens
@@ -160,33 +158,22 @@ class OpenAIServingChat(OpenAIServing):
         chat_template_kwargs: dict | None = None,
         add_special_tokens: bool = False,
         chat_template: str | None = None,
+        tools: list[dict] | None = None,
     ) -> tuple[str, list[int]]:
         """Messages -> (prompt text, token ids) through `chat_template`, else the server's
         --chat-template, else the model's."""
-        if add_generation_prompt and continue_final_message:
-            raise OpenAIError(
-                "add_generation_prompt and continue_final_message cannot both be true",
-                param="continue_final_message",
-            )
-        template_kwargs = dict(chat_template_kwargs or {})
-        if _TEMPLATE_RESERVED & template_kwargs.keys():
-            raise OpenAIError(
-                "chat_template_kwargs may not set "
-                f"{sorted(_TEMPLATE_RESERVED & template_kwargs.keys())}",
-                param="chat_template_kwargs",
-            )
-        if continue_final_message:
-            template_kwargs["continue_final_message"] = True
         try:
             return self.engine.input_processor.render_chat(
                 messages,
                 add_generation_prompt,
                 add_special_tokens,
                 chat_template or self.chat_template,
-                **template_kwargs,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
             )
-        except Exception as e:  # jinja errors, raise_exception() in templates, ...
-            raise OpenAIError(f"could not apply the chat template: {e}", param="messages") from e
+        except ValueError as e:
+            raise to_openai_error(e, param_of(str(e)) or "messages") from None
 
     def _role_and_echo(
         self, request: ChatCompletionRequest, messages: list[dict]
