@@ -111,6 +111,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     detokenize: detokenization options used by the front end.
     structured_outputs: a constraint on the output (JSON schema, regex, choice, grammar),
         enforced on device by masking the logits before any sampling rule.
+    allowed_token_ids: the only token ids the output may have (EOS too only if listed).
+    bad_words: words the output may not contain: as vLLM, each word's tokens with and
+        without a leading space; the last token of one is masked where the output's last
+        tokens are the ones before it. The front end fills `bad_words_token_ids`.
     """
 
     n: int = 1
@@ -135,6 +139,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         # Normalize first so validation (and everything downstream) sees one shape.
@@ -228,6 +235,30 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             for token_id, bias in self.logit_bias.items():
                 _require(token_id >= 0, "logit_bias", "keys must be token ids >= 0", token_id)
                 _require(math.isfinite(bias), "logit_bias", "values must be finite", bias)
+        if self.allowed_token_ids is not None:
+            _require(
+                bool(self.allowed_token_ids)
+                and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
+                "allowed_token_ids",
+                "must be a non-empty list of token ids >= 0",
+                self.allowed_token_ids,
+            )
+        if self.bad_words is not None:
+            _require(
+                all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                "bad_words",
+                "must contain only non-blank strings",
+                self.bad_words,
+            )
+
+    @property
+    def masks_tokens(self) -> bool:
+        """A constraint or token lists that the step's bitmask rows enforce."""
+        return (
+            self.structured_outputs is not None
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words)
+        )
 
     @property
     def uses_history(self) -> bool:

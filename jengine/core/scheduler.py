@@ -132,7 +132,7 @@ class Scheduler(StepResults, Preemption, MultiStep):
                 f"tokens; it must have between 1 and max_model_len={self.max_model_len}"
             )
         self.requests[request.request_id] = request
-        if request.sampling_params.structured_outputs is None:
+        if not request.sampling_params.masks_tokens:
             self.waiting.add(request)
             return
         if self.structured_output_manager is None:

@@ -12,7 +12,8 @@ runner in the SchedulerOutput (the sampler masks the logits with them on device)
 nothing more ends its request with `stop`. A grammar that fails to build, or that this
 vocabulary cannot continue (no token fits where the output stands, or a sampled token the
 matcher refuses), ends its request with an error naming the cause (FINISHED_ERROR), never
-with a quiet empty success.
+with a quiet empty success. vLLM's `allowed_token_ids` and `bad_words` ride the same rows:
+such a request is constrained, with a grammar or without one.
 
 The grammar library is llguidance (vLLM's `guidance` backend): a Rust Earley parser with
 no dependency (xgrammar, vLLM's default, requires torch and triton, which jengine
@@ -49,6 +50,14 @@ class StructuredOutputError(Exception):
 
 def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
+
+
+def token_bitmask(token_ids: list[int], vocab_size: int) -> np.ndarray:
+    """The packed int32 bitmask row with the bits of `token_ids` set."""
+    ids = np.asarray([t for t in token_ids if t < vocab_size], np.int64)
+    words = np.zeros(bitmask_width(vocab_size), np.uint32)
+    np.bitwise_or.at(words, ids // 32, (np.uint32(1) << (ids % 32).astype(np.uint32)))
+    return words.view(np.int32)
 
 
 def grammar_for(params: StructuredOutputsParams) -> str:
@@ -120,21 +129,31 @@ def spec_key(params: StructuredOutputsParams) -> tuple:
 
 
 class StructuredOutputRequest:
-    """One request's constraint: its compiling grammar, then its matcher; with a
-    `reasoning_end` marker, free until the output has produced it."""
+    """One request's constraint: its compiling grammar, then its matcher (none without a
+    grammar); with a `reasoning_end` marker, free until the output has produced it. Beside
+    it, or alone, the token lists: `allowed` (the bitmask row of `allowed_token_ids`) and
+    `bad_words` (token sequences whose last token is masked after the ones before it)."""
 
-    __slots__ = ("future", "matcher", "reasoning_end", "reasoning_ended")
+    __slots__ = ("future", "matcher", "reasoning_end", "reasoning_ended", "allowed", "bad_words")
 
-    def __init__(self, future: Future, reasoning_end: str | None = None):
+    def __init__(
+        self,
+        future: Future | None,
+        reasoning_end: str | None = None,
+        allowed: np.ndarray | None = None,
+        bad_words: list[list[int]] | None = None,
+    ):
         self.future = future
         self.matcher = None
         self.reasoning_end = reasoning_end
         self.reasoning_ended = reasoning_end is None
+        self.allowed = allowed
+        self.bad_words = bad_words or []
 
     @property
     def ready(self) -> bool:
         """Compiled (or failed); takes the matcher on first success."""
-        if self.matcher is not None:
+        if self.matcher is not None or self.future is None:
             return True
         if not self.future.done():
             return False
@@ -144,7 +163,7 @@ class StructuredOutputRequest:
 
     @property
     def error(self) -> str | None:
-        if not self.future.done():
+        if self.future is None or not self.future.done():
             return None
         exception = self.future.exception()
         if exception is not None:
@@ -175,14 +194,21 @@ class StructuredOutputManager:
         self._compiled: dict[tuple, Future] = {}  # spec -> compiled matcher (a template)
 
     def add_request(self, request: Request) -> None:
-        params = request.sampling_params.structured_outputs
-        key = spec_key(params)
-        template = self._compiled.get(key)
-        if template is None:
-            template = self._executor.submit(self._compile, params)
-            self._compiled[key] = template
+        sampling = request.sampling_params
+        params = sampling.structured_outputs
+        future = reasoning_end = allowed = None
+        if params is not None:
+            key = spec_key(params)
+            template = self._compiled.get(key)
+            if template is None:
+                template = self._executor.submit(self._compile, params)
+                self._compiled[key] = template
+            future = self._executor.submit(self._copy, template)
+            reasoning_end = params.reasoning_end
+        if sampling.allowed_token_ids is not None:
+            allowed = token_bitmask(sampling.allowed_token_ids, self.vocab_size)
         request.structured_output = StructuredOutputRequest(
-            self._executor.submit(self._copy, template), params.reasoning_end
+            future, reasoning_end, allowed, sampling.bad_words_token_ids
         )
 
     def _tokenizer_once(self):
@@ -213,8 +239,8 @@ class StructuredOutputManager:
     ) -> tuple[list[Request], list[tuple[Request, str]]]:
         """Remove the requests whose grammar is done from `waiting`: (compiled, failed with
         why). `idle` (nothing else to run): first wait a little for one instead of spinning."""
-        if idle:
-            futures = [r.structured_output.future for r in waiting.values()]
+        futures = [r.structured_output.future for r in waiting.values()]
+        if idle and None not in futures:
             concurrent.futures.wait(futures, timeout=0.05, return_when="FIRST_COMPLETED")
         compiled, failed = [], []
         for req_id, request in list(waiting.items()):
@@ -236,9 +262,19 @@ class StructuredOutputManager:
         from llguidance.numpy import fill_next_token_bitmask
 
         bitmask = np.full((len(requests), self.width), -1, np.int32)
+        bits = bitmask.view(np.uint32)
         for row, request in enumerate(requests):
-            if request.structured_output.reasoning_ended:  # else: still thinking, free
-                fill_next_token_bitmask(request.structured_output.matcher, bitmask, row)
+            constraint = request.structured_output
+            # Without reasoning_ended the request is still thinking: free.
+            if constraint.matcher is not None and constraint.reasoning_ended:
+                fill_next_token_bitmask(constraint.matcher, bitmask, row)
+            if constraint.allowed is not None:
+                bitmask[row] &= constraint.allowed
+            for words in constraint.bad_words:
+                before = len(words) - 1
+                if before == 0 or list(request.output_token_ids[-before:]) == words[:-1]:
+                    word, bit = divmod(words[-1], 32)
+                    bits[row, word] &= ~np.uint32(1 << bit)
         return bitmask
 
     def accept(self, request: Request, token_id: int) -> bool:
@@ -247,6 +283,8 @@ class StructuredOutputManager:
         go on: the matcher already failed when it computed the token's mask (no token of
         the vocabulary fits there), or it refuses the token."""
         constraint = request.structured_output
+        if constraint.matcher is None:  # token lists only: nothing to advance
+            return False
         if not constraint.reasoning_ended:
             # The marker may span tokens: look for it in the last few tokens' text.
             tail = self._tokenizer.decode_str(request.output_token_ids[-16:])

@@ -157,6 +157,30 @@ class InputProcessor:
             raise ValueError(f"logit_bias token ids {bad_bias[:5]} are out of vocabulary")
         if params.structured_outputs is not None:
             self._validate_structured_outputs(params.structured_outputs)
+        bad_allowed = [t for t in params.allowed_token_ids or () if t >= self.vocab_size]
+        if bad_allowed:
+            raise ValueError(f"allowed_token_ids {bad_allowed[:5]} are out of vocabulary")
+        if params.bad_words:
+            params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens as it starts the text and, where that spells it with other
+        tokens of the same count, after a space (vLLM's rule)."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer")
+        sequences = []
+        for word in words:
+            alone = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if not alone:  # the vocabulary cannot spell it: nothing to ban
+                continue
+            sequences.append(alone)
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                sequences.append(spaced)
+        bad = [t for words in sequences for t in words if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"bad_words spell token ids {bad[:5]} outside the vocabulary")
+        return sequences
 
     def _validate_structured_outputs(self, constraint: StructuredOutputsParams) -> None:
         """The grammar library checks the constraint here, before anything is sent (valid

@@ -1,8 +1,8 @@
 """Async scheduling changes nothing a request sees: the same tokens, logprobs (1e-5) and
 finish reasons as with `--no-async-scheduling`, for every sampling feature, structured
-outputs, chunked prefill, prefix hits and preemption in one batch; a request that stops
-emits nothing past its stop; an abort while its step is in flight frees its blocks; and
-neither mode compiles after warmup.
+outputs, `allowed_token_ids` and `bad_words`, chunked prefill, prefix hits and preemption
+in one batch; a request that stops emits nothing past its stop; an abort while its step is
+in flight frees its blocks; and neither mode compiles after warmup.
 
 Both engines run the tiny model with a real tokenizer (stop strings, grammars), a 24-token
 budget (long prompts are chunked) and 24 blocks of 16 tokens for 8 running requests
@@ -71,6 +71,58 @@ def test_structured_outputs_mixed_with_free_requests(engines):
     outputs = both(engines, prompts, params)
     assert_same(outputs)
     assert outputs["async"][2].outputs[0].text in ("yes", "no", "maybe so")
+    assert_engines_clean(engines)
+
+
+def _contains(tokens: list[int], part: list[int]) -> int:
+    """The index just past the first occurrence of `part` in `tokens`, or -1."""
+    for end in range(len(part), len(tokens) + 1):
+        if tokens[end - len(part) : end] == part:
+            return end
+    return -1
+
+
+def test_allowed_token_ids_and_bad_words(engines):
+    """The token lists mask as vLLM's do, in both modes: allowed_token_ids picks what a
+    +100 logit bias on the same ids picks (EOS is not among them: the request runs to
+    max_tokens); a bad word's tokens never follow the ones before them; free neighbours
+    are untouched."""
+    prompt = "Tell me about the sea"
+    free = SamplingParams(temperature=0, max_tokens=30)
+    [base] = engines["sync"].generate(prompt, free, use_tqdm=False)
+    base_ids = list(base.outputs[0].token_ids)
+    allowed = sorted(set(base_ids))[:5]
+    processor = engines["sync"].llm_engine.input_processor
+    for word in base.outputs[0].text.split():  # a word whose tokens the free output has
+        banning = SamplingParams(temperature=0, max_tokens=30, bad_words=[word])
+        processor.validate_params(banning)
+        if any(_contains(base_ids, seq) > 0 for seq in banning.bad_words_token_ids):
+            break
+    else:
+        pytest.fail("no word of the free output is spelled as it tokenizes alone")
+    unspellable = SamplingParams(bad_words=["\u0093"])  # the ASCII vocabulary has no token
+    processor.validate_params(unspellable)
+    assert unspellable.bad_words_token_ids == []
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, allowed_token_ids=allowed),
+        SamplingParams(temperature=0, max_tokens=30, logit_bias={t: 100.0 for t in allowed}),
+        banning,
+        SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=30, allowed_token_ids=allowed),
+        free,
+    ]
+    outputs = both(engines, [prompt] * len(params), params)
+    assert_same(outputs)
+    only, biased, banned, sampled, untouched = outputs["async"]
+    assert only.outputs[0].token_ids == biased.outputs[0].token_ids
+    assert only.outputs[0].finish_reason == "length"
+    for completion in sampled.outputs:
+        assert set(completion.token_ids) <= set(allowed)
+    banned_ids = list(banned.outputs[0].token_ids)
+    assert all(_contains(banned_ids, seq) == -1 for seq in banning.bad_words_token_ids)
+    first = min(e for seq in banning.bad_words_token_ids if (e := _contains(base_ids, seq)) > 0)
+    assert banned_ids[: first - 1] == base_ids[: first - 1]  # the same up to the ban
+    assert banned_ids[first - 1] != base_ids[first - 1]
+    assert untouched.outputs[0].token_ids == base.outputs[0].token_ids
     assert_engines_clean(engines)
 
 

@@ -399,6 +399,13 @@ def test_served_text_equals_llm_generate(client, tiny_model):
     assert served == offline
     offline_chat = llm.chat(MESSAGES, params, use_tqdm=False)[0].outputs[0].text
     assert served_chat == offline_chat
+    # vLLM's token lists, through extra_body.
+    lists = {"allowed_token_ids": list(range(40, 90)), "bad_words": offline[0].split()[:2]}
+    served_lists = complete(client, prompt=PROMPT, max_tokens=24, extra_body=lists)
+    [offline_lists] = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=24, **lists),
+                                   use_tqdm=False)  # fmt: skip
+    assert served_lists.choices[0].text == offline_lists.outputs[0].text != offline[0]
+    assert set(offline_lists.outputs[0].token_ids) <= set(lists["allowed_token_ids"])
 
     # vLLM's LLM.chat arguments render as the chat route's fields do.
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
@@ -502,10 +509,11 @@ BAD_COMPLETIONS = [
     ({"prompt": PROMPT, "prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
     ({"prompt": PROMPT, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"prompt": PROMPT, "truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
+    ({"prompt": PROMPT, "allowed_token_ids": []}, "allowed_token_ids"),
+    ({"prompt": PROMPT, "allowed_token_ids": [1, 10**6]}, "allowed_token_ids"),
+    ({"prompt": PROMPT, "bad_words": [" "]}, "bad_words"),
     # vLLM's fields jengine does not implement: refused, not ignored.
     ({"prompt": PROMPT, "use_beam_search": True, "n": 2}, "use_beam_search"),
-    ({"prompt": PROMPT, "bad_words": ["fox"]}, "bad_words"),
-    ({"prompt": PROMPT, "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
 ]
 
 BAD_CHATS = [

@@ -66,6 +66,8 @@ _PARAM_NAMES = {
     "logprobs",
     "prompt_logprobs",
     "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
     "continue_final_message",
     "chat_template_kwargs",
 }

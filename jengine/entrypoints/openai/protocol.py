@@ -144,6 +144,8 @@ class SamplingRequest(OpenAIBaseModel):
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None
     priority: Annotated[int, Field(**_INT64)] = 0
     request_id: str | None = None
+    allowed_token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = None
+    bad_words: list[str] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and the
     # older guided_* names (jengine/entrypoints/openai/structured_outputs.py).
     response_format: ResponseFormat | None = None
@@ -159,8 +161,6 @@ class SamplingRequest(OpenAIBaseModel):
 # banned words must not get an ordinary answer as if they had been applied).
 UNSUPPORTED_FIELDS = (
     "use_beam_search",
-    "bad_words",
-    "allowed_token_ids",
     "logits_processors",
     "return_tokens_as_token_ids",
 )

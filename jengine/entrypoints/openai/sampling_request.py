@@ -55,6 +55,8 @@ def sampling_params_of(
             skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
             structured_outputs=structured_outputs_of(request),
+            allowed_token_ids=request.allowed_token_ids,
+            bad_words=request.bad_words,
         )
     except (ValueError, TypeError) as e:
         raise to_openai_error(e, param_of(str(e)), bad_input=(ValueError, TypeError)) from None
