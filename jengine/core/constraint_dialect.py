@@ -14,10 +14,10 @@ Two readings differ, and both show with a real model:
   other key by the letter of JSON Schema, and llguidance follows it: SmolLM2, forced to
   call `get_weather(city)`, added `"location"` and `"description"`. xgrammar's default
   strict mode (vLLM's) and OpenAI's strict schemas allow only the listed keys, so such an
-  object is closed here. A schema that says `additionalProperties` (or
-  `unevaluatedProperties`) keeps its word; an object with no listed properties stays any
-  object (closing it would allow only `{}`); and the parts of an `allOf` stay open, since
-  their properties add up.
+  object is closed here (`"properties": {}`, as a tool without parameters has, allows only
+  `{}`). A schema that says `additionalProperties` (or `unevaluatedProperties`) keeps its
+  word; an object schema without `properties` stays any object; and the parts of an
+  `allOf` stay open, since their properties add up.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def ascii_shorthands(regex: str) -> str:
 
 
 def closed_objects(schema: dict) -> dict:
-    """A copy of `schema` whose objects that list properties allow no others, unless they
-    say so. `not`, `if`/`then`/`else` and the like are copied as they are (closing an
+    """A copy of `schema` whose objects that list properties (none, too) allow no others,
+    unless they say so. `not`, `if`/`then`/`else` and the like are copied as they are (closing an
     object under `not` would widen what it allows)."""
     merged_refs = set()
     _collect_merged_refs(schema, merged_refs)
@@ -77,7 +77,7 @@ def _closed(schema, merged_refs: set[str], in_all_of: bool, pointer: str):
                 name: _closed(sub, merged_refs, False, f"{pointer}/{key}/{name}")
                 for name, sub in schema[key].items()
             }
-    lists_properties = bool(schema.get("properties") or schema.get("patternProperties"))
+    lists_properties = "properties" in schema or "patternProperties" in schema
     says_itself = "additionalProperties" in schema or "unevaluatedProperties" in schema
     merged = in_all_of or "allOf" in schema or pointer in merged_refs
     if lists_properties and not says_itself and not merged:

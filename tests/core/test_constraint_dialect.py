@@ -38,6 +38,7 @@ def test_closed_objects_closes_only_objects_that_list_properties():
             "point": POINT,
             "open": {**POINT, "additionalProperties": True},
             "any": {"type": "object"},
+            "none": {"type": "object", "properties": {}},  # a tool without parameters
             "list": {"type": "array", "items": POINT},
             "either": {"anyOf": [POINT, {"type": "null"}]},
             "unlike": {"not": POINT},
@@ -49,6 +50,7 @@ def test_closed_objects_closes_only_objects_that_list_properties():
     assert props["point"]["additionalProperties"] is False
     assert props["open"]["additionalProperties"] is True
     assert "additionalProperties" not in props["any"]
+    assert props["none"]["additionalProperties"] is False
     assert props["list"]["items"]["additionalProperties"] is False
     assert props["either"]["anyOf"][0]["additionalProperties"] is False
     assert props["unlike"] == {"not": POINT}  # closing under `not` would widen it

@@ -96,5 +96,6 @@ def test_chat_templates_run_in_jinjas_sandbox(tiny_model):
         "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     )
     processor = InputProcessor(tokenizer, vocab_size=len(tokenizer), max_model_len=128)
-    with pytest.raises(jinja2.exceptions.SecurityError):
+    with pytest.raises(ValueError, match="could not apply the chat template") as refused:
         processor.render_chat([{"role": "user", "content": "hi"}])
+    assert isinstance(refused.value.__cause__, jinja2.exceptions.SecurityError)
