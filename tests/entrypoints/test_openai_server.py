@@ -300,6 +300,7 @@ def test_chat_template_file_and_per_request_template(client, http):
     server_file = rendered(http, messages=history, chat_template_kwargs=kwargs)
     assert server_file.startswith("<|system|>\nTools: get_weather<|end|>")
     assert 'call get_weather {"city": "Paris"}<|end|>' in server_file
+    assert rendered(http, messages=history, tools=[weather]) == server_file  # vLLM's field
     own = rendered(http, messages=history, chat_template_kwargs=kwargs, chat_template=CHAT_TEMPLATE)
     assert own == server_file.replace("<|system|>\nTools: get_weather<|end|>\n", "").replace(
         'call get_weather {"city": "Paris"}', ""

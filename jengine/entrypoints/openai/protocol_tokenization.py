@@ -9,7 +9,13 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from jengine.entrypoints.openai.protocol import ChatMessageParam, OpenAIBaseModel, TokenId, now
+from jengine.entrypoints.openai.protocol import (
+    ChatCompletionToolParam,
+    ChatMessageParam,
+    OpenAIBaseModel,
+    TokenId,
+    now,
+)
 
 
 class ModelCard(OpenAIBaseModel):
@@ -38,6 +44,7 @@ class TokenizeRequest(OpenAIBaseModel):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionToolParam] | None = None  # they reach the template
 
 
 class TokenizeResponse(OpenAIBaseModel):

@@ -46,6 +46,7 @@ class OpenAIServingTokenization(OpenAIServing):
                 request.chat_template_kwargs,
                 bool(request.add_special_tokens),
                 request.chat_template,
+                [tool.model_dump(exclude_none=True) for tool in request.tools or []],
             )
         return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len, tokens=tokens)
 
