@@ -2,7 +2,8 @@
 `openai` client's `responses.create`: a plain answer equal to the chat route's, a streamed
 one whose events come in order and whose deltas join to the full text, a function tool
 round trip (the call, then its output sent back as an input item), a JSON-schema text
-format, and the clear 400s for what jengine does not keep (stored responses)."""
+format, logprobs equal to the chat route's (whole and streamed), and the clear 400s for
+what jengine does not keep (stored responses)."""
 
 import json
 
@@ -103,6 +104,37 @@ def test_streamed_events_come_in_order_and_join_to_the_text(client):
     assert all(e.item_id == item_id for e in deltas) and final.output[0].id == item_id
 
 
+def test_logprobs_are_the_chat_routes_whole_and_streamed(client):
+    include = ["message.output_text.logprobs"]
+    response = respond(client, input=QUESTION, max_output_tokens=16, include=include,
+                       top_logprobs=2)  # fmt: skip
+    chat = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": QUESTION}],
+        temperature=0,
+        max_tokens=16,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    expected = chat.choices[0].logprobs.content
+    [part] = response.output[0].content
+    assert [e.token for e in part.logprobs] == [e.token for e in expected]
+    for ours, chats in zip(part.logprobs, expected, strict=True):
+        assert abs(ours.logprob - chats.logprob) < 1e-4
+        assert [t.token for t in ours.top_logprobs] == [t.token for t in chats.top_logprobs]
+        assert ours.top_logprobs[0].token == ours.token  # greedy
+    events = list(respond(client, input=QUESTION, max_output_tokens=16, include=include,
+                          top_logprobs=2, stream=True))  # fmt: skip
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    streamed = [entry.token for e in deltas for entry in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    final = events[-1].response.output[0].content[0]
+    assert streamed == [e.token for e in done.logprobs] == [e.token for e in final.logprobs]
+    assert streamed[: len(part.logprobs)] == [e.token for e in part.logprobs]
+    plain = respond(client, input=QUESTION, max_output_tokens=4)
+    assert plain.output[0].content[0].logprobs == []
+
+
 def test_a_function_tool_round_trip(client):
     question = "What is the weather like in Tokyo today?"
     response = respond(client, input=question, tools=[WEATHER], tool_choice="required",
@@ -157,8 +189,6 @@ def test_a_json_schema_text_format_validates(client):
         (dict(input=QUESTION, store=True), "store"),
         (dict(input=QUESTION, previous_response_id="resp-123"), "previous_response_id"),
         (dict(input=QUESTION, conversation="conv-123"), "conversation"),
-        (dict(input=QUESTION, include=["message.output_text.logprobs"]), "include"),
-        (dict(input=QUESTION, top_logprobs=2), "top_logprobs"),
         (dict(input=[{"type": "file_search_call", "id": "x"}]), "input.0.type"),
         (
             dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),

@@ -276,3 +276,7 @@ def test_reasoning_content(tiny_model):
             if c.choices
         )
         assert reasoning == message.reasoning_content
+        # The Responses API's logprobs would mix the reasoning's tokens with the answer's.
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model=MODEL_NAME, input="Hi", top_logprobs=1)
+        assert refused.value.body["param"] == "include"

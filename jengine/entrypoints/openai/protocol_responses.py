@@ -57,12 +57,12 @@ class ResponsesRequest(OpenAIBaseModel):
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool | None = True
     text: TextConfig | None = None
-    # Refused when set (serving_responses.py): jengine keeps no responses, and returns no
-    # logprobs here (the chat route does).
+    # Refused when set (serving_responses.py): jengine keeps no responses.
     store: bool | None = None
     previous_response_id: str | None = None
     background: bool | None = None
     conversation: str | dict[str, Any] | None = None
+    # Logprobs: either asks for them (serving_responses.py).
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     include: list[str] | None = None
     metadata: dict[str, str] | None = None

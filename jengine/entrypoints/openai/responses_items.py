@@ -10,7 +10,12 @@ from dataclasses import dataclass, field
 
 import pydantic
 
-from jengine.entrypoints.openai.protocol import ChatMessage, OpenAIError, random_id
+from jengine.entrypoints.openai.protocol import (
+    ChatCompletionLogProbs,
+    ChatMessage,
+    OpenAIError,
+    random_id,
+)
 from jengine.entrypoints.openai.protocol_responses import ResponsesRequest
 
 _TEXT_PART_TYPES = {"input_text", "output_text", "text"}
@@ -19,13 +24,16 @@ _TEXT_PART_TYPES = {"input_text", "output_text", "text"}
 # -- items ------------------------------------------------------------------------------------
 
 
-def output_items(message: ChatMessage) -> list[dict]:
-    """A chat reply as Responses output items, in the order the model wrote them."""
+def output_items(
+    message: ChatMessage, logprobs: ChatCompletionLogProbs | None = None
+) -> list[dict]:
+    """A chat reply as Responses output items, in the order the model wrote them; the
+    reply's `logprobs` go on the message's text."""
     items = []
     if message.reasoning_content:
         items.append(_reasoning_item(message.reasoning_content))
     if message.content:
-        items.append(_message_item(message.content))
+        items.append(_message_item(message.content, logprobs=_entries(logprobs)))
     for call in message.tool_calls or []:
         items.append(_function_call_item(call.id, call.function.name, call.function.arguments))
     return items
@@ -42,12 +50,21 @@ def _reasoning_item(text: str | None, status: str = "completed") -> dict:
     }
 
 
-def _output_text(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _entries(logprobs: ChatCompletionLogProbs | None) -> list[dict]:
+    """The chat route's logprobs as the Responses API's entries (the same fields)."""
+    if logprobs is None or not logprobs.content:
+        return []
+    return [entry.model_dump(mode="json") for entry in logprobs.content]
 
 
-def _message_item(text: str | None, status: str = "completed") -> dict:
-    content = [] if text is None else [_output_text(text)]
+def _output_text(text: str, logprobs: list[dict] | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def _message_item(
+    text: str | None, status: str = "completed", logprobs: list[dict] | None = None
+) -> dict:
+    content = [] if text is None else [_output_text(text, logprobs)]
     return {
         "type": "message",
         "id": random_id("msg"),
@@ -96,6 +113,8 @@ class StreamedItems:
     output: list[dict] = field(default_factory=list)
     texts: dict[str, list[str]] = field(default_factory=dict)  # item id -> its pieces
     calls: dict[int, dict] = field(default_factory=dict)
+    logprobs: list[dict] = field(default_factory=list)  # every token's, in order
+    unsent_logprobs: list[dict] = field(default_factory=list)  # since the last text delta
 
     def _open(self, item: dict) -> str:
         self.output.append(item)
@@ -108,7 +127,17 @@ class StreamedItems:
         last = self.output[-1] if self.output else None
         return last if last is not None and last["type"] == item_type else None
 
-    def feed(self, reasoning: str | None, content: str | None) -> list[str]:
+    def feed(
+        self,
+        reasoning: str | None,
+        content: str | None,
+        logprobs: ChatCompletionLogProbs | None = None,
+    ) -> list[str]:
+        """Events for one chat chunk; its logprobs go with the next text delta (a chunk may
+        hold tokens whose text is still held back)."""
+        entries = _entries(logprobs)
+        self.logprobs += entries
+        self.unsent_logprobs += entries
         events = []
         if reasoning:
             item = self._current("reasoning")
@@ -128,8 +157,11 @@ class StreamedItems:
                     self._content_event("response.content_part.added", item, part=_output_text(""))
                 )
             self.texts[item["id"]].append(content)
+            delta_logprobs, self.unsent_logprobs = self.unsent_logprobs, []
             events.append(
-                self._content_event("response.output_text.delta", item, delta=content, logprobs=[])
+                self._content_event(
+                    "response.output_text.delta", item, delta=content, logprobs=delta_logprobs
+                )
             )
         return events
 
@@ -149,10 +181,20 @@ class StreamedItems:
                 item["content"] = [{"type": "reasoning_text", "text": text}]
                 events.append(self._content_event("response.reasoning_text.done", item, text=text))
             else:
-                part = _output_text(text)
+                if self.unsent_logprobs:  # tokens with no text of their own, as EOS
+                    events.append(
+                        self._content_event(
+                            "response.output_text.delta", item, delta="",
+                            logprobs=self.unsent_logprobs,
+                        )
+                    )  # fmt: skip
+                    self.unsent_logprobs = []
+                part = _output_text(text, self.logprobs)
                 item["content"] = [part]
                 events.append(
-                    self._content_event("response.output_text.done", item, text=text, logprobs=[])
+                    self._content_event(
+                        "response.output_text.done", item, text=text, logprobs=self.logprobs
+                    )
                 )
                 events.append(self._content_event("response.content_part.done", item, part=part))
             events.append(self._done(item))

@@ -20,8 +20,11 @@ naming the cause.
 
 Decided: jengine keeps no responses, so `store: true`, `previous_response_id`,
 `conversation` and `background: true` are 400s naming the field (a client sends the
-conversation as input items instead, as with `store: false`); logprobs (`top_logprobs`,
-`include: ["message.output_text.logprobs"]`) are a 400 too, pointing at the chat route.
+conversation as input items instead, as with `store: false`). Logprobs
+(`include: ["message.output_text.logprobs"]`, or `top_logprobs`) are the chat route's, one
+entry per generated token, on the message's output_text part and on each text delta; a
+reply that is only function calls has no part to carry them (as OpenAI's), and with
+--reasoning-parser they are a 400, since the reasoning's tokens would mix with the answer's.
 """
 
 from collections.abc import AsyncIterator
@@ -52,6 +55,10 @@ from jengine.outputs import RequestOutput
 LOGPROBS_ITEM = "message.output_text.logprobs"
 
 
+def wants_logprobs(request: ResponsesRequest) -> bool:
+    return LOGPROBS_ITEM in (request.include or ()) or request.top_logprobs is not None
+
+
 @dataclass
 class PreparedResponse(PreparedRequest):
     chat_request: ChatCompletionRequest | None = None
@@ -77,16 +84,12 @@ class OpenAIServingResponses(OpenAIServing):
                     "conversation as input items (store=false)",
                     param=name,
                 )
-        for name, refused in (
-            ("include", LOGPROBS_ITEM in (request.include or ())),
-            ("top_logprobs", request.top_logprobs),
-        ):
-            if refused:
-                raise OpenAIError(
-                    f"{name}: logprobs are not served on /v1/responses; "
-                    "/v1/chat/completions returns them (logprobs=true, top_logprobs)",
-                    param=name,
-                )
+        if wants_logprobs(request) and self.chat.reasoning_parser is not None:
+            raise OpenAIError(
+                "include: logprobs are not served beside --reasoning-parser on /v1/responses; "
+                "/v1/chat/completions returns them (logprobs=true, top_logprobs)",
+                param="include",
+            )
         chat_request = self.chat_request(request)
         prepared = self.chat.prepare(chat_request)
         return PreparedResponse(**vars(prepared), chat_request=chat_request)
@@ -123,6 +126,8 @@ class OpenAIServingResponses(OpenAIServing):
             tool_choice=tool_choice,
             parallel_tool_calls=request.parallel_tool_calls,
             response_format=response_format,
+            logprobs=wants_logprobs(request),
+            top_logprobs=request.top_logprobs if wants_logprobs(request) else None,
             user=request.user,
             priority=request.priority,
             request_id=self.response_id(request),
@@ -141,7 +146,7 @@ class OpenAIServingResponses(OpenAIServing):
     ) -> ResponseObject:
         chat = self.chat.response(prepared.chat_request, prepared, finals)
         [choice] = chat.choices
-        output = output_items(choice.message)
+        output = output_items(choice.message, choice.logprobs)
         return self.response_object(
             request, prepared, output, choice.finish_reason, chat.usage.prompt_tokens,
             chat.usage.completion_tokens,
@@ -205,7 +210,9 @@ class OpenAIServingResponses(OpenAIServing):
                 async for chunk in chunks:
                     [choice] = chunk.choices
                     delta = choice.delta
-                    for event in items.feed(delta.reasoning_content, delta.content):
+                    for event in items.feed(
+                        delta.reasoning_content, delta.content, choice.logprobs
+                    ):
                         yield event
                     for call in delta.tool_calls or []:
                         items.add_call_delta(call)
