@@ -54,7 +54,7 @@ def bitmask_width(vocab_size: int) -> int:
 
 def token_bitmask(token_ids: list[int], vocab_size: int) -> np.ndarray:
     """The packed int32 bitmask row with the bits of `token_ids` set."""
-    ids = np.asarray([t for t in token_ids if t < vocab_size], np.int64)
+    ids = np.asarray(token_ids, np.int64)  # the front end checked them against the vocabulary
     words = np.zeros(bitmask_width(vocab_size), np.uint32)
     np.bitwise_or.at(words, ids // 32, (np.uint32(1) << (ids % 32).astype(np.uint32)))
     return words.view(np.int32)
@@ -239,9 +239,10 @@ class StructuredOutputManager:
     ) -> tuple[list[Request], list[tuple[Request, str]]]:
         """Remove the requests whose grammar is done from `waiting`: (compiled, failed with
         why). `idle` (nothing else to run): first wait a little for one instead of spinning."""
-        futures = [r.structured_output.future for r in waiting.values()]
-        if idle and None not in futures:
-            concurrent.futures.wait(futures, timeout=0.05, return_when="FIRST_COMPLETED")
+        if idle:
+            futures = [r.structured_output.future for r in waiting.values()]
+            if None not in futures:  # a request without a grammar is ready now
+                concurrent.futures.wait(futures, timeout=0.05, return_when="FIRST_COMPLETED")
         compiled, failed = [], []
         for req_id, request in list(waiting.items()):
             constraint = request.structured_output
