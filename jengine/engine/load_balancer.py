@@ -12,6 +12,9 @@ What it promises:
   requests, as the replicas report them in every step's `SchedulerStats`, plus the
   sequences sent to it that the report does not count yet (routed minus the report's
   `num_requests_received`; vLLM's DPLB client does the same);
+- ties go round: among replicas equally loaded, the first after the one chosen last. When
+  requests come one at a time and each ends before the next, every replica is idle at
+  each arrival; the lowest index would take them all.
 - affinity: the sequences of one request (n > 1) go to one replica and stay there for
   their whole life, so aborts reach the replica that holds them;
 - the stats handed on are the sum over replicas (gauges from each replica's latest
@@ -33,6 +36,7 @@ class DataParallelBalancer:
         self.num_routed = [0] * num_replicas  # sequences ever sent to each replica
         self._latest_stats: list[SchedulerStats] = [SchedulerStats()] * num_replicas
         self._replica_of: dict[str, int] = {}  # unfinished sequence id -> replica
+        self._last_routed = -1
         self._lock = threading.Lock()
 
     @property
@@ -45,7 +49,10 @@ class DataParallelBalancer:
             live = [i for i in range(self.num_replicas) if self.alive[i]]
             if not live:
                 return None
-            index = min(live, key=self.loads.__getitem__)  # ties: the lowest index
+            least = min(self.loads[i] for i in live)
+            tied = [i for i in live if self.loads[i] == least]
+            index = next((i for i in tied if i > self._last_routed), tied[0])
+            self._last_routed = index
             self.loads[index] += len(request_ids)
             self.num_routed[index] += len(request_ids)
             for request_id in request_ids:

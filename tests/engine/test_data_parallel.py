@@ -55,6 +55,27 @@ def test_balancer_routes_to_least_load_and_keeps_requests_in_place():
     assert balancer.route(["late"]) is None
 
 
+def test_balancer_takes_turns_between_idle_replicas():
+    """Requests one at a time, each finished before the next: every arrival finds both
+    replicas idle, and they take turns (the lowest index took every one before)."""
+    balancer = DataParallelBalancer(3)
+    chosen = []
+    for i in range(7):
+        index = balancer.route([f"r{i}"])
+        chosen.append(index)
+        balancer.observe(
+            EngineCoreOutputs(
+                outputs=[EngineCoreOutput(f"r{i}", [1], finish_reason=FinishReason.STOP)],
+                scheduler_stats=SchedulerStats(num_requests_received=chosen.count(index)),
+                engine_index=index,
+            )
+        )
+        assert balancer.loads == [0, 0, 0]
+    assert chosen == [0, 1, 2, 0, 1, 2, 0]
+    balancer.replica_died(1)
+    assert [balancer.route([f"x{i}"]) for i in range(2)] == [2, 0]
+
+
 def test_combined_stats_sum_counts_and_keep_each_replica():
     one = {
         "num_running_reqs": 2, "num_waiting_reqs": 1, "num_free_blocks": 200,

@@ -1,9 +1,9 @@
 """`jengine serve --data-parallel-size 2`: two engine-core replicas behind one server.
 
-64 concurrent streams come back exactly as one engine makes them, both replicas take a
-share within 60/40 (read from /metrics), and killing one replica ends its streams with a
-503 error event while the other replica finishes its own and serves new requests. Its own
-server, since the last test kills a replica."""
+64 streams, half at once and half spread out, come back exactly as one engine makes
+them, both replicas take a share within 60/40 (read from /metrics), and killing one
+replica ends its streams with a 503 error event while the other replica finishes its own
+and serves new requests. Its own server, since the last test kills a replica."""
 
 import asyncio
 import os
@@ -57,9 +57,16 @@ def test_64_streams_balanced_over_two_replicas(server, tiny_model):
     params = SamplingParams(temperature=0.0, max_tokens=12)
     expected = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
 
+    async def one(aclient, i):
+        # Half come at once; the rest one every 20 ms, each done before the next
+        # arrives, so both replicas are idle then (all went to replica 0 when ties
+        # went to the lowest index; a CI run saw 39/25 from arrivals spread so).
+        await asyncio.sleep(0.02 * max(0, i - 32))
+        return await stream_text(aclient, prompts[i], 12)
+
     async def run():
         async with async_client(server) as aclient:
-            return await asyncio.gather(*(stream_text(aclient, p, 12) for p in prompts))
+            return await asyncio.gather(*(one(aclient, i) for i in range(64)))
 
     assert asyncio.run(run()) == expected
 
