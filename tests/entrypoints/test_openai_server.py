@@ -532,10 +532,6 @@ BAD_CHATS = [
     ({"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
     ({"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
     ({"messages": MESSAGES, "chat_template": "{{ raise_exception('no') }}"}, "messages"),
-    (
-        {"messages": MESSAGES, "logprobs": True, "return_tokens_as_token_ids": True},
-        "return_tokens_as_token_ids",
-    ),
 ]
 
 

@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 
+import httpx2
 import jsonschema
 import openai
 import pytest
@@ -164,3 +165,79 @@ def test_a_date_regex_gives_ascii_digits(client):
     choice = reply.choices[0]
     assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", choice.message.content), choice
     assert choice.finish_reason == "stop"
+
+
+# -- vLLM's token-id fields -----------------------------------------------------------------
+
+EMOJI_CHAT = [
+    {"role": "system", "content": "You like to use emojis in your responses."},
+    {"role": "user", "content": "Repeat after me: I love cats 🐱"},
+]
+
+
+def _post(server, path: str, body: dict) -> dict:
+    response = httpx2.post(server.url_for(path), json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_token_ids_beside_the_text(server, client):
+    """`return_token_ids`: the prompt's ids (the rendered chat, as /tokenize gives them) and
+    the reply's, `<|im_end|>` included; streamed, the prompt's come once and each chunk
+    brings its new ids, an emoji's first bytes before its text. `return_tokens_as_token_ids`:
+    logprob tokens are "token_id:<id>". Neither asked: the fields are null, and absent from
+    chunks."""
+    kwargs = dict(model="smollm2", messages=EMOJI_CHAT, temperature=0, max_tokens=40)
+    ids_and_logprobs = {"return_token_ids": True, "return_tokens_as_token_ids": True}
+    full = client.chat.completions.create(
+        **kwargs, logprobs=True, top_logprobs=2, extra_body=ids_and_logprobs
+    )
+    choice = full.choices[0]
+    assert choice.finish_reason == "stop" and "🐱" in choice.message.content
+    rendered = _post(server, "tokenize", {"messages": EMOJI_CHAT})["tokens"]
+    assert full.prompt_token_ids == rendered
+    decoded = _post(server, "detokenize", {"tokens": choice.token_ids})["prompt"]
+    assert decoded == choice.message.content + "<|im_end|>"
+    entries = choice.logprobs.content
+    assert [e.token for e in entries] == [f"token_id:{t}" for t in choice.token_ids]
+    assert entries[0].bytes == list(entries[0].token.encode())
+    assert all(top.token.startswith("token_id:") for e in entries for top in e.top_logprobs)
+
+    chunks = list(
+        client.chat.completions.create(**kwargs, stream=True, extra_body={"return_token_ids": True})
+    )
+    assert chunks[0].prompt_token_ids == rendered
+    assert all("prompt_token_ids" not in c.model_dump() for c in chunks[1:])
+    streamed = [t for c in chunks for t in (c.choices[0].model_extra.get("token_ids") or [])]
+    assert streamed == choice.token_ids
+
+    plain = client.chat.completions.create(**kwargs)
+    assert plain.prompt_token_ids is None and plain.choices[0].token_ids is None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        assert "prompt_token_ids" not in chunk.model_dump()
+        assert "token_ids" not in chunk.choices[0].model_dump()
+
+
+def test_completion_token_ids_with_echo(server, client):
+    """Completions: each choice's prompt ids; with echo and logprobs as ids, the logprob
+    tokens are the prompt's ids then the reply's; streamed, the same ids in order."""
+    prompt = "I love coding 🚀 and"
+    prompt_ids = _post(server, "tokenize", {"prompt": prompt})["tokens"]
+    extra = {"return_token_ids": True, "return_tokens_as_token_ids": True}
+    kwargs = dict(model="smollm2", prompt=prompt, temperature=0, max_tokens=12, extra_body=extra)
+    out = client.completions.create(**kwargs, echo=True, logprobs=1)
+    choice = out.choices[0]
+    assert choice.prompt_token_ids == prompt_ids and len(choice.token_ids) == 12
+    tokens = [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+    assert tokens == prompt_ids + choice.token_ids
+    decoded = _post(server, "detokenize", {"tokens": choice.token_ids})["prompt"]
+    # The text holds back the last token when the 12 end inside an emoji (" \xf0\x9f"
+    # decodes as " \ufffd"), as vLLM's does.
+    assert choice.text.startswith(prompt) and decoded.startswith(choice.text[len(prompt) :])
+
+    chunks = list(client.completions.create(**kwargs, stream=True, n=2))
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert mine[0].prompt_token_ids == prompt_ids
+        assert all("prompt_token_ids" not in c.model_dump() for c in mine[1:])
+        assert [t for c in mine for t in c.token_ids or []] == choice.token_ids

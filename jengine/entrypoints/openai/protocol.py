@@ -145,6 +145,10 @@ class SamplingRequest(OpenAIBaseModel):
     priority: Annotated[int, Field(**_INT64)] = 0
     request_id: str | None = None
     allowed_token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = None
+    # vLLM's output fields: the prompt's and the reply's token ids beside the text; logprob
+    # tokens as "token_id:<id>" (for tokens whose text does not survive JSON).
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
     bad_words: list[str] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and the
     # older guided_* names (jengine/entrypoints/openai/structured_outputs.py).
@@ -162,7 +166,6 @@ class SamplingRequest(OpenAIBaseModel):
 UNSUPPORTED_FIELDS = (
     "use_beam_search",
     "logits_processors",
-    "return_tokens_as_token_ids",
 )
 
 
@@ -213,6 +216,8 @@ class CompletionResponseChoice(OpenAIBaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids (a stream: first chunk)
+    token_ids: list[int] | None = None  # return_token_ids (a stream: each chunk's new ones)
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -224,7 +229,21 @@ class CompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
 
 
-class CompletionStreamResponse(OpenAIBaseModel):
+class StreamChunk(OpenAIBaseModel):
+    """A stream chunk carries vLLM's token-id fields only where they have ids: the prompt's
+    once, the reply's in the chunks that bring them."""
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_token_ids(self, handler):
+        data = handler(self)
+        for part in (data, *data.get("choices", ())):
+            for key in ("prompt_token_ids", "token_ids"):
+                if key in part and part[key] is None:
+                    del part[key]
+        return data
+
+
+class CompletionStreamResponse(StreamChunk):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=now)
@@ -319,6 +338,7 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = "stop"
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -329,6 +349,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class DeltaFunctionCall(OpenAIBaseModel):
@@ -369,12 +390,14 @@ class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's new ones
 
 
-class ChatCompletionStreamResponse(OpenAIBaseModel):
+class ChatCompletionStreamResponse(StreamChunk):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=now)
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: each choice's role chunk

@@ -50,6 +50,7 @@ from jengine.entrypoints.openai.serving_engine import (
     PreparedRequest,
     StreamUsage,
     clamp_logprob,
+    prompt_ids_if_asked,
     usage,
 )
 from jengine.entrypoints.openai.serving_models import ServingModels
@@ -208,6 +209,7 @@ class OpenAIServingChat(OpenAIServing):
                 sum(len(seq.token_ids) for seq in final.outputs),
             ),
             prompt_logprobs=self.prompt_logprobs(final, request.prompt_logprobs),
+            prompt_token_ids=prompt_ids_if_asked(request, prepared.prompts[0]),
         )
 
     def response_choice(
@@ -241,11 +243,14 @@ class OpenAIServingChat(OpenAIServing):
                 reasoning_content=reasoning,
                 tool_calls=tool_calls,
             ),
-            logprobs=self._logprobs(seq.token_ids, seq.logprobs, num_logprobs)
+            logprobs=self._logprobs(
+                seq.token_ids, seq.logprobs, num_logprobs, request.return_tokens_as_token_ids
+            )
             if num_logprobs is not None
             else None,
             finish_reason=finish_reason,
             stop_reason=seq.stop_reason,
+            token_ids=list(seq.token_ids) if request.return_token_ids else None,
         )
 
     def tool_parser_for(self, request: ChatCompletionRequest) -> ToolParser | None:
@@ -267,7 +272,9 @@ class OpenAIServingChat(OpenAIServing):
         role, echo = self._role_and_echo(request, prepared.messages)
         num_logprobs = prepared.prompts[0].params.logprobs
         for index in range(request.n):
-            yield self._chunk(prepared, index, DeltaMessage(role=role, content=""))
+            role_chunk = self._chunk(prepared, index, DeltaMessage(role=role, content=""))
+            role_chunk.prompt_token_ids = prompt_ids_if_asked(request, prepared.prompts[0])
+            yield role_chunk
             if echo:
                 yield self._chunk(prepared, index, DeltaMessage(content=echo))
         tool_parser = self.tool_parser_for(request)
@@ -275,22 +282,29 @@ class OpenAIServingChat(OpenAIServing):
         async for _, output in self.generate(request, prepared, RequestOutputKind.DELTA):
             for seq in output.outputs:
                 counts.completion_tokens += len(seq.token_ids)
-                wants_logprobs = num_logprobs is not None and seq.token_ids
+                # Logprobs and token ids come with every token, text or not yet.
+                wants_per_token = seq.token_ids and (
+                    num_logprobs is not None or request.return_token_ids
+                )
                 finished = seq.finish_reason is not None
                 stream = streams[seq.index]
                 deltas = stream.feed(seq.text, finished)
-                if not deltas and not finished and not wants_logprobs:
+                if not deltas and not finished and not wants_per_token:
                     continue
                 logprobs = None
                 if num_logprobs is not None:
-                    logprobs = self._logprobs(seq.token_ids, seq.logprobs, num_logprobs)
+                    logprobs = self._logprobs(
+                        seq.token_ids, seq.logprobs, num_logprobs,
+                        request.return_tokens_as_token_ids,
+                    )  # fmt: skip
+                token_ids = list(seq.token_ids) if request.return_token_ids else None
                 finish_reason = seq.finish_reason
                 if stream.called and finish_reason == "stop":
                     finish_reason = "tool_calls"
                 deltas = deltas or [DeltaMessage()]
                 for i, delta in enumerate(deltas):
                     last = i == len(deltas) - 1
-                    yield self._chunk(
+                    chunk = self._chunk(
                         prepared,
                         seq.index,
                         delta,
@@ -298,6 +312,8 @@ class OpenAIServingChat(OpenAIServing):
                         finish_reason if last else None,
                         seq.stop_reason if last else None,
                     )
+                    chunk.choices[0].token_ids = token_ids if i == 0 else None
+                    yield chunk
 
     def _chunk(
         self,
@@ -325,12 +341,16 @@ class OpenAIServingChat(OpenAIServing):
     # -- logprobs -------------------------------------------------------------------------
 
     def _logprobs(
-        self, token_ids: list[int], rows: list[dict[int, Logprob]] | None, num: int
+        self,
+        token_ids: list[int],
+        rows: list[dict[int, Logprob]] | None,
+        num: int,
+        as_ids: bool = False,
     ) -> ChatCompletionLogProbs:
         content = []
         for token_id, row in zip(token_ids, rows or [], strict=False):
             chosen = row.get(token_id)
-            token = self.token_str(token_id, chosen)
+            token = self.token_str(token_id, chosen, as_ids)
             content.append(
                 ChatCompletionLogProbsContent(
                     token=token,
@@ -342,7 +362,7 @@ class OpenAIServingChat(OpenAIServing):
                             logprob=logprob,
                             bytes=list(candidate.encode("utf-8", errors="replace")),
                         )
-                        for candidate, logprob in self.top_logprobs(row, num)
+                        for candidate, logprob in self.top_logprobs(row, num, as_ids)
                     ],
                 )
             )

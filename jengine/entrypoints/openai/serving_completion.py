@@ -29,6 +29,7 @@ from jengine.entrypoints.openai.serving_engine import (
     PreparedRequest,
     StreamUsage,
     clamp_logprob,
+    prompt_ids_if_asked,
     usage,
 )
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -117,9 +118,12 @@ class OpenAIServingCompletion(OpenAIServing):
                     ids, rows = list(seq.token_ids), list(seq.logprobs or [])
                     if request.echo:
                         ids, rows = self._with_prompt_logprobs(prompt, output, ids, rows)
-                    logprobs = self._logprobs(ids, rows, request.logprobs, 0)
+                    logprobs = self._logprobs(ids, rows, request, 0)
                 choice = self._choice(i * request.n + seq.index, seq, body, logprobs)
                 choice.prompt_logprobs = self.prompt_logprobs(output, request.prompt_logprobs)
+                choice.prompt_token_ids = prompt_ids_if_asked(request, prompt)
+                if request.return_token_ids:
+                    choice.token_ids = list(seq.token_ids)
                 choices.append(choice)
         choices.sort(key=lambda c: c.index)
         return CompletionResponse(
@@ -137,6 +141,7 @@ class OpenAIServingCompletion(OpenAIServing):
         n = request.n
         offsets = [0] * (len(prepared.prompts) * n)
         echoed = [False] * (len(prepared.prompts) * n)
+        started = [False] * (len(prepared.prompts) * n)  # a chunk of choice i went out
         async for prompt_index, output in self.generate(request, prepared, RequestOutputKind.DELTA):
             prompt = prepared.prompts[prompt_index]
             for seq in output.outputs:
@@ -148,17 +153,22 @@ class OpenAIServingCompletion(OpenAIServing):
                     body = self._prompt_text(prompt) + body
                     if request.logprobs is not None:
                         ids, rows = self._with_prompt_logprobs(prompt, output, ids, rows)
-                wants_logprobs = request.logprobs is not None and ids
-                if not body and seq.finish_reason is None and not wants_logprobs:
+                # Logprobs and token ids come with every token, text or not yet.
+                wants_per_token = ids and (request.logprobs is not None or request.return_token_ids)
+                if not body and seq.finish_reason is None and not wants_per_token:
                     continue
                 logprobs = None
                 if request.logprobs is not None:
-                    logprobs = self._logprobs(ids, rows, request.logprobs, offsets[i])
+                    logprobs = self._logprobs(ids, rows, request, offsets[i])
                     offsets[i] += sum(len(t) for t in logprobs.tokens)
+                choice = self._choice(i, seq, body, logprobs)
+                if request.return_token_ids:
+                    choice.token_ids = list(seq.token_ids)
+                    if not started[i]:
+                        choice.prompt_token_ids = list(prompt.token_ids)
+                started[i] = True
                 yield CompletionStreamResponse(
-                    id=prepared.request_id,
-                    model=prepared.model,
-                    choices=[self._choice(i, seq, body, logprobs)],
+                    id=prepared.request_id, model=prepared.model, choices=[choice]
                 )
 
     @staticmethod
@@ -179,14 +189,16 @@ class OpenAIServingCompletion(OpenAIServing):
         self,
         token_ids: list[int],
         rows: list[dict[int, Logprob] | None],
-        num: int,
+        request: CompletionRequest,
         offset: int,
     ) -> CompletionLogProbs:
-        """OpenAI's legacy shape; a prompt's first token has no logprob (None)."""
+        """OpenAI's legacy shape; a prompt's first token has no logprob (None). Offsets
+        count the tokens as written (as vLLM's, also when they are "token_id:<id>")."""
+        num, as_ids = request.logprobs, request.return_tokens_as_token_ids
         out = CompletionLogProbs()
         for token_id, row in zip(token_ids, rows, strict=False):
             chosen = row.get(token_id) if row is not None else None
-            token = self.token_str(token_id, chosen)
+            token = self.token_str(token_id, chosen, as_ids)
             out.tokens.append(token)
             out.text_offset.append(offset)
             offset += len(token)
@@ -196,7 +208,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 continue
             out.token_logprobs.append(clamp_logprob(chosen.logprob))
             top = {token: clamp_logprob(chosen.logprob)}
-            for candidate, logprob in self.top_logprobs(row, num):
+            for candidate, logprob in self.top_logprobs(row, num, as_ids):
                 top.setdefault(candidate, logprob)
             out.top_logprobs.append(top)
         return out

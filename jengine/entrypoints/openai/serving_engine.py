@@ -289,7 +289,11 @@ class OpenAIServing:
 
     # -- logprobs -------------------------------------------------------------------------
 
-    def token_str(self, token_id: int, logprob: Logprob | None = None) -> str:
+    def token_str(self, token_id: int, logprob: Logprob | None = None, as_id: bool = False) -> str:
+        """A logprob entry's token: its text, or "token_id:<id>" (`as_id`: vLLM's
+        return_tokens_as_token_ids; also without a tokenizer)."""
+        if as_id:
+            return f"token_id:{token_id}"
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         if self.tokenizer is None:
@@ -317,10 +321,12 @@ class OpenAIServing:
         rows = zip(output.prompt_token_ids, output.prompt_logprobs, strict=True)
         return [None if row is None else entries(own, row) for own, row in rows]
 
-    def top_logprobs(self, row: dict[int, Logprob], num: int) -> list[tuple[str, float]]:
-        """The `num` most likely candidates of one position as (token text, logprob)."""
+    def top_logprobs(
+        self, row: dict[int, Logprob], num: int, as_ids: bool = False
+    ) -> list[tuple[str, float]]:
+        """The `num` most likely candidates of one position as (token, logprob)."""
         return [
-            (self.token_str(candidate_id, candidate), clamp_logprob(candidate.logprob))
+            (self.token_str(candidate_id, candidate, as_ids), clamp_logprob(candidate.logprob))
             for candidate_id, candidate in top_k_of(row, num)
         ]
 
@@ -333,6 +339,11 @@ def top_k_of(row: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     only if it is among them)."""
     ranked = sorted(row.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
     return ranked[:k]
+
+
+def prompt_ids_if_asked(request: SamplingRequest, prompt: EnginePrompt) -> list[int] | None:
+    """vLLM's `prompt_token_ids` field: the ids the engine got, when return_token_ids."""
+    return list(prompt.token_ids) if request.return_token_ids else None
 
 
 def clamp_logprob(value: float) -> float:
