@@ -66,6 +66,7 @@ class Request:
         "all_token_ids",
         "block_hashes",
         "lora_request",
+        "cache_salt",
         "structured_output",
         "spec_token_ids",
         "error",
@@ -80,6 +81,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -107,6 +109,7 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.block_hashes: list[int] = []
         self.lora_request = lora_request  # its adapter (None: the base model)
+        self.cache_salt = cache_salt  # shares cached blocks only with the same salt
         # A constrained request's grammar and matcher (core/structured_output.py).
         self.structured_output = None
         # Draft tokens proposed for the next step (speculative decoding), not yet verified.

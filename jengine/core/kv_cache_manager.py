@@ -85,13 +85,14 @@ class KVCacheManager:
     def _update_block_hashes(self, request: Request) -> None:
         if self.enable_caching:
             # An adapter changes every block's K/V: its id is part of each hash, so the
-            # same prompt under two adapters (or none) shares nothing.
-            lora_id = request.lora_id
+            # same prompt under two adapters (or none) shares nothing. A cache salt is
+            # too: a tenant's salt keeps others from timing hits on its prompts.
+            lora_id, salt = request.lora_id, request.cache_salt
             extend_block_hashes(
                 request.block_hashes,
                 request.all_token_ids,
                 self.block_size,
-                (lora_id,) if lora_id else None,
+                (lora_id, salt) if lora_id or salt is not None else None,
             )
 
     def _may_hit(self, request: Request) -> bool:

@@ -174,6 +174,7 @@ class EngineCore:
                 arrival_time=request.arrival_time or None,
                 priority=request.priority,
                 lora_request=request.lora_request,
+                cache_salt=request.cache_salt,
             )
         )
 

@@ -224,6 +224,9 @@ class InputProcessor:
                 "serve LoRA adapters (start it with --enable-lora / enable_lora=True)"
             )
         text, token_ids = self.tokenize(prompt)
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         self.validate(token_ids, params)
         missing = [t for t in self.extra_eos_ids if t not in params.stop_token_ids]
         if missing and not params.ignore_eos:
@@ -238,6 +241,7 @@ class InputProcessor:
             priority=priority,
             lora_request=lora_request,
             pooling_params=pooling_params,
+            cache_salt=cache_salt,
         )
 
 

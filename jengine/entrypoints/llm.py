@@ -127,7 +127,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list; returns one RequestOutput per prompt, in order.
 
-        A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]}.
+        A prompt is a string, a list of token ids, or a dict of "prompt" or
+        "prompt_token_ids" and optionally "cache_salt" (vLLM's: only prompts with the same
+        salt share prefix-cache blocks).
         `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
         model); an engine made with `enable_lora=True` reads each folder the first time.
         """

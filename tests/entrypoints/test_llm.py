@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from jengine import SamplingParams
@@ -72,6 +73,28 @@ def test_reset_prefix_cache_forgets_cached_prompts(llm):
     assert not llm.reset_prefix_cache()
     engine.abort_request("holder")
     assert llm.reset_prefix_cache()
+
+
+def test_cache_salt_shares_blocks_only_within_a_salt(llm):
+    """vLLM's `cache_salt` in a prompt dict: the same prompt hits the cache under the salt
+    it ran with, and not under another salt or none (nor unsalted runs under a salt);
+    the outputs are the same in every case. A bad salt is a ValueError."""
+    ids = random_prompts(1, seed=6, low=40, high=41)[0]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    block_size = llm.engine_core.config.cache.block_size
+    full_blocks = (40 - 1) // block_size * block_size
+
+    def run(**salt):
+        [out] = llm.generate([{"prompt_token_ids": ids, **salt}], params, use_tqdm=False)
+        return out.num_cached_tokens, out.outputs[0].token_ids
+
+    runs = [run(cache_salt="tenant-a"), run(cache_salt="tenant-a"), run(cache_salt="tenant-b"),
+            run(), run(), run(cache_salt="tenant-b")]  # fmt: skip
+    assert [cached for cached, _ in runs] == [0, full_blocks, 0, 0, full_blocks, full_blocks]
+    assert len({tuple(tokens) for _, tokens in runs}) == 1
+    for bad in ("", 7):
+        with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+            llm.generate([{"prompt_token_ids": ids, "cache_salt": bad}], params, use_tqdm=False)
 
 
 def test_prefix_caching_off_matches(checkpoint, attention_setup):

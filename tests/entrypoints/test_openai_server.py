@@ -231,6 +231,19 @@ def test_prompt_logprobs_are_returned(client, http):
         chat(client, messages=MESSAGES, stream=True, extra_body={"prompt_logprobs": 1})
 
 
+def test_cache_salt_keeps_prompts_apart(client, http):
+    """vLLM's `cache_salt`: a prompt hits the prefix cache again under its salt only (read
+    from /metrics, which counts a step's hits before its request's output is sent)."""
+    prompt = "Salted: the same words again and again, long enough for full blocks. " * 2
+
+    def hits_after(salt: str) -> float:
+        complete(client, prompt=prompt, max_tokens=2, extra_body={"cache_salt": salt})
+        return metric(http.get("/metrics").text, "jengine:prefix_cache_hits_total")
+
+    first, again, other = hits_after("a" * 43), hits_after("a" * 43), hits_after("b" * 43)
+    assert again > first and other == again
+
+
 def test_truncate_prompt_tokens_keeps_the_last_ones(client, http):
     """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens are what the model reads
     (and what echo repeats); -1 keeps up to max_model_len."""
@@ -310,6 +323,14 @@ def test_chat_template_file_and_per_request_template(client, http):
                       max_tokens=1)  # fmt: skip
     without = chat(client, messages=MESSAGES, max_tokens=1)
     assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens
+    # vLLM's `documents` reach the template as transformers passes them.
+    rag = "{% for d in documents %}{{ d.title }}: {{ d.text }}\n{% endfor %}"
+    rag += "{{ messages[-1].content }}"
+    documents = [{"title": "Doc", "text": "Paris is the capital of France."}]
+    answered = chat(client, messages=MESSAGES, max_tokens=1, extra_body={
+        "chat_template": rag, "documents": documents, "add_generation_prompt": False})  # fmt: skip
+    expected = f"Doc: {documents[0]['text']}\n{MESSAGES[-1]['content']}"
+    assert answered.usage.prompt_tokens == num_tokens(http, expected)
 
 
 def test_chat_streamed_equals_full(client, http):
@@ -513,8 +534,10 @@ BAD_COMPLETIONS = [
     ({"prompt": PROMPT, "allowed_token_ids": []}, "allowed_token_ids"),
     ({"prompt": PROMPT, "allowed_token_ids": [1, 10**6]}, "allowed_token_ids"),
     ({"prompt": PROMPT, "bad_words": [" "]}, "bad_words"),
+    ({"prompt": PROMPT, "cache_salt": ""}, "cache_salt"),
     # vLLM's fields jengine does not implement: refused, not ignored.
     ({"prompt": PROMPT, "use_beam_search": True, "n": 2}, "use_beam_search"),
+    ({"prompt": PROMPT, "prompt_embeds": "AAAA"}, "prompt_embeds"),
 ]
 
 BAD_CHATS = [

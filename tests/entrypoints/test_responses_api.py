@@ -43,6 +43,8 @@ def test_a_plain_response_is_the_chat_answer(client):
     assert response.usage.input_tokens == chat.usage.prompt_tokens
     assert response.usage.output_tokens == chat.usage.completion_tokens
     assert response.usage.total_tokens == chat.usage.total_tokens
+    salted = respond(client, input=QUESTION, max_output_tokens=32, extra_body={"cache_salt": "s"})
+    assert salted.output_text == response.output_text
 
 
 def test_instructions_and_message_items_are_the_chat_messages(client):
@@ -196,6 +198,7 @@ def test_a_json_schema_text_format_validates(client):
         ),  # fmt: skip
         (dict(input=[{"type": "function_call_output", "output": "{}"}]), "input.0.call_id"),
         (dict(input=QUESTION, tools=[WEATHER], tool_choice="auto"), "tool_choice"),
+        (dict(input=QUESTION, extra_body={"cache_salt": ""}), "cache_salt"),
     ],
 )
 def test_what_is_not_served_is_a_400_naming_it(client, kwargs, param):

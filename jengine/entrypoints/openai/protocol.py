@@ -149,6 +149,8 @@ class SamplingRequest(OpenAIBaseModel):
     # tokens as "token_id:<id>" (for tokens whose text does not survive JSON).
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
+    # Prefix-cache blocks are shared only among requests with the same salt.
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
     bad_words: list[str] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and the
     # older guided_* names (jengine/entrypoints/openai/structured_outputs.py).
@@ -162,10 +164,12 @@ class SamplingRequest(OpenAIBaseModel):
 
 # vLLM's request fields that jengine does not implement: set, each is a 400 naming it,
 # where an unknown field would be accepted and ignored (a user asking for beam search or
-# banned words must not get an ordinary answer as if they had been applied).
+# a prompt's embeddings must not get an ordinary answer as if they had been applied).
 UNSUPPORTED_FIELDS = (
     "use_beam_search",
     "logits_processors",
+    "prompt_embeds",
+    "repetition_detection",
 )
 
 
@@ -309,6 +313,7 @@ class ChatCompletionRequest(SamplingRequest):
     add_special_tokens: bool = False
     chat_template: str | None = None  # a Jinja template instead of the server's
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None  # for RAG templates (vLLM's field)
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):

@@ -70,6 +70,7 @@ class ResponsesRequest(OpenAIBaseModel):
     # vLLM's extras, as on the other generation routes.
     priority: Annotated[int, Field(**_INT64)] = 0
     request_id: str | None = None
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
 
 class ResponseUsage(OpenAIBaseModel):

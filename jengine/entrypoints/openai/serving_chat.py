@@ -110,11 +110,14 @@ class OpenAIServingChat(OpenAIServing):
         if request.tools and tool_choice != "none":
             tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
         messages = template_messages(request.messages)
+        template_kwargs = request.chat_template_kwargs
+        if request.documents is not None:  # as transformers hands them to the template
+            template_kwargs = {**(template_kwargs or {}), "documents": request.documents}
         text, token_ids = self.render(
             messages,
             request.add_generation_prompt,
             request.continue_final_message,
-            request.chat_template_kwargs,
+            template_kwargs,
             request.add_special_tokens,
             request.chat_template,
             tools,

@@ -216,7 +216,11 @@ class OpenAIServing:
         it aborts the requests still running."""
         generators = [
             self.engine.generate(
-                {"prompt_token_ids": prompt.token_ids, "prompt": prompt.text},
+                {
+                    "prompt_token_ids": prompt.token_ids,
+                    "prompt": prompt.text,
+                    "cache_salt": request.cache_salt,
+                },
                 prompt.params,
                 prompt.request_id,
                 priority=request.priority,

@@ -131,6 +131,7 @@ class OpenAIServingResponses(OpenAIServing):
             user=request.user,
             priority=request.priority,
             request_id=self.response_id(request),
+            cache_salt=request.cache_salt,
         )
         try:
             return ChatCompletionRequest.model_validate(body)
