@@ -48,7 +48,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # An embedding request (the engine runs `--runner pooling`): its sampling_params are
     # the engine's own one greedy token, never shown.
     pooling_params: PoolingParams | None = None
-    # vLLM's cache_salt: only requests with the same salt share prefix-cache blocks.
+    # vLLM's cache_salt (its sha256, hex): only requests with the same salt share
+    # prefix-cache blocks.
     cache_salt: str | None = None
 
 

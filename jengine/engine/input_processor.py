@@ -9,6 +9,7 @@ work the engine's runner does not do (PoolingParams for a generating engine, Sam
 for an embedding one, `dimensions` the model does not allow).
 """
 
+import hashlib
 import os
 import time
 
@@ -225,8 +226,12 @@ class InputProcessor:
             )
         text, token_ids = self.tokenize(prompt)
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+        if cache_salt is not None:
+            if not isinstance(cache_salt, str) or not cache_salt:
+                raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+            # The engine keys every block by the salt: a digest keeps that cost (and the
+            # message) the same whatever the salt's length.
+            cache_salt = hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).hexdigest()
         self.validate(token_ids, params)
         missing = [t for t in self.extra_eos_ids if t not in params.stop_token_ids]
         if missing and not params.ignore_eos:
