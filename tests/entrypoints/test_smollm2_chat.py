@@ -3,7 +3,8 @@
 smollm2` answers through `/v1/chat/completions` with the official `openai` client: the
 template's default system prompt applies and `<|im_end|>` ends the turn. Under a JSON schema
 it names Paris as the capital of France; forced to call `get_weather`, it passes the city
-the question names and nothing else; a date regex's `\\d` gives ASCII digits. The server
+the question names and nothing else; a date regex's `\\d` gives ASCII digits; vLLM's
+`return_token_ids` gives the ids of an emoji reply, whole and streamed. The server
 decodes in multi-steps of 4 (`--num-scheduler-steps 4`), so that path meets a real model
 too: EOS inside the 4 tokens, streaming, and grammars beside it (their steps run single)."""
 
