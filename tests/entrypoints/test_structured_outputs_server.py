@@ -276,6 +276,13 @@ def test_reasoning_content(tiny_model):
             if c.choices
         )
         assert reasoning == message.reasoning_content
+        # vLLM's include_reasoning=False leaves it out, whole and streamed.
+        hidden = dict(**kwargs, extra_body={"include_reasoning": False})
+        message = client.chat.completions.create(**hidden).choices[0].message
+        assert message.reasoning_content is None and message.content is None
+        chunks = [c for c in client.chat.completions.create(stream=True, **hidden) if c.choices]
+        assert not any(getattr(c.choices[0].delta, "reasoning_content", None) for c in chunks)
+        assert chunks[-1].choices[0].finish_reason == "length"
         # The Responses API's logprobs would mix the reasoning's tokens with the answer's.
         with pytest.raises(openai.BadRequestError) as refused:
             client.responses.create(model=MODEL_NAME, input="Hi", top_logprobs=1)

@@ -314,6 +314,7 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template: str | None = None  # a Jinja template instead of the server's
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None  # for RAG templates (vLLM's field)
+    include_reasoning: bool = True  # False: the reasoning parser's part is left out
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):

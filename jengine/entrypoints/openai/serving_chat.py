@@ -228,7 +228,7 @@ class OpenAIServingChat(OpenAIServing):
         reasoning, answer = None, seq.text
         if self.reasoning_parser is not None:
             reasoning, answer = self.reasoning_parser.split(answer, finished=True)
-            reasoning = reasoning or None
+            reasoning = (reasoning or None) if request.include_reasoning else None
         content, tool_calls = answer, []
         if self.reasoning_parser is not None and not answer:
             content = None  # all reasoning, no answer (yet)
@@ -292,6 +292,8 @@ class OpenAIServingChat(OpenAIServing):
                 finished = seq.finish_reason is not None
                 stream = streams[seq.index]
                 deltas = stream.feed(seq.text, finished)
+                if not request.include_reasoning:
+                    deltas = [delta for delta in deltas if delta.reasoning_content is None]
                 if not deltas and not finished and not wants_per_token:
                     continue
                 logprobs = None
