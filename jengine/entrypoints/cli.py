@@ -106,6 +106,11 @@ def make_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"])
     serve.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help='logprob tokens as "token_id:<id>" for requests that do not say',
+    )
+    serve.add_argument(
         "--reasoning-parser",
         choices=["deepseek_r1", "qwen3"],
         help="move the text between <think> and </think> into reasoning_content",

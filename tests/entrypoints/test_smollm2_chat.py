@@ -45,7 +45,8 @@ def test_jengine_chat_answers_with_the_default_model():
 
 @pytest.fixture(scope="module")
 def server():
-    flags = [*LIMITS, "--num-scheduler-steps", "4", "--disable-uvicorn-access-log"]
+    flags = [*LIMITS, "--num-scheduler-steps", "4", "--disable-uvicorn-access-log",
+             "--return-tokens-as-token-ids"]  # fmt: skip
     with RemoteServer("smollm2", flags) as server:
         yield server
 
@@ -185,13 +186,12 @@ def _post(server, path: str, body: dict) -> dict:
 def test_token_ids_beside_the_text(server, client):
     """`return_token_ids`: the prompt's ids (the rendered chat, as /tokenize gives them) and
     the reply's, `<|im_end|>` included; streamed, the prompt's come once and each chunk
-    brings its new ids, an emoji's first bytes before its text. `return_tokens_as_token_ids`:
-    logprob tokens are "token_id:<id>". Neither asked: the fields are null, and absent from
-    chunks."""
+    brings its new ids, an emoji's first bytes before its text. `return_tokens_as_token_ids`
+    (here the server's default): logprob tokens are "token_id:<id>". Not asked: the fields
+    are null, and absent from chunks."""
     kwargs = dict(model="smollm2", messages=EMOJI_CHAT, temperature=0, max_tokens=40)
-    ids_and_logprobs = {"return_token_ids": True, "return_tokens_as_token_ids": True}
     full = client.chat.completions.create(
-        **kwargs, logprobs=True, top_logprobs=2, extra_body=ids_and_logprobs
+        **kwargs, logprobs=True, top_logprobs=2, extra_body={"return_token_ids": True}
     )
     choice = full.choices[0]
     assert choice.finish_reason == "stop" and "🐱" in choice.message.content
@@ -221,10 +221,11 @@ def test_token_ids_beside_the_text(server, client):
 
 def test_completion_token_ids_with_echo(server, client):
     """Completions: each choice's prompt ids; with echo and logprobs as ids, the logprob
-    tokens are the prompt's ids then the reply's; streamed, the same ids in order."""
+    tokens are the prompt's ids then the reply's; streamed, the same ids in order; a
+    request may ask for the tokens as text against the server's default."""
     prompt = "I love coding 🚀 and"
     prompt_ids = _post(server, "tokenize", {"prompt": prompt})["tokens"]
-    extra = {"return_token_ids": True, "return_tokens_as_token_ids": True}
+    extra = {"return_token_ids": True}
     kwargs = dict(model="smollm2", prompt=prompt, temperature=0, max_tokens=12, extra_body=extra)
     out = client.completions.create(**kwargs, echo=True, logprobs=1)
     choice = out.choices[0]
@@ -242,3 +243,10 @@ def test_completion_token_ids_with_echo(server, client):
         assert mine[0].prompt_token_ids == prompt_ids
         assert all("prompt_token_ids" not in c.model_dump() for c in mine[1:])
         assert [t for c in mine for t in c.token_ids or []] == choice.token_ids
+
+    # A request's own `return_tokens_as_token_ids: false` wins over the server's default.
+    extra["return_tokens_as_token_ids"] = False
+    as_text = client.completions.create(**kwargs, logprobs=1).choices[0]
+    assert as_text.token_ids == choice.token_ids
+    assert "".join(as_text.logprobs.tokens).startswith(as_text.text)
+    assert not any(t.startswith("token_id:") for t in as_text.logprobs.tokens)

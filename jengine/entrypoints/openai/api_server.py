@@ -74,6 +74,7 @@ def build_app(
     allow_credentials: bool = False,
     lora_modules: dict[str, str] | None = None,
     allow_runtime_lora_updating: bool = False,
+    return_tokens_as_token_ids: bool = False,
 ) -> FastAPI:
     """The app. CORS headers are sent only with `allowed_origins` (none by default: a web
     page on another origin cannot use the server from its visitors' browsers).
@@ -91,6 +92,7 @@ def build_app(
         tool_call_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
         chat_template=chat_template,
+        return_tokens_as_token_ids=return_tokens_as_token_ids,
     )
 
     app = FastAPI(title="jengine", version=version())
@@ -98,7 +100,9 @@ def build_app(
     app.state.prometheus = prometheus
     app.state.models = models
     app.state.allow_runtime_lora_updating = allow_runtime_lora_updating
-    app.state.serving_completion = OpenAIServingCompletion(engine, models)
+    app.state.serving_completion = OpenAIServingCompletion(
+        engine, models, return_tokens_as_token_ids=return_tokens_as_token_ids
+    )
     app.state.serving_chat = chat
     app.state.serving_responses = OpenAIServingResponses(chat)
     app.state.serving_tokenization = OpenAIServingTokenization(engine, models, chat)
@@ -223,6 +227,7 @@ async def serve_http(
             allowed_methods=args.allowed_methods,
             allowed_headers=args.allowed_headers,
             allow_credentials=args.allow_credentials,
+            return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         )
         for lora in app.state.models.loras.values():  # --lora-modules read (checked) now
             try:

@@ -148,7 +148,7 @@ class SamplingRequest(OpenAIBaseModel):
     # vLLM's output fields: the prompt's and the reply's token ids beside the text; logprob
     # tokens as "token_id:<id>" (for tokens whose text does not survive JSON).
     return_token_ids: bool = False
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None  # None: the server's default
     # Prefix-cache blocks are shared only among requests with the same salt.
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     bad_words: list[str] | None = None

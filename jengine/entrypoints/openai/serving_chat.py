@@ -78,12 +78,13 @@ class OpenAIServingChat(OpenAIServing):
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
         chat_template: str | None = None,
+        return_tokens_as_token_ids: bool = False,
     ):
         """`tool_call_parser` (with `enable_auto_tool_choice`): how tool_choice "auto"
         finds calls in a reply; `reasoning_parser`: how the reasoning is split off;
         `chat_template` (--chat-template): the Jinja template to use instead of the
         model's (a request's own `chat_template` wins over both)."""
-        super().__init__(engine, models)
+        super().__init__(engine, models, return_tokens_as_token_ids=return_tokens_as_token_ids)
         self.chat_template = chat_template
         if enable_auto_tool_choice and tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")

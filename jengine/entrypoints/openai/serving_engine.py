@@ -88,9 +88,12 @@ class OpenAIServing:
     chunk_type: type[BaseModel]
     request_id_prefix: str
 
-    def __init__(self, engine, models: ServingModels):
+    def __init__(self, engine, models: ServingModels, *, return_tokens_as_token_ids=False):
+        """`return_tokens_as_token_ids` (--return-tokens-as-token-ids): what a request that
+        does not say gets."""
         self.engine = engine
         self.models = models
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self.max_model_len = engine.max_model_len
         self.tokenizer = engine.get_tokenizer()
         self.faults = FaultInjector.from_env()
@@ -108,6 +111,8 @@ class OpenAIServing:
                 "generates nothing",
                 param="model",
             )
+        if request.return_tokens_as_token_ids is None:  # decided here, once, for the formatting
+            request.return_tokens_as_token_ids = self.return_tokens_as_token_ids
         if request.stream_options is not None and not request.stream:
             raise OpenAIError("stream_options needs stream=true", param="stream_options")
         extra = request.model_extra or {}
