@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from jengine.entrypoints.openai.protocol import (
+from jengine.entrypoints.openai.protocol import OpenAIError
+from jengine.entrypoints.openai.protocol_chat import (
     ChatMessage,
     DeltaFunctionCall,
     DeltaToolCall,
     FunctionCall,
-    OpenAIError,
     ToolCall,
 )
 from jengine.entrypoints.openai.protocol_responses import ResponsesRequest

@@ -10,7 +10,8 @@ a mapping where they are a JSON object, since templates iterate them (`| tojson`
 import json
 
 from jengine.engine.input_processor import text_of_content
-from jengine.entrypoints.openai.protocol import ChatMessageParam, OpenAIError
+from jengine.entrypoints.openai.protocol import OpenAIError
+from jengine.entrypoints.openai.protocol_chat import ChatMessageParam
 
 
 def template_messages(message_params: list[ChatMessageParam]) -> list[dict]:

@@ -9,13 +9,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from jengine.entrypoints.openai.protocol import (
-    ChatCompletionToolParam,
-    ChatMessageParam,
-    OpenAIBaseModel,
-    TokenId,
-    now,
-)
+from jengine.entrypoints.openai.protocol import OpenAIBaseModel, TokenId, now
+from jengine.entrypoints.openai.protocol_chat import ChatCompletionToolParam, ChatMessageParam
 
 
 class ModelCard(OpenAIBaseModel):

@@ -16,7 +16,7 @@ with a tool-call stream for one streamed chat choice. Jax-free.
 
 from __future__ import annotations
 
-from jengine.entrypoints.openai.protocol import DeltaMessage
+from jengine.entrypoints.openai.protocol_chat import DeltaMessage
 from jengine.entrypoints.openai.tool_parsers import ToolCallStream, ToolParser, _held_back
 
 START, END = "<think>", "</think>"

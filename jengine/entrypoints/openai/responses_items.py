@@ -10,12 +10,8 @@ from dataclasses import dataclass, field
 
 import pydantic
 
-from jengine.entrypoints.openai.protocol import (
-    ChatCompletionLogProbs,
-    ChatMessage,
-    OpenAIError,
-    random_id,
-)
+from jengine.entrypoints.openai.protocol import OpenAIError, random_id
+from jengine.entrypoints.openai.protocol_chat import ChatCompletionLogProbs, ChatMessage
 from jengine.entrypoints.openai.protocol_responses import ResponsesRequest
 
 _TEXT_PART_TYPES = {"input_text", "output_text", "text"}

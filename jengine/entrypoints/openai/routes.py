@@ -27,14 +27,13 @@ from jengine.entrypoints.openai.admission import Ticket
 from jengine.entrypoints.openai.errors import engine_dead_error, error_response
 from jengine.entrypoints.openai.metrics import CONTENT_TYPE_LATEST
 from jengine.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
     OpenAIError,
     SamplingRequest,
 )
+from jengine.entrypoints.openai.protocol_chat import ChatCompletionRequest, ChatCompletionResponse
 from jengine.entrypoints.openai.protocol_embeddings import EmbeddingRequest, EmbeddingResponse
 from jengine.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest
 from jengine.entrypoints.openai.protocol_tokenization import (

@@ -25,7 +25,9 @@ from collections.abc import AsyncIterator
 from jengine.engine.output_processor import RequestOutputKind
 from jengine.entrypoints.openai.chat_messages import template_messages
 from jengine.entrypoints.openai.errors import param_of, to_openai_error
-from jengine.entrypoints.openai.protocol import (
+from jengine.entrypoints.openai.logprob_format import clamp_logprob
+from jengine.entrypoints.openai.protocol import OpenAIError
+from jengine.entrypoints.openai.protocol_chat import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
     ChatCompletionLogProbsContent,
@@ -37,7 +39,6 @@ from jengine.entrypoints.openai.protocol import (
     ChatMessage,
     DeltaMessage,
     NamedToolChoice,
-    OpenAIError,
 )
 from jengine.entrypoints.openai.reasoning_parsers import (
     END as REASONING_END,
@@ -49,7 +50,6 @@ from jengine.entrypoints.openai.serving_engine import (
     OpenAIServing,
     PreparedRequest,
     StreamUsage,
-    clamp_logprob,
     prompt_ids_if_asked,
     usage,
 )
@@ -212,7 +212,7 @@ class OpenAIServingChat(OpenAIServing):
                 len(prepared.prompts[0].token_ids),
                 sum(len(seq.token_ids) for seq in final.outputs),
             ),
-            prompt_logprobs=self.prompt_logprobs(final, request.prompt_logprobs),
+            prompt_logprobs=self.logprob_format.prompt_logprobs(final, request.prompt_logprobs),
             prompt_token_ids=prompt_ids_if_asked(request, prepared.prompts[0]),
         )
 
@@ -356,7 +356,7 @@ class OpenAIServingChat(OpenAIServing):
         content = []
         for token_id, row in zip(token_ids, rows or [], strict=False):
             chosen = row.get(token_id)
-            token = self.token_str(token_id, chosen, as_ids)
+            token = self.logprob_format.token_str(token_id, chosen, as_ids)
             content.append(
                 ChatCompletionLogProbsContent(
                     token=token,
@@ -368,7 +368,7 @@ class OpenAIServingChat(OpenAIServing):
                             logprob=logprob,
                             bytes=list(candidate.encode("utf-8", errors="replace")),
                         )
-                        for candidate, logprob in self.top_logprobs(row, num, as_ids)
+                        for candidate, logprob in self.logprob_format.top_logprobs(row, num, as_ids)
                     ],
                 )
             )

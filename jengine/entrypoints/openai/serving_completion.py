@@ -13,6 +13,7 @@ prompt_index * n + sequence_index, as in OpenAI's API.
 from collections.abc import AsyncIterator
 
 from jengine.engine.output_processor import RequestOutputKind
+from jengine.entrypoints.openai.logprob_format import clamp_logprob
 from jengine.entrypoints.openai.protocol import (
     MAX_PROMPTS,
     CompletionLogProbs,
@@ -28,7 +29,6 @@ from jengine.entrypoints.openai.serving_engine import (
     OpenAIServing,
     PreparedRequest,
     StreamUsage,
-    clamp_logprob,
     prompt_ids_if_asked,
     usage,
 )
@@ -120,7 +120,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         ids, rows = self._with_prompt_logprobs(prompt, output, ids, rows)
                     logprobs = self._logprobs(ids, rows, request, 0)
                 choice = self._choice(i * request.n + seq.index, seq, body, logprobs)
-                choice.prompt_logprobs = self.prompt_logprobs(output, request.prompt_logprobs)
+                choice.prompt_logprobs = self.logprob_format.prompt_logprobs(
+                    output, request.prompt_logprobs
+                )
                 choice.prompt_token_ids = prompt_ids_if_asked(request, prompt)
                 if request.return_token_ids:
                     choice.token_ids = list(seq.token_ids)
@@ -198,7 +200,7 @@ class OpenAIServingCompletion(OpenAIServing):
         out = CompletionLogProbs()
         for token_id, row in zip(token_ids, rows, strict=False):
             chosen = row.get(token_id) if row is not None else None
-            token = self.token_str(token_id, chosen, as_ids)
+            token = self.logprob_format.token_str(token_id, chosen, as_ids)
             out.tokens.append(token)
             out.text_offset.append(offset)
             offset += len(token)
@@ -208,7 +210,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 continue
             out.token_logprobs.append(clamp_logprob(chosen.logprob))
             top = {token: clamp_logprob(chosen.logprob)}
-            for candidate, logprob in self.top_logprobs(row, num, as_ids):
+            for candidate, logprob in self.logprob_format.top_logprobs(row, num, as_ids):
                 top.setdefault(candidate, logprob)
             out.top_logprobs.append(top)
         return out

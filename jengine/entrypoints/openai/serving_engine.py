@@ -17,7 +17,6 @@ comes as one OpenAI-shaped error event just before that; with
 
 import asyncio
 import logging
-import math
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -26,13 +25,12 @@ from pydantic import BaseModel
 
 from jengine.engine.output_processor import RequestError, RequestOutputKind
 from jengine.entrypoints.openai.errors import engine_dead_error, param_of, to_openai_error
+from jengine.entrypoints.openai.logprob_format import LogprobFormat
 from jengine.entrypoints.openai.protocol import (
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
     UNSUPPORTED_FIELDS,
     OpenAIError,
-    PromptLogprob,
-    PromptLogprobs,
     SamplingRequest,
     UsageInfo,
     random_id,
@@ -41,7 +39,7 @@ from jengine.entrypoints.openai.sampling_request import sampling_params_of
 from jengine.entrypoints.openai.serving_models import ServingModels
 from jengine.fault_injection import FaultInjector
 from jengine.lora_request import LoRARequest
-from jengine.outputs import Logprob, RequestOutput
+from jengine.outputs import RequestOutput
 from jengine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -97,6 +95,7 @@ class OpenAIServing:
         self.max_model_len = engine.max_model_len
         self.tokenizer = engine.get_tokenizer()
         self.faults = FaultInjector.from_env()
+        self.logprob_format = LogprobFormat(self.tokenizer)
 
     # -- opening checks -------------------------------------------------------------------
 
@@ -296,68 +295,13 @@ class OpenAIServing:
         before yielding the chunk that carries them."""
         raise NotImplementedError
 
-    # -- logprobs -------------------------------------------------------------------------
-
-    def token_str(self, token_id: int, logprob: Logprob | None = None, as_id: bool = False) -> str:
-        """A logprob entry's token: its text, or "token_id:<id>" (`as_id`: vLLM's
-        return_tokens_as_token_ids; also without a tokenizer)."""
-        if as_id:
-            return f"token_id:{token_id}"
-        if logprob is not None and logprob.decoded_token is not None:
-            return logprob.decoded_token
-        if self.tokenizer is None:
-            return f"token_id:{token_id}"
-        return self.tokenizer.decode([token_id])
-
-    def prompt_logprobs(self, output: RequestOutput, num: int | None) -> PromptLogprobs | None:
-        """vLLM's `prompt_logprobs` field of a response asking for `num` of them: each
-        prompt position's own token and its `num` most likely (the engine may hold more
-        when echo asked for more logprobs)."""
-        if num is None or output.prompt_logprobs is None:
-            return None
-
-        def entries(own: int, row: dict[int, Logprob]) -> dict[int, PromptLogprob]:
-            return {
-                token_id: PromptLogprob(
-                    logprob=clamp_logprob(entry.logprob),
-                    rank=entry.rank,
-                    decoded_token=self.token_str(token_id, entry),
-                )
-                for token_id, entry in row.items()
-                if token_id == own or (entry.rank is not None and entry.rank <= num)
-            }
-
-        rows = zip(output.prompt_token_ids, output.prompt_logprobs, strict=True)
-        return [None if row is None else entries(own, row) for own, row in rows]
-
-    def top_logprobs(
-        self, row: dict[int, Logprob], num: int, as_ids: bool = False
-    ) -> list[tuple[str, float]]:
-        """The `num` most likely candidates of one position as (token, logprob)."""
-        return [
-            (self.token_str(candidate_id, candidate, as_ids), clamp_logprob(candidate.logprob))
-            for candidate_id, candidate in top_k_of(row, num)
-        ]
-
 
 # -- small helpers ----------------------------------------------------------------------------
-
-
-def top_k_of(row: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
-    """The k most likely candidates of one position (rank order; the chosen token appears
-    only if it is among them)."""
-    ranked = sorted(row.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
-    return ranked[:k]
 
 
 def prompt_ids_if_asked(request: SamplingRequest, prompt: EnginePrompt) -> list[int] | None:
     """vLLM's `prompt_token_ids` field: the ids the engine got, when return_token_ids."""
     return list(prompt.token_ids) if request.return_token_ids else None
-
-
-def clamp_logprob(value: float) -> float:
-    # JSON has no -inf; OpenAI and vLLM report -9999.0 for impossible tokens.
-    return max(value, -9999.0) if not math.isnan(value) else -9999.0
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:

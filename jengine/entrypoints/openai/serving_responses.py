@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import pydantic
 
 from jengine.entrypoints.openai.errors import to_openai_error
-from jengine.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError, now
+from jengine.entrypoints.openai.protocol import OpenAIError, now
+from jengine.entrypoints.openai.protocol_chat import ChatCompletionRequest
 from jengine.entrypoints.openai.protocol_responses import (
     ResponseObject,
     ResponsesRequest,

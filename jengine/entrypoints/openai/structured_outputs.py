@@ -10,12 +10,11 @@ the chat route asks `tool_choice_constraint` for the tool-call grammar. Every pr
 
 from __future__ import annotations
 
-from jengine.entrypoints.openai.protocol import (
+from jengine.entrypoints.openai.protocol import OpenAIError, SamplingRequest
+from jengine.entrypoints.openai.protocol_chat import (
     ChatCompletionRequest,
     ChatCompletionToolParam,
     NamedToolChoice,
-    OpenAIError,
-    SamplingRequest,
 )
 from jengine.sampling_params import StructuredOutputsParams
 

@@ -25,7 +25,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from jengine.entrypoints.openai.protocol import (
+from jengine.entrypoints.openai.protocol_chat import (
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,

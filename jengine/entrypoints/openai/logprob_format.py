@@ -1,0 +1,70 @@
+"""How the engine's logprobs read in OpenAI's responses: token strings, the top
+candidates of a position, vLLM's prompt_logprobs entries, and -inf clamped for JSON.
+
+Where it sits: each serving layer (serving_engine.py's `OpenAIServing.logprob_format`)
+hands it the `Logprob` rows of a `RequestOutput`; the completion and chat routes shape
+what it returns into their own logprob objects.
+"""
+
+import math
+
+from jengine.entrypoints.openai.protocol import PromptLogprob, PromptLogprobs
+from jengine.outputs import Logprob, RequestOutput
+
+
+class LogprobFormat:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer  # None: tokens are written "token_id:<id>"
+
+    def token_str(self, token_id: int, logprob: Logprob | None = None, as_id: bool = False) -> str:
+        """A logprob entry's token: its text, or "token_id:<id>" (`as_id`: vLLM's
+        return_tokens_as_token_ids; also without a tokenizer)."""
+        if as_id:
+            return f"token_id:{token_id}"
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
+    def prompt_logprobs(self, output: RequestOutput, num: int | None) -> PromptLogprobs | None:
+        """vLLM's `prompt_logprobs` field of a response asking for `num` of them: each
+        prompt position's own token and its `num` most likely (the engine may hold more
+        when echo asked for more logprobs)."""
+        if num is None or output.prompt_logprobs is None:
+            return None
+
+        def entries(own: int, row: dict[int, Logprob]) -> dict[int, PromptLogprob]:
+            return {
+                token_id: PromptLogprob(
+                    logprob=clamp_logprob(entry.logprob),
+                    rank=entry.rank,
+                    decoded_token=self.token_str(token_id, entry),
+                )
+                for token_id, entry in row.items()
+                if token_id == own or (entry.rank is not None and entry.rank <= num)
+            }
+
+        rows = zip(output.prompt_token_ids, output.prompt_logprobs, strict=True)
+        return [None if row is None else entries(own, row) for own, row in rows]
+
+    def top_logprobs(
+        self, row: dict[int, Logprob], num: int, as_ids: bool = False
+    ) -> list[tuple[str, float]]:
+        """The `num` most likely candidates of one position as (token, logprob)."""
+        return [
+            (self.token_str(candidate_id, candidate, as_ids), clamp_logprob(candidate.logprob))
+            for candidate_id, candidate in top_k_of(row, num)
+        ]
+
+
+def top_k_of(row: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The k most likely candidates of one position (rank order; the chosen token appears
+    only if it is among them)."""
+    ranked = sorted(row.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
+    return ranked[:k]
+
+
+def clamp_logprob(value: float) -> float:
+    # JSON has no -inf; OpenAI and vLLM report -9999.0 for impossible tokens.
+    return max(value, -9999.0) if not math.isnan(value) else -9999.0
