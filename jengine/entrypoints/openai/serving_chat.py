@@ -50,7 +50,6 @@ from jengine.entrypoints.openai.serving_engine import (
     OpenAIServing,
     PreparedRequest,
     StreamUsage,
-    prompt_ids_if_asked,
     usage,
 )
 from jengine.entrypoints.openai.serving_models import ServingModels
@@ -213,7 +212,7 @@ class OpenAIServingChat(OpenAIServing):
                 sum(len(seq.token_ids) for seq in final.outputs),
             ),
             prompt_logprobs=self.logprob_format.prompt_logprobs(final, request.prompt_logprobs),
-            prompt_token_ids=prompt_ids_if_asked(request, prepared.prompts[0]),
+            prompt_token_ids=_prompt_ids_if_asked(request, prepared),
         )
 
     def response_choice(
@@ -277,7 +276,7 @@ class OpenAIServingChat(OpenAIServing):
         num_logprobs = prepared.prompts[0].params.logprobs
         for index in range(request.n):
             role_chunk = self._chunk(prepared, index, DeltaMessage(role=role, content=""))
-            role_chunk.prompt_token_ids = prompt_ids_if_asked(request, prepared.prompts[0])
+            role_chunk.prompt_token_ids = _prompt_ids_if_asked(request, prepared)
             yield role_chunk
             if echo:
                 yield self._chunk(prepared, index, DeltaMessage(content=echo))
@@ -373,3 +372,8 @@ class OpenAIServingChat(OpenAIServing):
                 )
             )
         return ChatCompletionLogProbs(content=content)
+
+
+def _prompt_ids_if_asked(request: ChatCompletionRequest, prepared: PreparedRequest):
+    """vLLM's `prompt_token_ids`: the ids the engine got, when return_token_ids."""
+    return list(prepared.prompts[0].token_ids) if request.return_token_ids else None

@@ -29,7 +29,6 @@ from jengine.entrypoints.openai.serving_engine import (
     OpenAIServing,
     PreparedRequest,
     StreamUsage,
-    prompt_ids_if_asked,
     usage,
 )
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -123,8 +122,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 choice.prompt_logprobs = self.logprob_format.prompt_logprobs(
                     output, request.prompt_logprobs
                 )
-                choice.prompt_token_ids = prompt_ids_if_asked(request, prompt)
                 if request.return_token_ids:
+                    choice.prompt_token_ids = list(prompt.token_ids)
                     choice.token_ids = list(seq.token_ids)
                 choices.append(choice)
         choices.sort(key=lambda c: c.index)

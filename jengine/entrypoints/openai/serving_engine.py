@@ -299,11 +299,6 @@ class OpenAIServing:
 # -- small helpers ----------------------------------------------------------------------------
 
 
-def prompt_ids_if_asked(request: SamplingRequest, prompt: EnginePrompt) -> list[int] | None:
-    """vLLM's `prompt_token_ids` field: the ids the engine got, when return_token_ids."""
-    return list(prompt.token_ids) if request.return_token_ids else None
-
-
 def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
     return UsageInfo(
         prompt_tokens=prompt_tokens,
