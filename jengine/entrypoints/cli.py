@@ -111,6 +111,11 @@ def make_parser() -> argparse.ArgumentParser:
         help='logprob tokens as "token_id:<id>" for requests that do not say',
     )
     serve.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage.prompt_tokens_details.cached_tokens: prompt tokens the prefix cache served",
+    )
+    serve.add_argument(
         "--reasoning-parser",
         choices=["deepseek_r1", "qwen3"],
         help="move the text between <think> and </think> into reasoning_content",

@@ -237,7 +237,8 @@ def test_cache_salt_keeps_prompts_apart(client, http):
     prompt = "Salted: the same words again and again, long enough for full blocks. " * 2
 
     def hits_after(salt: str) -> float:
-        complete(client, prompt=prompt, max_tokens=2, extra_body={"cache_salt": salt})
+        out = complete(client, prompt=prompt, max_tokens=2, extra_body={"cache_salt": salt})
+        assert out.usage.prompt_tokens_details is None  # no --enable-prompt-tokens-details
         return metric(http.get("/metrics").text, "jengine:prefix_cache_hits_total")
 
     first, again, other = hits_after("a" * 43), hits_after("a" * 43), hits_after("b" * 43)

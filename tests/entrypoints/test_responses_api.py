@@ -2,8 +2,9 @@
 `openai` client's `responses.create`: a plain answer equal to the chat route's, a streamed
 one whose events come in order and whose deltas join to the full text, a function tool
 round trip (the call, then its output sent back as an input item), a JSON-schema text
-format, logprobs equal to the chat route's (whole and streamed), and the clear 400s for
-what jengine does not keep (stored responses)."""
+format, logprobs equal to the chat route's (whole and streamed), cached input tokens
+counted as the chat and completion routes count them (--enable-prompt-tokens-details), and
+the clear 400s for what jengine does not keep (stored responses)."""
 
 import json
 
@@ -19,7 +20,8 @@ WEATHER = {"type": "function", **GET_WEATHER}  # the Responses API's flat form
 
 @pytest.fixture(scope="module")
 def client():
-    with RemoteServer("smollm2", [*LIMITS, "--disable-uvicorn-access-log"]) as server:
+    flags = [*LIMITS, "--disable-uvicorn-access-log", "--enable-prompt-tokens-details"]
+    with RemoteServer("smollm2", flags) as server:
         yield openai.OpenAI(base_url=server.url_for("v1"), api_key="unused", max_retries=0)
 
 
@@ -69,6 +71,35 @@ def test_instructions_and_message_items_are_the_chat_messages(client):
     )
     assert response.output_text == chat.choices[0].message.content
     assert response.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_cached_input_tokens_are_counted_on_every_route(client):
+    """The prefix cache's share of a prompt, as usage tells it: 0 the first time (a salt no
+    other test uses), the prompt's full blocks after; the same on the chat route (whole and
+    streamed), and summed over a batch of completion prompts."""
+    salt = {"cache_salt": "usage-details"}
+    first = respond(client, input=QUESTION, max_output_tokens=2, extra_body=salt)
+    assert first.usage.input_tokens_details.cached_tokens == 0
+    again = respond(client, input=QUESTION, max_output_tokens=2, extra_body=salt)
+    cached = again.usage.input_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.input_tokens
+    events = list(respond(client, input=QUESTION, max_output_tokens=2, extra_body=salt,
+                          stream=True))  # fmt: skip
+    assert events[-1].response.usage.input_tokens_details.cached_tokens == cached
+    messages = [{"role": "user", "content": QUESTION}]
+    kwargs = dict(model="smollm2", messages=messages, max_tokens=2, extra_body=salt)
+    chat = client.chat.completions.create(**kwargs)
+    assert chat.usage.prompt_tokens_details.cached_tokens == cached
+    usage_chunk = {"stream": True, "stream_options": {"include_usage": True}}
+    chunks = list(client.chat.completions.create(**kwargs, **usage_chunk))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    other_salt = client.chat.completions.create(**{**kwargs, "extra_body": {"cache_salt": "x"}})
+    assert other_salt.usage.prompt_tokens_details.cached_tokens == 0
+    long_prompt = dict(model="smollm2", prompt=QUESTION * 4, max_tokens=1, extra_body=salt)
+    client.completions.create(**{**long_prompt, "prompt": [QUESTION * 4] * 2})  # now cached
+    batch = client.completions.create(**{**long_prompt, "prompt": [QUESTION * 4] * 2})
+    one = client.completions.create(**long_prompt).usage.prompt_tokens_details.cached_tokens
+    assert one > 0 and batch.usage.prompt_tokens_details.cached_tokens == 2 * one
 
 
 def test_a_cut_off_response_is_incomplete(client):

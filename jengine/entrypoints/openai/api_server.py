@@ -75,6 +75,7 @@ def build_app(
     lora_modules: dict[str, str] | None = None,
     allow_runtime_lora_updating: bool = False,
     return_tokens_as_token_ids: bool = False,
+    enable_prompt_tokens_details: bool = False,
 ) -> FastAPI:
     """The app. CORS headers are sent only with `allowed_origins` (none by default: a web
     page on another origin cannot use the server from its visitors' browsers).
@@ -93,6 +94,7 @@ def build_app(
         reasoning_parser=reasoning_parser,
         chat_template=chat_template,
         return_tokens_as_token_ids=return_tokens_as_token_ids,
+        enable_prompt_tokens_details=enable_prompt_tokens_details,
     )
 
     app = FastAPI(title="jengine", version=version())
@@ -101,7 +103,10 @@ def build_app(
     app.state.models = models
     app.state.allow_runtime_lora_updating = allow_runtime_lora_updating
     app.state.serving_completion = OpenAIServingCompletion(
-        engine, models, return_tokens_as_token_ids=return_tokens_as_token_ids
+        engine,
+        models,
+        return_tokens_as_token_ids=return_tokens_as_token_ids,
+        enable_prompt_tokens_details=enable_prompt_tokens_details,
     )
     app.state.serving_chat = chat
     app.state.serving_responses = OpenAIServingResponses(chat)
@@ -228,6 +233,7 @@ async def serve_http(
             allowed_headers=args.allowed_headers,
             allow_credentials=args.allow_credentials,
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+            enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         )
         for lora in app.state.models.loras.values():  # --lora-modules read (checked) now
             try:

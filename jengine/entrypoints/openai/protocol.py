@@ -195,10 +195,16 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    cached_tokens: int | None = None
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # With --enable-prompt-tokens-details: how many prompt tokens the prefix cache served.
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
 
 
 class PromptLogprob(OpenAIBaseModel):

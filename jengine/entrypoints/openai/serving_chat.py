@@ -50,7 +50,6 @@ from jengine.entrypoints.openai.serving_engine import (
     OpenAIServing,
     PreparedRequest,
     StreamUsage,
-    usage,
 )
 from jengine.entrypoints.openai.serving_models import ServingModels
 from jengine.entrypoints.openai.structured_outputs import tool_choice_constraint, tool_choice_of
@@ -78,12 +77,18 @@ class OpenAIServingChat(OpenAIServing):
         reasoning_parser: str | None = None,
         chat_template: str | None = None,
         return_tokens_as_token_ids: bool = False,
+        enable_prompt_tokens_details: bool = False,
     ):
         """`tool_call_parser` (with `enable_auto_tool_choice`): how tool_choice "auto"
         finds calls in a reply; `reasoning_parser`: how the reasoning is split off;
         `chat_template` (--chat-template): the Jinja template to use instead of the
         model's (a request's own `chat_template` wins over both)."""
-        super().__init__(engine, models, return_tokens_as_token_ids=return_tokens_as_token_ids)
+        super().__init__(
+            engine,
+            models,
+            return_tokens_as_token_ids=return_tokens_as_token_ids,
+            enable_prompt_tokens_details=enable_prompt_tokens_details,
+        )
         self.chat_template = chat_template
         if enable_auto_tool_choice and tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
@@ -207,10 +212,7 @@ class OpenAIServingChat(OpenAIServing):
                 self.response_choice(request, seq, role, echo, num_logprobs)
                 for seq in final.outputs
             ],
-            usage=usage(
-                len(prepared.prompts[0].token_ids),
-                sum(len(seq.token_ids) for seq in final.outputs),
-            ),
+            usage=self.usage_of(finals),
             prompt_logprobs=self.logprob_format.prompt_logprobs(final, request.prompt_logprobs),
             prompt_token_ids=_prompt_ids_if_asked(request, prepared),
         )
@@ -283,6 +285,7 @@ class OpenAIServingChat(OpenAIServing):
         tool_parser = self.tool_parser_for(request)
         streams = [ReplyStream(self.reasoning_parser, tool_parser) for _ in range(request.n)]
         async for _, output in self.generate(request, prepared, RequestOutputKind.DELTA):
+            counts.cached_tokens[0] = output.num_cached_tokens
             for seq in output.outputs:
                 counts.completion_tokens += len(seq.token_ids)
                 # Logprobs and token ids come with every token, text or not yet.

@@ -29,7 +29,6 @@ from jengine.entrypoints.openai.serving_engine import (
     OpenAIServing,
     PreparedRequest,
     StreamUsage,
-    usage,
 )
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -105,11 +104,8 @@ class OpenAIServingCompletion(OpenAIServing):
         finals: list[RequestOutput],
     ) -> CompletionResponse:
         choices = []
-        num_prompt_tokens = num_generated = 0
         for i, (prompt, output) in enumerate(zip(prepared.prompts, finals, strict=True)):
-            num_prompt_tokens += len(output.prompt_token_ids)
             for seq in output.outputs:
-                num_generated += len(seq.token_ids)
                 body, logprobs = seq.text, None
                 if request.echo:
                     body = self._prompt_text(prompt) + body
@@ -131,7 +127,7 @@ class OpenAIServingCompletion(OpenAIServing):
             id=prepared.request_id,
             model=prepared.model,
             choices=choices,
-            usage=usage(num_prompt_tokens, num_generated),
+            usage=self.usage_of(finals),
         )
 
     # -- streaming ------------------------------------------------------------------------
@@ -145,6 +141,7 @@ class OpenAIServingCompletion(OpenAIServing):
         started = [False] * (len(prepared.prompts) * n)  # a chunk of choice i went out
         async for prompt_index, output in self.generate(request, prepared, RequestOutputKind.DELTA):
             prompt = prepared.prompts[prompt_index]
+            counts.cached_tokens[prompt_index] = output.num_cached_tokens
             for seq in output.outputs:
                 i = prompt_index * n + seq.index
                 body, ids, rows = seq.text, list(seq.token_ids), list(seq.logprobs or [])

@@ -19,7 +19,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
@@ -31,6 +31,7 @@ from jengine.entrypoints.openai.protocol import (
     MAX_STOP_SEQUENCES,
     UNSUPPORTED_FIELDS,
     OpenAIError,
+    PromptTokenUsageInfo,
     SamplingRequest,
     UsageInfo,
     random_id,
@@ -71,13 +72,21 @@ class PreparedRequest:
 
 @dataclass
 class StreamUsage:
-    """Token counts of a stream so far; `stream_chunks` adds completion tokens."""
+    """Token counts of a stream so far; `stream_chunks` adds completion tokens and notes
+    each prompt's cached tokens (by prompt index)."""
 
     prompt_tokens: int
     completion_tokens: int = 0
+    cached_tokens: dict[int, int] = field(default_factory=dict)
+    with_details: bool = False  # --enable-prompt-tokens-details
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(self.cached_tokens.values())
 
     def info(self) -> UsageInfo:
-        return usage(self.prompt_tokens, self.completion_tokens)
+        cached = self.num_cached_tokens if self.with_details else None
+        return usage(self.prompt_tokens, self.completion_tokens, cached)
 
 
 class OpenAIServing:
@@ -86,12 +95,21 @@ class OpenAIServing:
     chunk_type: type[BaseModel]
     request_id_prefix: str
 
-    def __init__(self, engine, models: ServingModels, *, return_tokens_as_token_ids=False):
+    def __init__(
+        self,
+        engine,
+        models: ServingModels,
+        *,
+        return_tokens_as_token_ids: bool = False,
+        enable_prompt_tokens_details: bool = False,
+    ):
         """`return_tokens_as_token_ids` (--return-tokens-as-token-ids): what a request that
-        does not say gets."""
+        does not say gets; `enable_prompt_tokens_details` (--enable-prompt-tokens-details):
+        usage tells how many prompt tokens the prefix cache served."""
         self.engine = engine
         self.models = models
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.max_model_len = engine.max_model_len
         self.tokenizer = engine.get_tokenizer()
         self.faults = FaultInjector.from_env()
@@ -257,6 +275,15 @@ class OpenAIServing:
         """The subclass's full response from the final output of every prompt."""
         raise NotImplementedError
 
+    def usage_of(self, finals: list[RequestOutput]) -> UsageInfo:
+        """A full response's usage: every prompt's tokens and every sequence's."""
+        cached = sum(final.num_cached_tokens for final in finals)
+        return usage(
+            sum(len(final.prompt_token_ids) for final in finals),
+            sum(len(seq.token_ids) for final in finals for seq in final.outputs),
+            cached if self.enable_prompt_tokens_details else None,
+        )
+
     async def stream(
         self, request: SamplingRequest, prepared: PreparedRequest
     ) -> AsyncIterator[str]:
@@ -267,7 +294,10 @@ class OpenAIServing:
         options = request.stream_options
         include_usage = bool(options and options.include_usage)
         continuous_usage = include_usage and bool(options.continuous_usage_stats)
-        counts = StreamUsage(sum(len(prompt.token_ids) for prompt in prepared.prompts))
+        counts = StreamUsage(
+            sum(len(prompt.token_ids) for prompt in prepared.prompts),
+            with_details=self.enable_prompt_tokens_details,
+        )
         try:
             async with aclosing(self.stream_chunks(request, prepared, counts)) as chunks:
                 async for chunk in chunks:
@@ -299,11 +329,17 @@ class OpenAIServing:
 # -- small helpers ----------------------------------------------------------------------------
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> UsageInfo:
+    """OpenAI's usage; `prompt_tokens_details` only where `cached_tokens` is given."""
     return UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=None
+        if cached_tokens is None
+        else PromptTokenUsageInfo(cached_tokens=cached_tokens),
     )
 
 

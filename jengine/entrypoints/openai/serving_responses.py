@@ -149,10 +149,10 @@ class OpenAIServingResponses(OpenAIServing):
         chat = self.chat.response(prepared.chat_request, prepared, finals)
         [choice] = chat.choices
         output = output_items(choice.message, choice.logprobs)
-        return self.response_object(
-            request, prepared, output, choice.finish_reason, chat.usage.prompt_tokens,
-            chat.usage.completion_tokens,
-        )  # fmt: skip
+        counts = StreamUsage(
+            chat.usage.prompt_tokens, chat.usage.completion_tokens, {0: finals[0].num_cached_tokens}
+        )
+        return self.response_object(request, prepared, output, choice.finish_reason, counts)
 
     def response_object(
         self,
@@ -160,10 +160,10 @@ class OpenAIServingResponses(OpenAIServing):
         prepared: PreparedResponse,
         output: list[dict],
         finish_reason: str | None,
-        input_tokens: int,
-        output_tokens: int,
+        counts: StreamUsage,
     ) -> ResponseObject:
-        """The response with `output`; in progress while `finish_reason` is None."""
+        """The response with `output`; in progress while `finish_reason` is None. Its usage
+        always tells the cached input tokens (OpenAI's Responses API always has the field)."""
         status, incomplete = "completed", None
         if finish_reason is None:
             status = "in_progress"
@@ -186,9 +186,10 @@ class OpenAIServingResponses(OpenAIServing):
             usage=None
             if finish_reason is None
             else ResponseUsage(
-                input_tokens=input_tokens,
-                output_tokens=output_tokens,
-                total_tokens=input_tokens + output_tokens,
+                input_tokens=counts.prompt_tokens,
+                output_tokens=counts.completion_tokens,
+                total_tokens=counts.prompt_tokens + counts.completion_tokens,
+                input_tokens_details={"cached_tokens": counts.num_cached_tokens},
             ),
             incomplete_details=incomplete,
             metadata=request.metadata,
@@ -201,7 +202,7 @@ class OpenAIServingResponses(OpenAIServing):
     ) -> AsyncIterator[str]:
         events = Events()
         counts = StreamUsage(len(prepared.prompts[0].token_ids))
-        started = self.response_object(request, prepared, [], None, counts.prompt_tokens, 0)
+        started = self.response_object(request, prepared, [], None, counts)
         yield events("response.created", response=started)
         yield events("response.in_progress", response=started)
         items = StreamedItems(events)
@@ -221,10 +222,7 @@ class OpenAIServingResponses(OpenAIServing):
                     finish_reason = choice.finish_reason or finish_reason
             for event in items.finish():
                 yield event
-            final = self.response_object(
-                request, prepared, items.output, finish_reason, counts.prompt_tokens,
-                counts.completion_tokens,
-            )  # fmt: skip
+            final = self.response_object(request, prepared, items.output, finish_reason, counts)
             done = "response.incomplete" if final.status == "incomplete" else "response.completed"
             yield events(done, response=final)
         except Exception as e:
