@@ -27,6 +27,10 @@ from jengine.pooling import PoolerConfig
 QUANTIZATION_CHOICES = (None, "none", "gguf", "compressed-tensors", "int8", "fp8", "fp8-rtn")
 
 
+# vLLM's `--kv-cache-dtype` values jengine takes: "auto" is the model's dtype; "fp8" is
+# fp8_e4m3 (jengine/runner/kv_cache_sizing.py maps them to element types).
+KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
 # The multi-step program's sampled tokens are [K, S]; past a few dozen the host's share
 # of a token is already negligible, and a stop wastes up to K - 1 tokens of compute.
 MAX_SCHEDULER_STEPS = 64
@@ -50,6 +54,9 @@ class CacheConfig:
         overrides gpu_memory_utilization).
     gpu_memory_utilization: fraction of device memory the engine may use in total (weights,
         activations and KV cache) when no explicit budget is given.
+    kv_cache_dtype: vLLM's `--kv-cache-dtype`: the cache's element type ("auto": the model's;
+        "fp8" / "fp8_e4m3" and "fp8_e5m2" hold K and V in one byte, saturated to the
+        format's range, with no scale, as vLLM's uncalibrated fp8 cache).
     """
 
     block_size: int = 16
@@ -57,6 +64,7 @@ class CacheConfig:
     num_gpu_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -83,6 +91,12 @@ class CacheConfig:
             "gpu_memory_utilization",
             "must be in (0, 1]",
             self.gpu_memory_utilization,
+        )
+        _require(
+            self.kv_cache_dtype in KV_CACHE_DTYPE_CHOICES,
+            "kv_cache_dtype",
+            f"must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}",
+            self.kv_cache_dtype,
         )
 
 

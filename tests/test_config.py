@@ -17,6 +17,7 @@ from jengine.engine.arg_utils import EngineArgs
         ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes"),
         ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
         ({"gpu_memory_utilization": 1.1}, "gpu_memory_utilization"),
+        ({"kv_cache_dtype": "int4"}, "kv_cache_dtype"),
     ],
 )
 def test_cache_config_validation(kwargs, field):
@@ -59,6 +60,7 @@ def test_engine_args_defaults_are_the_configs():
         cache.enable_prefix_caching,
     )
     assert args.gpu_memory_utilization == cache.gpu_memory_utilization
+    assert args.kv_cache_dtype == cache.kv_cache_dtype == "auto"
     model = ModelConfig()
     assert (args.dtype, args.seed, args.attention_impl) == (
         model.dtype,

@@ -13,6 +13,7 @@ import argparse
 from dataclasses import dataclass, field, fields
 
 from jengine.config import (
+    KV_CACHE_DTYPE_CHOICES,
     QUANTIZATION_CHOICES,
     CacheConfig,
     CompilationConfig,
@@ -46,6 +47,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = CacheConfig.num_gpu_blocks
     kv_cache_memory_bytes: int | None = CacheConfig.kv_cache_memory_bytes
     gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
+    kv_cache_dtype: str = CacheConfig.kv_cache_dtype
     scheduling_policy: str = SchedulerConfig.policy
     async_scheduling: bool = SchedulerConfig.async_scheduling
     num_scheduler_steps: int = SchedulerConfig.num_scheduler_steps
@@ -121,6 +123,7 @@ class EngineArgs:
                 num_gpu_blocks=self.num_gpu_blocks_override,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_dtype=self.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -191,7 +194,8 @@ class EngineArgs:
         add(
             "--dtype",
             choices=["auto", "float32", "bfloat16", "float16", "float", "half"],
-            help="weights and KV cache dtype; auto = bf16 on accelerators, f32 on CPU",
+            help="weights dtype (the KV cache's too unless --kv-cache-dtype); auto = bf16 on "
+            "accelerators, f32 on CPU",
         )
         add(
             "--quantization",
@@ -221,6 +225,13 @@ class EngineArgs:
         add("--num-gpu-blocks-override", type=int)
         add("--kv-cache-memory-bytes", type=int, help="KV-cache budget (default on CPU: 1 GiB)")
         add("--gpu-memory-utilization", type=float)
+        add(
+            "--kv-cache-dtype",
+            choices=list(KV_CACHE_DTYPE_CHOICES),
+            help="the KV cache's element type: auto (the model's dtype), bfloat16, or fp8 "
+            "(= fp8_e4m3) / fp8_e5m2, one byte a value (saturated, no scale): 4x the tokens "
+            "of a float32 cache in the same memory",
+        )
         add("--scheduling-policy", choices=["fcfs", "priority"])
         add(
             "--async-scheduling",

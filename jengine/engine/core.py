@@ -88,6 +88,7 @@ class EngineCore:
             kv_cache_memory_bytes=config.cache.kv_cache_memory_bytes,
             gpu_memory_utilization=config.cache.gpu_memory_utilization,
             num_blocks=config.cache.num_gpu_blocks,
+            kv_cache_dtype=config.cache.kv_cache_dtype,
             seed=config.model.seed,
             attention_impl=config.model.attention_impl,
             tensor_parallel_size=config.parallel.tensor_parallel_size,

@@ -183,14 +183,17 @@ class DraftModel:
         max_model_len: int,
         device: jax.Device,
         attention_impl: str | None = None,
+        kv_cache_dtype=None,
     ):
+        """`kv_cache_dtype`: its cache's element type (None: the draft's dtype)."""
         self.config = model.config
         self.num_speculative_tokens = num_speculative_tokens
         graphdef, params = nnx.split(model)
         self.params = jax.device_put(params, device)
         move_to_huge_pages(self.params)  # its decode streams its weights too
         cache_shape = model.kv_cache_shape(num_blocks, block_size)
-        self.kv_cache = jax.device_put(jnp.zeros(cache_shape, model.dtype), device)
+        cache_dtype = kv_cache_dtype or model.dtype
+        self.kv_cache = jax.device_put(jnp.zeros(cache_shape, cache_dtype), device)
         zeros_in_huge_pages(self.kv_cache)
         q = jax.ShapeDtypeStruct(
             (1, self.config.num_attention_heads, self.config.head_dim), model.dtype
@@ -206,10 +209,10 @@ class DraftModel:
         )
 
     @staticmethod
-    def sharing_blocks(sizing: KVCacheSizing, model: nnx.Module) -> KVCacheSizing:
+    def sharing_blocks(sizing: KVCacheSizing, model: nnx.Module, cache_dtype) -> KVCacheSizing:
         """The target's cache sizing with each block holding the draft's K/V as well."""
         shape = model.kv_cache_shape(1, sizing.block_size)
-        draft_bytes = int(np.prod(shape)) * jnp.dtype(model.dtype).itemsize
+        draft_bytes = int(np.prod(shape)) * jnp.dtype(cache_dtype).itemsize
         return dataclasses.replace(sizing, bytes_per_block=sizing.bytes_per_block + draft_bytes)
 
     def programs(self, dummy_steps, sharding) -> list[tuple]:

@@ -9,6 +9,8 @@ The scheduler's block pool then has exactly that many blocks. No jax arrays are 
 what the saving buys in KV-cache tokens.
 
 Promises:
+- the cache's element type is `kv_cache_dtype_of(name, model dtype)`: the model's for "auto",
+  else what vLLM's `--kv-cache-dtype` name says;
 - a block is one page of every layer's K and V: `bytes_per_block` is the size of
   `kv_cache_shape(1, block_size)` in the cache dtype;
 - a budget too small for one request of `max_model_len` plus the null block 0 is an error
@@ -29,6 +31,18 @@ import jax.numpy as jnp
 import numpy as np
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
+# vLLM's --kv-cache-dtype names (jengine/config.py's KV_CACHE_DTYPE_CHOICES but "auto").
+KV_CACHE_DTYPES = {
+    "bfloat16": jnp.bfloat16,
+    "fp8": jnp.float8_e4m3fn,
+    "fp8_e4m3": jnp.float8_e4m3fn,
+    "fp8_e5m2": jnp.float8_e5m2,
+}
+
+
+def kv_cache_dtype_of(name: str, model_dtype) -> jnp.dtype:
+    """The KV cache's element type for a `--kv-cache-dtype` name ("auto": the model's)."""
+    return jnp.dtype(model_dtype if name == "auto" else KV_CACHE_DTYPES[name])
 
 
 @dataclass(frozen=True)
@@ -38,6 +52,7 @@ class KVCacheSizing:
     max_model_len: int
     max_pages: int  # pages of one request of max_model_len
     num_shards: int = 1  # devices the cache is split over (tensor parallel)
+    dtype_name: str = "float32"  # the cache's element type, for the report
 
     @classmethod
     def create(
@@ -54,7 +69,9 @@ class KVCacheSizing:
         parallelism it is split `num_shards` ways and every figure here is per device."""
         shape = kv_cache_shape(1, block_size)
         bytes_per_block = int(np.prod(shape)) * jnp.dtype(dtype).itemsize // num_shards
-        return cls(block_size, bytes_per_block, max_model_len, max_pages, num_shards)
+        return cls(
+            block_size, bytes_per_block, max_model_len, max_pages, num_shards, jnp.dtype(dtype).name
+        )
 
     def blocks_from_budget(self, kv_cache_memory_bytes: int) -> int:
         num_blocks = kv_cache_memory_bytes // self.bytes_per_block
@@ -73,7 +90,7 @@ class KVCacheSizing:
         where = f" on each of {self.num_shards} devices" if self.num_shards > 1 else ""
         return (
             f"KV cache: {num_blocks - 1} blocks x {self.block_size} tokens = {tokens} "
-            f"tokens ({gib:.3f} GiB{where}); max concurrency at "
+            f"tokens of {self.dtype_name} ({gib:.3f} GiB{where}); max concurrency at "
             f"max_model_len={self.max_model_len}: {tokens / self.max_model_len:.2f}x"
         )
 

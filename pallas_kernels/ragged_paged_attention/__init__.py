@@ -5,17 +5,21 @@ On CPU the fused C++ kernel (`cpu`, through the XLA FFI) where it builds, else t
 `impl=` or the `JENGINE_ATTENTION_IMPL` environment variable forces one of
 "reference", "cpu", "gpu", "tpu"; `interpret=True` runs a Pallas kernel in the interpreter
 (how they are tested on a CPU-only machine). "cpu" hands what the kernel does not take
-(float32 only, head and page sizes multiples of 8) to the reference.
+(float32 only, head and page sizes multiples of 8) to the reference. `update_kv_cache`
+writes a step's keys and values: XLA's scatter, or on CPU for a cache narrower than float32
+the in-place C++ write (`cpu_kv_write`).
 """
 
 import os
 
 import jax
 
-from jengine.pallas_kernels.ragged_paged_attention import cpu
+from jengine.pallas_kernels.ragged_paged_attention import cpu, cpu_kv_write
 from jengine.pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_attention_reference,
-    update_kv_cache,
+)
+from jengine.pallas_kernels.ragged_paged_attention.reference import (
+    update_kv_cache as update_kv_cache_reference,
 )
 
 IMPLEMENTATIONS = ("reference", "cpu", "gpu", "tpu")
@@ -50,6 +54,14 @@ def prepare(impl: str | None, backend: str | None = None) -> None:
     starts building in the background."""
     if (impl or default_impl(backend)) == "cpu":
         cpu.load_in_background()
+
+
+def update_kv_cache(kv_cache, layer, k, v, slot_mapping):
+    """See `reference.update_kv_cache`. On CPU a cache narrower than float32 is written in
+    place by `cpu_kv_write` (XLA:CPU would copy all of it to scatter), where it builds."""
+    if cpu_kv_write.wanted(kv_cache) and cpu_kv_write.KERNEL.load() is None:
+        return cpu_kv_write.update_kv_cache_cpu(kv_cache, layer, k, v, slot_mapping)
+    return update_kv_cache_reference(kv_cache, layer, k, v, slot_mapping)
 
 
 def ragged_paged_attention(

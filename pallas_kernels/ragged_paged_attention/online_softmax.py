@@ -17,7 +17,8 @@ Promises:
   probabilities are exactly 0, and V slots past kv_len are zeroed before the PV dot, so
   NaN in cache slots a block does not own never reaches its output;
 - scores, m, l and the accumulator are float32; the probabilities enter the PV dot in the
-  cache's dtype (bf16 for a bf16 cache), as in flash attention;
+  cache's dtype (bf16 for a bf16 cache), as in flash attention; an fp8 cache's keys and
+  values are widened to the queries' dtype first, so both dots run in that dtype;
 - `finalize` turns rows that saw no key (l == 0, i.e. padding) into zeros.
 
 Axis letters: M rows per block, S slots per page, H head dim.
@@ -59,6 +60,8 @@ def online_softmax_update(
     soft_cap: float | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Fold one page of keys and values into the running (acc, m, l) of a query block."""
+    if k.dtype.itemsize == 1:  # an fp8 cache
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
     rows, block_size = row_token.shape
     # Rows past q_len (and padding rows) see nothing.
     row_pos = q_pos + row_token

@@ -62,8 +62,18 @@ def update_kv_cache(
     block_size = kv_cache.shape[4]
     page = slot_mapping // block_size
     offset = slot_mapping % block_size
-    new = jnp.stack([k, v], axis=1).astype(kv_cache.dtype)  # [T, 2, K, H]
+    new = to_cache_dtype(jnp.stack([k, v], axis=1), kv_cache.dtype)  # [T, 2, K, H]
     return kv_cache.at[layer, :, :, page, offset].set(new)
+
+
+def to_cache_dtype(x: jax.Array, dtype) -> jax.Array:
+    """`x` in the cache's dtype. Into an fp8 cache values saturate at the format's largest
+    finite value, as vLLM's uncalibrated (scale 1) fp8 cache writes them: a plain cast
+    turns what lies past it into NaN (e4m3fn has no infinity) or infinity (e5m2)."""
+    if jnp.dtype(dtype).itemsize == 1:
+        limit = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x, -limit, limit)
+    return x.astype(dtype)
 
 
 def ragged_paged_attention_reference(

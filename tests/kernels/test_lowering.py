@@ -28,13 +28,14 @@ NUM_TOKENS, NUM_REQUESTS, PAGES_PER_REQUEST = 512, 64, 128
 NUM_LAYERS, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 32, 8, 128, 16
 
 
-def _abstract_args(dtype, num_pages):
+def _abstract_args(dtype, num_pages, cache_dtype=None):
     def i32(*shape):
         return jax.ShapeDtypeStruct(shape, jnp.int32)
 
+    cache_shape = (NUM_LAYERS, 2, NUM_KV_HEADS, num_pages, BLOCK_SIZE, HEAD_DIM)
     return (
         jax.ShapeDtypeStruct((NUM_TOKENS, NUM_Q_HEADS, HEAD_DIM), dtype),
-        jax.ShapeDtypeStruct((NUM_LAYERS, 2, NUM_KV_HEADS, num_pages, BLOCK_SIZE, HEAD_DIM), dtype),
+        jax.ShapeDtypeStruct(cache_shape, cache_dtype or dtype),
         i32(),  # layer: traced, as in a scan over layers
         i32(NUM_REQUESTS),
         i32(NUM_REQUESTS, PAGES_PER_REQUEST),
@@ -60,6 +61,19 @@ def test_kernel_lowers(platform, dtype, q_block_size, sliding_window, num_pages)
     lowered = jax.jit(f).trace(*_abstract_args(dtype, num_pages))
     lowered = lowered.lower(lowering_platforms=(platform,))
     text = lowered.as_text()
+    assert custom_call in set(re.findall(r"custom_call @([\w$.]+)", text))
+
+
+@pytest.mark.parametrize("platform", sorted(KERNELS))
+@pytest.mark.parametrize("cache_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_kernel_lowers_with_an_fp8_cache(platform, cache_dtype, dtype):
+    """--kv-cache-dtype fp8: a one-byte cache (20,000 pages: 1.3 GiB) beside bf16 or f32
+    queries."""
+    kernel, custom_call = KERNELS[platform]
+    f = functools.partial(kernel, sm_scale=HEAD_DIM**-0.5, q_block_size=16)
+    traced = jax.jit(f).trace(*_abstract_args(dtype, 20_000, cache_dtype))
+    text = traced.lower(lowering_platforms=(platform,)).as_text()
     assert custom_call in set(re.findall(r"custom_call @([\w$.]+)", text))
 
 

@@ -141,6 +141,24 @@ def test_kernel_bf16(impl):
     )
 
 
+@pytest.mark.parametrize("impl", sorted(KERNELS))
+@pytest.mark.parametrize("cache_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_kernel_reads_an_fp8_cache(impl, cache_dtype, q_dtype):
+    """--kv-cache-dtype fp8: the kernels widen each page to the queries' dtype, so their
+    output is the reference's over the same fp8 values (f32 queries: to float32 rounding;
+    bf16: as `test_kernel_bf16`)."""
+    batch, kwargs = case_batch("mixed", 8, 2, 64, 16, 16, None)
+    fp8 = batch._replace(q=batch.q.astype(q_dtype), kv_cache=batch.kv_cache.astype(cache_dtype))
+    out = KERNELS[impl](*fp8.args, **kwargs)
+    assert out.dtype == q_dtype
+    out = np.asarray(out, np.float32)
+    assert np.isfinite(out).all(), "a kernel read a NaN slot it should have skipped"
+    expected = np.asarray(reference(*fp8.args, **kwargs), np.float32)
+    tolerance = 1e-5 if q_dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(out, expected, rtol=tolerance, atol=tolerance)
+
+
 def test_tpu_kernel_in_tpu_interpreter(make_batch):
     """The TPU interpreter simulates the DMAs the BlockSpecs issue: it raises on a page
     fetched outside the cache and fills uninitialized VMEM (scratch) with NaN."""

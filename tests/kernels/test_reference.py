@@ -1,4 +1,5 @@
-"""The XLA reference attention against a naive per-token oracle, and `update_kv_cache`.
+"""The XLA reference attention against a naive per-token oracle, and `update_kv_cache`
+(also into fp8 caches, which saturate).
 
 The reference is the oracle of every kernel (and the CPU fallback), so it is checked here
 against the simplest possible implementation (`conftest.naive_attention`).
@@ -137,3 +138,42 @@ def test_update_kv_cache_casts_to_cache_dtype():
     assert out.dtype == jnp.bfloat16
     assert (out[0, 0, 0, 1, 1] == 1).all() and (out[0, 1, 0, 1, 1] == 2).all()
     assert float(jnp.abs(out).sum()) == 12.0
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_update_kv_cache_saturates_into_fp8(dtype):
+    """--kv-cache-dtype fp8: values past the format's range are stored as its largest
+    finite value (vLLM's saturating cast), never as NaN or infinity; the rest round to
+    nearest."""
+    limit = float(jnp.finfo(dtype).max)
+    cache = jnp.zeros((1, 2, 1, 2, 2, 4), dtype)
+    k = jnp.array([[[1e6, -1e6, 3.3, -0.1]]], jnp.float32)
+    v = jnp.array([[[limit * 2, 0.0, -limit * 1.01, 1.0]]], jnp.float32)
+    out = jax.jit(update_kv_cache)(cache, 0, k, v, jnp.array([1]))
+    assert out.dtype == dtype
+    written = np.asarray(out[0, :, 0, 0, 1], np.float32)  # [2 (k, v), 4]
+    assert np.isfinite(written).all()
+    expected_k = [
+        limit,
+        -limit,
+        float(jnp.float32(3.3).astype(dtype)),
+        float(jnp.float32(-0.1).astype(dtype)),
+    ]
+    np.testing.assert_array_equal(written[0], expected_k)
+    np.testing.assert_array_equal(written[1], [limit, 0.0, -limit, 1.0])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_reference_reads_an_fp8_cache_as_its_values(make_batch, dtype):
+    """Attention over an fp8 cache is attention over the same (rounded) values held in
+    float32: the reference widens each page as it reads it, and the NaN traps stay unread."""
+    q_lens, kv_lens, pad_tokens = BATCHES["mixed"]
+    batch = make_batch(
+        4, q_lens, kv_lens, num_q_heads=8, num_kv_heads=2, head_dim=16, block_size=8,
+        pad_tokens=pad_tokens,
+    )  # fmt: skip
+    fp8 = batch._replace(kv_cache=batch.kv_cache.astype(dtype))
+    widened = fp8._replace(kv_cache=fp8.kv_cache.astype(np.float32))
+    out = np.asarray(reference(*fp8.args, sm_scale=0.25))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, reference(*widened.args, sm_scale=0.25), rtol=1e-6, atol=1e-6)
