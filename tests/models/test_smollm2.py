@@ -248,3 +248,29 @@ def test_int8_and_fp8_perplexity_near_float32(hf_model, quantization):
         "of tokens before the first difference"
     )
     assert agree / total > 0.5
+
+
+# --kv-cache-dtype against the float32 cache, same weights (the fixture's): bf16 +0.03%,
+# fp8 (e4m3, no scale) +1.4% on HELD_OUT (e5m2: +3.2%; bench/README.md).
+KV_PERPLEXITY_BOUND = {"bfloat16": 0.005, "fp8": 0.03}
+
+
+@pytest.mark.parametrize("kv_cache_dtype", sorted(KV_PERPLEXITY_BOUND))
+def test_a_narrow_kv_cache_holds_more_tokens_at_near_the_perplexity(llm, kv_cache_dtype):
+    """`--kv-cache-dtype bfloat16 | fp8`: a block takes a half / a quarter of the float32
+    cache's bytes, and perplexity on held-out English stays near the float32 cache's."""
+    narrow = LLM(
+        "smollm2",
+        dtype="float32",
+        kv_cache_dtype=kv_cache_dtype,
+        max_model_len=320,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        warmup=False,
+    )
+    ratio = llm.engine_core.runner.kv_bytes_per_block / narrow.engine_core.runner.kv_bytes_per_block
+    assert ratio == {"bfloat16": 2, "fp8": 4}[kv_cache_dtype]
+    ppl_narrow, ppl_float = _held_out_perplexity(narrow), _held_out_perplexity(llm)
+    bound = KV_PERPLEXITY_BOUND[kv_cache_dtype]
+    assert abs(ppl_narrow / ppl_float - 1) < bound, (ppl_narrow, ppl_float)
+    narrow.shutdown()
