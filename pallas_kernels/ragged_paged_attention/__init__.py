@@ -5,7 +5,8 @@ On CPU the fused C++ kernel (`cpu`, through the XLA FFI) where it builds, else t
 `impl=` or the `JENGINE_ATTENTION_IMPL` environment variable forces one of
 "reference", "cpu", "gpu", "tpu"; `interpret=True` runs a Pallas kernel in the interpreter
 (how they are tested on a CPU-only machine). "cpu" hands what the kernel does not take
-(float32 only, head and page sizes multiples of 8) to the reference. `update_kv_cache`
+(float32 queries, a float32/bf16/fp8 cache, head and page sizes multiples of 8) to the
+reference. `update_kv_cache`
 writes a step's keys and values: XLA's scatter, or on CPU for a cache narrower than float32
 the in-place C++ write (`cpu_kv_write`).
 """

@@ -1,5 +1,6 @@
 // Ragged paged attention for XLA:CPU, called through the XLA FFI (`cpu.py` builds and
-// registers it). Same inputs, outputs and promises as `reference.py`, float32 only.
+// registers it). Same inputs, outputs and promises as `reference.py`: float32 queries and
+// outputs, a float32, bfloat16 or fp8 (e4m3fn, e5m2) cache.
 //
 // Why it exists: in XLA:CPU a page gather is an element-wise loop (~5 GB/s) and the
 // reference's batched dots have two rows per kv head, so a decode step spent most of its
@@ -14,7 +15,9 @@
 // each layer's own); kv_lens [R]; block_tables [R', P] with R' >= R; query_start_loc
 // [R + 1]; out [T, N, H]. Attribute soft_cap: 0, or Gemma 2's attention logit cap.
 // Kernel requirements (cpu.py routes other shapes to the reference): H and S multiples of
-// 8, N a multiple of K, N / K at most 64.
+// 8, N a multiple of K, N / K at most 64. A narrow cache's pages are widened to float32 in
+// the work item's scratch as the walk reaches them (`Widen`), exactly, as the reference
+// widens the pages it gathers; what the walk computes is then the float32 cache's.
 //
 // No input makes it read outside a buffer: the handler rejects shapes it cannot index by
 // and metadata that would send a walk outside its request (cpu.py rejects bad shapes at
@@ -106,8 +109,14 @@ inline v8 ExpNonPositive(v8 x) {
   return x < -87.0f ? v8{} : result;
 }
 
+// The cache's element types the kernel reads.
+enum class CacheType { kF32, kBF16, kF8E4M3FN, kF8E5M2 };
+
 struct Problem {
-  const float *q, *kv_cache;
+  const float* q;
+  const char* kv_cache;  // of `cache_type`, `cache_bytes` bytes a value
+  CacheType cache_type;
+  int64_t cache_bytes;
   float* out;
   const int32_t *kv_lens, *block_tables, *query_start_loc;
   int64_t num_q_heads, num_kv_heads, head_dim, num_blocks, block_size, layer, pages_per_request;
@@ -127,6 +136,7 @@ struct WorkItem {
 struct Scratch {
   std::vector<float> q, acc, scores, row_max, denom, key_columns;
   std::vector<int64_t> row_pos;
+  std::vector<float> k_page, v_page;  // a narrow cache's page, widened (empty for float32)
   Scratch(const Problem& p, int64_t rows)
       : q(rows * p.head_dim),
         acc(rows * p.head_dim),
@@ -134,7 +144,9 @@ struct Scratch {
         row_max(rows),
         denom(rows),
         key_columns(p.head_dim * p.block_size),
-        row_pos(rows) {}
+        row_pos(rows),
+        k_page(p.cache_type == CacheType::kF32 ? 0 : p.head_dim * p.block_size),
+        v_page(k_page.size()) {}
 };
 
 // Into L2 (locality 2): prefetching whole pages into L1 stalled on its few miss buffers.
@@ -144,9 +156,61 @@ struct Scratch {
 // and values are asked for apart (`AttendPage`): 128 prefetches in one burst stalled the
 // walk on the miss buffers (AMX VM, 128 requests of 224 tokens: 33.6 -> 29.8 ms a step).
 // Every line, not every other: the adjacent-line prefetcher did not fill in (46 ms).
-inline void Prefetch(const float* page, int64_t num_floats) {
-  for (int64_t i = 0; i < num_floats; i += 64 / sizeof(float))
-    __builtin_prefetch(page + i, /*rw=*/0, /*locality=*/2);
+inline void Prefetch(const char* bytes, int64_t num_bytes) {
+  for (int64_t i = 0; i < num_bytes; i += 64) __builtin_prefetch(bytes + i, /*rw=*/0, /*locality=*/2);
+}
+
+// Eight values of a narrow cache as float32, exactly. The fp8 formats' normal numbers are
+// their bits moved into float32's places with the exponent rebiased; their subnormals
+// (exponent 0) are the mantissa times the smallest subnormal's scale. NaN and infinity
+// (never written: writes saturate) come out as large finite numbers, and only in slots
+// no row sees.
+using u8x8 = uint8_t __attribute__((vector_size(8)));
+using u16x8 = uint16_t __attribute__((vector_size(16)));
+
+inline v8 FromBits(i8 bits) {
+  v8 x;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+
+template <int kMantissaBits, int kRebias, int kSubnormalExponent>
+inline v8 WidenFp8(const char* p) {
+  u8x8 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  const i8 x = __builtin_convertvector(raw, i8);
+  const i8 magnitude = x & 0x7F;
+  const v8 normal = FromBits((magnitude << (23 - kMantissaBits)) + (kRebias << 23));
+  const v8 subnormal = __builtin_convertvector(magnitude, v8) *
+                       __builtin_ldexpf(1.0f, kSubnormalExponent);
+  const i8 is_normal = magnitude >= (1 << kMantissaBits);
+  v8 widened = is_normal ? normal : subnormal;
+  i8 bits;
+  std::memcpy(&bits, &widened, sizeof(bits));
+  return FromBits(bits | ((x & 0x80) << 24));
+}
+
+inline v8 Widen8(CacheType type, const char* p) {
+  switch (type) {
+    case CacheType::kBF16: {
+      u16x8 raw;
+      std::memcpy(&raw, p, sizeof(raw));
+      return FromBits(__builtin_convertvector(raw, i8) << 16);
+    }
+    case CacheType::kF8E4M3FN: return WidenFp8<3, 120, -9>(p);
+    case CacheType::kF8E5M2: return WidenFp8<2, 112, -16>(p);
+    default: return Load(reinterpret_cast<const float*>(p));
+  }
+}
+
+// One page's keys or values ([S, H]) as float32: the cache's own floats, or a narrow
+// page widened into `widened`.
+inline const float* PageAsFloat(const Problem& p, const char* page, int64_t count,
+                                std::vector<float>& widened) {
+  if (p.cache_type == CacheType::kF32) return reinterpret_cast<const float*>(page);
+  for (int64_t i = 0; i < count; i += kLanes)
+    Store(widened.data() + i, Widen8(p.cache_type, page + i * p.cache_bytes));
+  return widened.data();
 }
 
 // Head-dim lanes one pass of `AccumulateValues` keeps in registers.
@@ -290,11 +354,12 @@ inline float VisibleSum(const float* scores, int64_t s_begin, int64_t s_end) {
 // loop instead, the pieces cost its compute a fifth (pages in cache: 7.7 -> 9.4 ms).
 inline void AttendPage(const Problem& p, Scratch& scratch, int64_t rows, int64_t kv_len,
                        const float* k, const float* v, int64_t page_start,
-                       const float* k_ahead, const float* v_ahead) {
+                       const char* k_ahead, const char* v_ahead) {
   const int64_t H = p.head_dim, S = p.block_size;
+  const int64_t key_bytes = H * p.cache_bytes;  // one slot's keys (or values) in the cache
   const bool in_pieces = rows < kColumnRows;
   const int64_t first_keys = in_pieces ? S / 2 : S;  // keys asked for before the scores
-  if (k_ahead) Prefetch(k_ahead, first_keys * H);
+  if (k_ahead) Prefetch(k_ahead, first_keys * key_bytes);
   const float* q = scratch.q.data();
 
   // Scores of every row against all keys of the page, eight keys at a time. Keys a row
@@ -325,11 +390,13 @@ inline void AttendPage(const Problem& p, Scratch& scratch, int64_t rows, int64_t
     }
   }
 
-  if (k_ahead && in_pieces) Prefetch(k_ahead + first_keys * H, (S - first_keys) * H);
-  if (v_ahead && !in_pieces) Prefetch(v_ahead, S * H);
+  if (k_ahead && in_pieces)
+    Prefetch(k_ahead + first_keys * key_bytes, (S - first_keys) * key_bytes);
+  if (v_ahead && !in_pieces) Prefetch(v_ahead, S * key_bytes);
   for (int64_t row = 0; row < rows; ++row) {
     if (v_ahead && in_pieces)  // value rows [row * S / rows, (row + 1) * S / rows)
-      Prefetch(v_ahead + row * S / rows * H, ((row + 1) * S / rows - row * S / rows) * H);
+      Prefetch(v_ahead + row * S / rows * key_bytes,
+               ((row + 1) * S / rows - row * S / rows) * key_bytes);
     // The keys a row sees form one run of this page: [s_begin, s_end).
     const int64_t pos = scratch.row_pos[row];
     const int64_t lowest = p.sliding_window > 0 ? pos - p.sliding_window + 1 : 0;
@@ -386,15 +453,15 @@ void Attend(const Problem& p, const WorkItem& item, Scratch& scratch) {
     }
   }
 
-  const int64_t page_floats = S * H;
-  const int64_t kv_stride = p.num_kv_heads * p.num_blocks * page_floats;
-  const float* keys =
-      p.kv_cache + p.layer * 2 * kv_stride + item.kv_head * p.num_blocks * page_floats;
-  const float* values = keys + kv_stride;
+  const int64_t page_values = S * H, page_bytes = page_values * p.cache_bytes;
+  const int64_t kv_stride = p.num_kv_heads * p.num_blocks * page_bytes;  // bytes
+  const char* keys =
+      p.kv_cache + p.layer * 2 * kv_stride + item.kv_head * p.num_blocks * page_bytes;
+  const char* values = keys + kv_stride;
   const int32_t* pages = p.block_tables + int64_t(item.request) * p.pages_per_request;
   // Out-of-range ids are clamped, as the reference's gather does; they are never visible.
   auto page_at = [&](int64_t index) {
-    return std::clamp<int64_t>(pages[index], 0, p.num_blocks - 1) * page_floats;
+    return std::clamp<int64_t>(pages[index], 0, p.num_blocks - 1) * page_bytes;
   };
   const int64_t first_visible =
       p.sliding_window > 0 ? std::max<int64_t>(0, first_pos - p.sliding_window + 1) : 0;
@@ -408,18 +475,18 @@ void Attend(const Problem& p, const WorkItem& item, Scratch& scratch) {
   // one: the walk asks for the keys and values kPrefetchPages ahead of the page it uses.
   for (int64_t index = first_page; index < std::min(first_page + kPrefetchPages, end_page);
        ++index) {
-    Prefetch(keys + page_at(index), page_floats);
-    Prefetch(values + page_at(index), page_floats);
+    Prefetch(keys + page_at(index), page_bytes);
+    Prefetch(values + page_at(index), page_bytes);
   }
   for (int64_t page_index = first_page; page_index < end_page; ++page_index) {
-    const float *k_ahead = nullptr, *v_ahead = nullptr;
+    const char *k_ahead = nullptr, *v_ahead = nullptr;
     if (page_index + kPrefetchPages < end_page) {
       const int64_t ahead = page_at(page_index + kPrefetchPages);
       k_ahead = keys + ahead;
       v_ahead = values + ahead;
     }
-    const float* k = keys + page_at(page_index);
-    const float* v = values + page_at(page_index);
+    const float* k = PageAsFloat(p, keys + page_at(page_index), page_values, scratch.k_page);
+    const float* v = PageAsFloat(p, values + page_at(page_index), page_values, scratch.v_page);
     AttendPage(p, scratch, rows, kv_len, k, v, page_index * S, k_ahead, v_ahead);
   }
 
@@ -506,7 +573,7 @@ std::string MetadataProblem(const Problem& p, int64_t num_requests, int64_t num_
 }
 
 ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                                ffi::Buffer<ffi::F32> kv_cache, ffi::Buffer<ffi::S32> layer_window,
+                                ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> layer_window,
                                 ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> block_tables,
                                 ffi::Buffer<ffi::S32> query_start_loc,
                                 ffi::ResultBuffer<ffi::F32> out, float sm_scale,
@@ -522,7 +589,20 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
         Shape(table_dims) + ", query_start_loc " + Shape(start_dims));
   auto work = std::make_shared<Work>();
   Problem& p = work->problem;
-  p = {q.typed_data(), kv_cache.typed_data(), out->typed_data(), kv_lens.typed_data(),
+  CacheType cache_type;
+  switch (kv_cache.element_type()) {
+    case ffi::DataType::F32: cache_type = CacheType::kF32; break;
+    case ffi::DataType::BF16: cache_type = CacheType::kBF16; break;
+    case ffi::DataType::F8E4M3FN: cache_type = CacheType::kF8E4M3FN; break;
+    case ffi::DataType::F8E5M2: cache_type = CacheType::kF8E5M2; break;
+    default:
+      return ffi::Error::InvalidArgument(
+          "ragged paged attention: kv_cache must be float32, bfloat16, float8_e4m3fn or "
+          "float8_e5m2");
+  }
+  p = {q.typed_data(), static_cast<const char*>(kv_cache.untyped_data()), cache_type,
+       int64_t(kv_cache.size_bytes() / std::max<size_t>(1, kv_cache.element_count())),
+       out->typed_data(), kv_lens.typed_data(),
        block_tables.typed_data(), query_start_loc.typed_data(),
        /*num_q_heads=*/q_dims[1], /*num_kv_heads=*/cache_dims[2], /*head_dim=*/q_dims[2],
        /*num_blocks=*/cache_dims[3], /*block_size=*/cache_dims[4],
@@ -562,7 +642,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineRaggedPagedAttention, RaggedPagedAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // kv_cache
+                                  .Arg<ffi::AnyBuffer>()         // kv_cache
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer, window: [2]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables

@@ -1,7 +1,8 @@
 """Ragged paged attention on CPU: the fused C++ kernel in `cpu.cc`, called through the XLA FFI.
 
-Where it sits: `ragged_paged_attention` picks it on the CPU backend (float32, head and page
-sizes multiples of 8), in place of the XLA reference, which stays the oracle it is tested
+Where it sits: `ragged_paged_attention` picks it on the CPU backend (float32 queries; a
+float32, bfloat16 or fp8 cache, `CACHE_DTYPES`; head and page sizes multiples of 8), in
+place of the XLA reference, which stays the oracle it is tested
 against and the fallback for everything else. It promises exactly the reference's
 contract (see `reference.py`): same inputs, same outputs to float32 rounding, NaN in
 unused cache slots never reaching the output, zeros for padding tokens, and derivatives
@@ -42,6 +43,8 @@ KERNEL = NativeKernel(
 # The kernel works on eight floats at a time and serves up to 64 query rows per kv head.
 LANES = 8
 MAX_GROUP = 64
+# The caches it reads: a narrow one's pages are widened to float32 as the walk reaches them.
+CACHE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2)
 
 
 def supports(q: jax.Array, kv_cache: jax.Array) -> bool:
@@ -52,7 +55,7 @@ def supports(q: jax.Array, kv_cache: jax.Array) -> bool:
     num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[4]
     return (
         q.dtype == jnp.float32
-        and kv_cache.dtype == jnp.float32
+        and kv_cache.dtype in CACHE_DTYPES
         and head_dim % LANES == 0
         and block_size % LANES == 0
         and num_q_heads % num_kv_heads == 0
@@ -127,8 +130,9 @@ def ragged_paged_attention_cpu(
     check_operands(q, kv_cache, layer, kv_lens, block_tables, query_start_loc)
     if not supports(q, kv_cache):
         raise ValueError(
-            "the CPU attention kernel takes float32 with head and page sizes multiples of "
-            f"{LANES} and at most {MAX_GROUP} q heads per kv head; got q "
+            "the CPU attention kernel takes float32 queries, a float32, bfloat16 or fp8 "
+            f"cache, head and page sizes multiples of {LANES} and at most {MAX_GROUP} q "
+            "heads per kv head; got q "
             f"{q.dtype}{tuple(q.shape)}, kv_cache {kv_cache.dtype}{tuple(kv_cache.shape)}"
         )
     kernel.require()

@@ -18,6 +18,7 @@ from jengine.pallas_kernels.native_build import NativeKernel
 from jengine.pallas_kernels.quantized_matmul import cpu as quantized_cpu
 from jengine.pallas_kernels.quantized_matmul import quantized_matmul_reference
 from jengine.pallas_kernels.ragged_paged_attention import cpu as attention_cpu
+from jengine.pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 from jengine.pallas_kernels.stacked_matmul import cpu as stacked_cpu
 from jengine.pallas_kernels.stacked_matmul import stacked_matmul_reference
 from tests.kernels.test_cpu_kernel import CASES, case_batch
@@ -145,3 +146,19 @@ def test_attention_avx2_build_matches_the_oracle(attention_avx2, oracle, case):
     )
     assert np.isfinite(out).all(), "the AVX2 build read a NaN slot it should have skipped"
     np.testing.assert_allclose(out, oracle(batch, **kwargs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2], ids=["bf16", "e4m3", "e5m2"]
+)
+def test_attention_avx2_build_reads_narrow_caches(attention_avx2, cache_dtype):
+    """The widening of bf16 and fp8 pages, compiled for AVX2 (`reference`: the XLA
+    reference over the same narrow cache)."""
+    batch, kwargs = case_batch(CASES[6])
+    batch = batch._replace(kv_cache=batch.kv_cache.astype(cache_dtype))
+    out = np.asarray(
+        attention_cpu.ragged_paged_attention_cpu(*batch.args, **kwargs, kernel=attention_avx2)
+    )
+    assert np.isfinite(out).all()
+    expected = ragged_paged_attention_reference(*batch.args, **kwargs)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)

@@ -1,6 +1,7 @@
 """The fused CPU kernel (`cpu.cc` through the XLA FFI) against the XLA reference and the
 float64 oracle, on batches whose every slot it must not read holds NaN
-(`conftest.build_batch`); its derivatives; and how the entry point picks it or falls back.
+(`conftest.build_batch`), also over bfloat16 and fp8 caches (every fp8 value widened
+exactly); its derivatives; and how the entry point picks it or falls back.
 
 The kernel is the CPU production path wherever a C++ compiler exists (the development and
 CI machines have one), so these tests require it to build rather than skip.
@@ -89,6 +90,44 @@ def test_kernel_matches_reference_and_oracle(oracle, case):
     np.testing.assert_allclose(out, oracle(batch, **kwargs), rtol=1e-5, atol=1e-5)
     num_tokens = sum(BATCHES[case[0]][0])
     assert not out[num_tokens:].any(), "padding tokens must come back as zeros"
+
+
+NARROW_CACHES = [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2]
+NARROW_IDS = ["bf16", "e4m3", "e5m2"]
+
+
+@pytest.mark.parametrize("cache_dtype", NARROW_CACHES, ids=NARROW_IDS)
+@pytest.mark.parametrize(
+    "case", [CASES[i] for i in (2, 5, 6, 9)], ids=lambda c: "-".join(map(str, c))
+)
+def test_kernel_reads_a_narrow_cache(case, cache_dtype):
+    """--kv-cache-dtype bfloat16 | fp8: the kernel widens each page as its walk reaches it,
+    so its output is the reference's over the same cache (to float32 rounding); the NaN
+    traps (fp8's NaN patterns, bf16's NaN) stay unread."""
+    batch, kwargs = case_batch(case)
+    batch = batch._replace(kv_cache=batch.kv_cache.astype(cache_dtype))
+    assert cpu.supports(*batch.args[:2])
+    out = np.asarray(kernel(*batch.args, **kwargs))
+    assert np.isfinite(out).all(), "the kernel read a NaN slot it should have skipped"
+    np.testing.assert_allclose(out, reference(*batch.args, **kwargs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", NARROW_CACHES[1:], ids=NARROW_IDS[1:])
+def test_every_fp8_value_widens_exactly(cache_dtype):
+    """One query seeing one key: the output is that slot's value row, here all 256 byte
+    patterns of the format (subnormals, zeros of both signs, the largest normals). Each
+    finite one comes out as its exact float32 value."""
+    head_dim = 256
+    patterns = np.arange(256, dtype=np.uint8).view(cache_dtype)
+    cache = np.zeros((1, 2, 1, 2, 8, head_dim), cache_dtype)
+    cache[0, 1, 0, 1, 0] = patterns  # the value of page 1, slot 0
+    q = np.ones((1, 1, head_dim), np.float32)
+    args = (q, cache, 0, np.int32([1]), np.int32([[1]]), np.int32([0, 1]))
+    out = np.asarray(kernel(*map(jnp.asarray, args), sm_scale=1.0))[0, 0]
+    expected = patterns.astype(np.float32)
+    finite = np.isfinite(expected)
+    assert finite.sum() >= 248  # e4m3fn: 2 NaN patterns; e5m2: 6 NaN and 2 infinities
+    np.testing.assert_array_equal(out[finite], expected[finite])
 
 
 @pytest.mark.parametrize("impl", ["cpu", "reference"])
