@@ -142,8 +142,11 @@ def test_kernel_bf16(impl):
 
 
 @pytest.mark.parametrize("impl", sorted(KERNELS))
-@pytest.mark.parametrize("cache_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2], ids=["e4m3", "e5m2"])
-@pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(
+    "cache_dtype, q_dtype",
+    [(jnp.float8_e4m3fn, jnp.float32), (jnp.float8_e5m2, jnp.bfloat16)],
+    ids=["e4m3-f32", "e5m2-bf16"],
+)
 def test_kernel_reads_an_fp8_cache(impl, cache_dtype, q_dtype):
     """--kv-cache-dtype fp8: the kernels widen each page to the queries' dtype, so their
     output is the reference's over the same fp8 values (f32 queries: to float32 rounding;
