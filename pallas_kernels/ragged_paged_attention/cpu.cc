@@ -16,7 +16,7 @@
 // [R + 1]; out [T, N, H]. Attribute soft_cap: 0, or Gemma 2's attention logit cap.
 // Kernel requirements (cpu.py routes other shapes to the reference): H and S multiples of
 // 8, N a multiple of K, N / K at most 64. A narrow cache's pages are widened to float32 in
-// the work item's scratch as the walk reaches them (`Widen`), exactly, as the reference
+// the work item's scratch as the walk reaches them (`PageAsFloat`), exactly, as the reference
 // widens the pages it gathers; what the walk computes is then the float32 cache's.
 //
 // No input makes it read outside a buffer: the handler rejects shapes it cannot index by
