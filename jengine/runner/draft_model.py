@@ -41,7 +41,7 @@ from jengine.pallas_kernels.ragged_paged_attention import resolve_impl
 from jengine.runner.buckets import next_power_of_two
 from jengine.runner.compilation import StaticJit
 from jengine.runner.huge_pages import move_to_huge_pages, zeros_in_huge_pages
-from jengine.runner.kv_cache_sizing import KVCacheSizing
+from jengine.runner.kv_cache_sizing import KVCacheSizing, kv_cache_dtype_of
 from jengine.runner.prepared_step import PreparedStep
 from jengine.runner.step import ForwardInputs
 
@@ -183,16 +183,16 @@ class DraftModel:
         max_model_len: int,
         device: jax.Device,
         attention_impl: str | None = None,
-        kv_cache_dtype=None,
+        kv_cache_dtype: str = "auto",
     ):
-        """`kv_cache_dtype`: its cache's element type (None: the draft's dtype)."""
+        """`kv_cache_dtype`: its cache's `--kv-cache-dtype` name ("auto": the draft's dtype)."""
         self.config = model.config
         self.num_speculative_tokens = num_speculative_tokens
         graphdef, params = nnx.split(model)
         self.params = jax.device_put(params, device)
         move_to_huge_pages(self.params)  # its decode streams its weights too
         cache_shape = model.kv_cache_shape(num_blocks, block_size)
-        cache_dtype = kv_cache_dtype or model.dtype
+        cache_dtype = kv_cache_dtype_of(kv_cache_dtype, model.dtype)
         self.kv_cache = jax.device_put(jnp.zeros(cache_shape, cache_dtype), device)
         zeros_in_huge_pages(self.kv_cache)
         q = jax.ShapeDtypeStruct(
@@ -209,10 +209,12 @@ class DraftModel:
         )
 
     @staticmethod
-    def sharing_blocks(sizing: KVCacheSizing, model: nnx.Module, cache_dtype) -> KVCacheSizing:
+    def sharing_blocks(
+        sizing: KVCacheSizing, model: nnx.Module, kv_cache_dtype: str
+    ) -> KVCacheSizing:
         """The target's cache sizing with each block holding the draft's K/V as well."""
         shape = model.kv_cache_shape(1, sizing.block_size)
-        draft_bytes = int(np.prod(shape)) * jnp.dtype(cache_dtype).itemsize
+        draft_bytes = int(np.prod(shape)) * kv_cache_dtype_of(kv_cache_dtype, model.dtype).itemsize
         return dataclasses.replace(sizing, bytes_per_block=sizing.bytes_per_block + draft_bytes)
 
     def programs(self, dummy_steps, sharding) -> list[tuple]:

@@ -52,26 +52,27 @@ class KVCacheSizing:
     max_model_len: int
     max_pages: int  # pages of one request of max_model_len
     num_shards: int = 1  # devices the cache is split over (tensor parallel)
-    dtype_name: str = "float32"  # the cache's element type, for the report
+    dtype: jnp.dtype = jnp.dtype(jnp.float32)  # the cache's element type
 
     @classmethod
     def create(
         cls,
         kv_cache_shape: Callable[[int, int], tuple[int, ...]],
-        dtype,
+        model_dtype,
         *,
         block_size: int,
         max_model_len: int,
         max_pages: int,
         num_shards: int = 1,
+        kv_cache_dtype: str = "auto",
     ) -> "KVCacheSizing":
-        """`kv_cache_shape(num_blocks, block_size)` is the model's cache shape; with tensor
-        parallelism it is split `num_shards` ways and every figure here is per device."""
+        """`kv_cache_shape(num_blocks, block_size)` is the model's cache shape, its elements
+        `kv_cache_dtype_of(kv_cache_dtype, model_dtype)`; with tensor parallelism it is split
+        `num_shards` ways and every figure here is per device."""
         shape = kv_cache_shape(1, block_size)
-        bytes_per_block = int(np.prod(shape)) * jnp.dtype(dtype).itemsize // num_shards
-        return cls(
-            block_size, bytes_per_block, max_model_len, max_pages, num_shards, jnp.dtype(dtype).name
-        )
+        dtype = kv_cache_dtype_of(kv_cache_dtype, model_dtype)
+        bytes_per_block = int(np.prod(shape)) * dtype.itemsize // num_shards
+        return cls(block_size, bytes_per_block, max_model_len, max_pages, num_shards, dtype)
 
     def blocks_from_budget(self, kv_cache_memory_bytes: int) -> int:
         num_blocks = kv_cache_memory_bytes // self.bytes_per_block
@@ -90,7 +91,7 @@ class KVCacheSizing:
         where = f" on each of {self.num_shards} devices" if self.num_shards > 1 else ""
         return (
             f"KV cache: {num_blocks - 1} blocks x {self.block_size} tokens = {tokens} "
-            f"tokens of {self.dtype_name} ({gib:.3f} GiB{where}); max concurrency at "
+            f"tokens of {self.dtype.name} ({gib:.3f} GiB{where}); max concurrency at "
             f"max_model_len={self.max_model_len}: {tokens / self.max_model_len:.2f}x"
         )
 

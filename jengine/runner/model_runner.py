@@ -54,12 +54,7 @@ from jengine.runner.draft_model import DraftModel, check_draft_model
 from jengine.runner.grammar_mask import DeviceBitmasks, place_grammar_rows
 from jengine.runner.huge_pages import move_to_huge_pages, zeros_in_huge_pages
 from jengine.runner.input_batch import InputBatch
-from jengine.runner.kv_cache_sizing import (
-    KVCacheSizing,
-    default_kv_budget,
-    kv_cache_dtype_of,
-    weights_report,
-)
+from jengine.runner.kv_cache_sizing import KVCacheSizing, default_kv_budget, weights_report
 from jengine.runner.lora_slots import LoRASlots
 from jengine.runner.pooler import Pooler, host_rows
 from jengine.runner.prepared_step import PreparedStep
@@ -111,8 +106,7 @@ class ModelRunner:
         `lora_config`: serve LoRA adapters (`lora_slots.py`). `pooling_type`: an
         embedding engine's pooling (`pooler.py`; None: a generating engine).
         `num_decode_steps`: K > 1 compiles multi-step decodes of K steps too.
-        `kv_cache_dtype`: vLLM's `--kv-cache-dtype` name (`kv_cache_sizing.KV_CACHE_DTYPES`;
-        "auto": each model's own dtype), for the draft's cache too."""
+        `kv_cache_dtype`: vLLM's `--kv-cache-dtype` name, for the draft's cache too."""
         if draft_model is not None:
             check_draft_model(draft_model, model, tensor_parallel_size)
         if lora_config is not None:
@@ -126,7 +120,6 @@ class ModelRunner:
             model = tp.fit_model(model)
         self.config = model.config
         self.dtype = model.dtype
-        self.kv_cache_dtype = kv_cache_dtype_of(kv_cache_dtype, self.dtype)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.buckets = BucketSpec.create(
@@ -152,17 +145,15 @@ class ModelRunner:
         self.huge_pages = move_to_huge_pages(self.params)
         self.kv_sizing = KVCacheSizing.create(
             model.kv_cache_shape,
-            self.kv_cache_dtype,
+            self.dtype,
+            kv_cache_dtype=kv_cache_dtype,
             block_size=block_size,
             max_model_len=max_model_len,
             max_pages=self.buckets.max_pages,
             num_shards=tp.size if tp else 1,
         )
         if draft_model is not None:
-            draft_cache_dtype = kv_cache_dtype_of(kv_cache_dtype, draft_model.dtype)
-            self.kv_sizing = DraftModel.sharing_blocks(
-                self.kv_sizing, draft_model, draft_cache_dtype
-            )
+            self.kv_sizing = DraftModel.sharing_blocks(self.kv_sizing, draft_model, kv_cache_dtype)
         self.num_blocks = num_blocks or self._blocks_from_budget(
             kv_cache_memory_bytes, gpu_memory_utilization
         )
@@ -170,7 +161,7 @@ class ModelRunner:
             self.num_blocks = int(multihost_utils.process_allgather(self.num_blocks).min())
         cache_shape = model.kv_cache_shape(self.num_blocks, block_size)
         self.kv_cache = jax.jit(  # made in place on each device, never whole on one
-            lambda: jnp.zeros(cache_shape, self.kv_cache_dtype),
+            lambda: jnp.zeros(cache_shape, self.kv_sizing.dtype),
             out_shardings=tp.kv_cache_sharding() if tp else SingleDeviceSharding(self.device),
         )()
         # Attention's walks read the cache's pages scattered: in 2 MiB pages, fewer TLB misses.
@@ -207,7 +198,7 @@ class ModelRunner:
                 max_model_len=max_model_len,
                 device=self.device,
                 attention_impl=attention_impl,
-                kv_cache_dtype=draft_cache_dtype,
+                kv_cache_dtype=kv_cache_dtype,
             )
 
     # -- memory ---------------------------------------------------------------------------
