@@ -87,11 +87,11 @@ class KVCacheSizing:
 
     def capacity_report(self, num_blocks: int) -> str:
         tokens = (num_blocks - 1) * self.block_size
-        gib = num_blocks * self.bytes_per_block / (1 << 30)
+        size = _size(num_blocks * self.bytes_per_block)
         where = f" on each of {self.num_shards} devices" if self.num_shards > 1 else ""
         return (
             f"KV cache: {num_blocks - 1} blocks x {self.block_size} tokens = {tokens} "
-            f"tokens of {self.dtype.name} ({gib:.3f} GiB{where}); max concurrency at "
+            f"tokens of {self.dtype.name} ({size}{where}); max concurrency at "
             f"max_model_len={self.max_model_len}: {tokens / self.max_model_len:.2f}x"
         )
 

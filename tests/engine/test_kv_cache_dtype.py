@@ -6,6 +6,7 @@ checked against the reference in tests/kernels; what fp8 costs in perplexity, on
 in tests/models/test_smollm2.py.)"""
 
 import argparse
+import re
 
 import pytest
 
@@ -29,6 +30,7 @@ def test_an_fp8_cache_serves_every_feature(tiny_model):
     runner = llm.engine_core.runner
     assert runner.kv_cache.dtype.name == "float8_e4m3fn"
     assert "tokens of float8_e4m3fn" in llm.engine_core.capacity_report
+    assert re.search(r"\(\d+\.\d MiB\)", llm.engine_core.capacity_report)  # not "0.000 GiB"
     prompts, params = every_feature_batch(seed=0)
     preemptions = llm.engine_core.num_preemptions
     outputs = llm.generate(prompts, params, use_tqdm=False)

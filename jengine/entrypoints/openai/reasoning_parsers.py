@@ -16,6 +16,8 @@ with a tool-call stream for one streamed chat choice. Jax-free.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from jengine.entrypoints.openai.protocol_chat import DeltaMessage
 from jengine.entrypoints.openai.tool_parsers import ToolCallStream, ToolParser, _held_back
 
@@ -44,6 +46,29 @@ class ReasoningParser:
             return body[:cut], ""
         cut = len(text) if finished else len(text) - _held_back(text, START)
         return "", text[:cut]
+
+    def num_reasoning_tokens(
+        self, token_ids: Sequence[int], decode: Callable[[Sequence[int]], str]
+    ) -> int:
+        """How many of a finished reply's tokens are reasoning (the Responses API's
+        `usage.output_tokens_details.reasoning_tokens`): none when the reply has no
+        reasoning, all while `</think>` never came, else those up to and including the
+        token that completes `</think>`, found by bisecting on decoded prefixes (log2 n
+        decodes, since a token's text is not known apart from its neighbours')."""
+        text = decode(token_ids)
+        reasoning, answer = self.split(text, finished=True)
+        if answer == text:
+            return 0
+        if not answer:
+            return len(token_ids)
+        without, with_end = 0, len(token_ids)  # `</think>` is in decode(ids[:with_end]) only
+        while with_end - without > 1:
+            middle = (without + with_end) // 2
+            if END in decode(token_ids[:middle]):
+                with_end = middle
+            else:
+                without = middle
+        return with_end
 
 
 class DeepSeekR1ReasoningParser(ReasoningParser):

@@ -7,8 +7,9 @@ server's chat serving (serving_chat.py) render, constrain, run and parse it: one
 templating, tools, structured outputs and streaming. The chat reply then becomes a
 response object: reasoning (with --reasoning-parser) as a "reasoning" item, the text as a
 "message" item with one output_text part, each tool call as a "function_call" item whose
-`call_id` the client sends back in a "function_call_output" item; usage as input and
-output tokens; status "incomplete" when max_output_tokens cut the reply.
+`call_id` the client sends back in a "function_call_output" item; usage as input tokens
+(the prefix cache's share among them) and output tokens (the reasoning's share among them);
+status "incomplete" when max_output_tokens cut the reply.
 
 A stream is the Responses event sequence, each event `event: <type>` + its JSON with a
 `sequence_number`: response.created, response.in_progress; per item in order,
@@ -133,6 +134,8 @@ class OpenAIServingResponses(OpenAIServing):
             priority=request.priority,
             request_id=self.response_id(request),
             cache_salt=request.cache_salt,
+            # A stream's reasoning tokens are counted from its token ids at the end.
+            return_token_ids=self.chat.reasoning_parser is not None,
         )
         try:
             return ChatCompletionRequest.model_validate(body)
@@ -152,7 +155,20 @@ class OpenAIServingResponses(OpenAIServing):
         counts = StreamUsage(
             chat.usage.prompt_tokens, chat.usage.completion_tokens, {0: finals[0].num_cached_tokens}
         )
-        return self.response_object(request, prepared, output, choice.finish_reason, counts)
+        reasoning_tokens = self.reasoning_tokens(prepared, finals[0].outputs[0].token_ids)
+        return self.response_object(
+            request, prepared, output, choice.finish_reason, counts, reasoning_tokens
+        )
+
+    def reasoning_tokens(self, prepared: PreparedResponse, token_ids: list[int]) -> int:
+        """How many of the reply's tokens the reasoning parser counts as reasoning."""
+        parser = self.chat.reasoning_parser
+        if parser is None or not token_ids:
+            return 0
+        skip = prepared.prompts[0].params.skip_special_tokens
+        return parser.num_reasoning_tokens(
+            token_ids, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=skip)
+        )
 
     def response_object(
         self,
@@ -161,9 +177,11 @@ class OpenAIServingResponses(OpenAIServing):
         output: list[dict],
         finish_reason: str | None,
         counts: StreamUsage,
+        reasoning_tokens: int = 0,
     ) -> ResponseObject:
         """The response with `output`; in progress while `finish_reason` is None. Its usage
-        always tells the cached input tokens (OpenAI's Responses API always has the field)."""
+        always tells the cached input tokens and the reasoning tokens (OpenAI's Responses API
+        always has both fields)."""
         status, incomplete = "completed", None
         if finish_reason is None:
             status = "in_progress"
@@ -190,6 +208,7 @@ class OpenAIServingResponses(OpenAIServing):
                 output_tokens=counts.completion_tokens,
                 total_tokens=counts.prompt_tokens + counts.completion_tokens,
                 input_tokens_details={"cached_tokens": counts.num_cached_tokens},
+                output_tokens_details={"reasoning_tokens": reasoning_tokens},
             ),
             incomplete_details=incomplete,
             metadata=request.metadata,
@@ -207,11 +226,13 @@ class OpenAIServingResponses(OpenAIServing):
         yield events("response.in_progress", response=started)
         items = StreamedItems(events)
         finish_reason = None
+        token_ids = []  # the chat request asks for them when there is reasoning to count
         try:
             chunks = self.chat.stream_chunks(prepared.chat_request, prepared, counts)
             async with aclosing(chunks) as chunks:
                 async for chunk in chunks:
                     [choice] = chunk.choices
+                    token_ids += choice.token_ids or []
                     delta = choice.delta
                     for event in items.feed(
                         delta.reasoning_content, delta.content, choice.logprobs
@@ -222,7 +243,14 @@ class OpenAIServingResponses(OpenAIServing):
                     finish_reason = choice.finish_reason or finish_reason
             for event in items.finish():
                 yield event
-            final = self.response_object(request, prepared, items.output, finish_reason, counts)
+            final = self.response_object(
+                request,
+                prepared,
+                items.output,
+                finish_reason,
+                counts,
+                self.reasoning_tokens(prepared, token_ids),
+            )
             done = "response.incomplete" if final.status == "incomplete" else "response.completed"
             yield events(done, response=final)
         except Exception as e:
