@@ -34,6 +34,10 @@
 #include <thread>
 #include <vector>
 
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -160,56 +164,92 @@ inline void Prefetch(const char* bytes, int64_t num_bytes) {
   for (int64_t i = 0; i < num_bytes; i += 64) __builtin_prefetch(bytes + i, /*rw=*/0, /*locality=*/2);
 }
 
-// Eight values of a narrow cache as float32, exactly. The fp8 formats' normal numbers are
-// their bits moved into float32's places with the exponent rebiased; their subnormals
-// (exponent 0) are the mantissa times the smallest subnormal's scale. NaN and infinity
-// (never written: writes saturate) come out as large finite numbers, and only in slots
-// no row sees.
-using u8x8 = uint8_t __attribute__((vector_size(8)));
-using u16x8 = uint16_t __attribute__((vector_size(16)));
+// A narrow page widens to float32 this many values at a time: a whole AVX-512 register
+// where there is one.
+#ifdef __AVX512F__
+constexpr int kWideLanes = 16;
+#else
+constexpr int kWideLanes = 8;
+#endif
+using vw = float __attribute__((vector_size(4 * kWideLanes)));
+using iw = int32_t __attribute__((vector_size(4 * kWideLanes)));
+using u16w = uint16_t __attribute__((vector_size(2 * kWideLanes)));
+using u8w = uint8_t __attribute__((vector_size(kWideLanes)));
 
-inline v8 FromBits(i8 bits) {
-  v8 x;
-  std::memcpy(&x, &bits, sizeof(x));
-  return x;
+template <typename To, typename From>
+inline To BitCast(From x) {
+  static_assert(sizeof(To) == sizeof(From));
+  To y;
+  std::memcpy(&y, &x, sizeof(y));
+  return y;
 }
 
-template <int kMantissaBits, int kRebias, int kSubnormalExponent>
-inline v8 WidenFp8(const char* p) {
-  u8x8 raw;
-  std::memcpy(&raw, p, sizeof(raw));
-  const i8 x = __builtin_convertvector(raw, i8);
-  const i8 magnitude = x & 0x7F;
-  const v8 normal = FromBits((magnitude << (23 - kMantissaBits)) + (kRebias << 23));
-  const v8 subnormal = __builtin_convertvector(magnitude, v8) *
-                       __builtin_ldexpf(1.0f, kSubnormalExponent);
-  const i8 is_normal = magnitude >= (1 << kMantissaBits);
-  v8 widened = is_normal ? normal : subnormal;
-  i8 bits;
-  std::memcpy(&bits, &widened, sizeof(bits));
-  return FromBits(bits | ((x & 0x80) << 24));
+#ifdef __F16C__
+inline vw HalvesToFloats(u16w halves) {
+#ifdef __AVX512F__
+  return BitCast<vw>(_mm512_cvtph_ps(BitCast<__m256i>(halves)));
+#else
+  return BitCast<vw>(_mm256_cvtph_ps(BitCast<__m128i>(halves)));
+#endif
 }
+#endif
 
-inline v8 Widen8(CacheType type, const char* p) {
-  switch (type) {
-    case CacheType::kBF16: {
-      u16x8 raw;
-      std::memcpy(&raw, p, sizeof(raw));
-      return FromBits(__builtin_convertvector(raw, i8) << 16);
-    }
-    case CacheType::kF8E4M3FN: return WidenFp8<3, 120, -9>(p);
-    case CacheType::kF8E5M2: return WidenFp8<2, 112, -16>(p);
-    default: return Load(reinterpret_cast<const float*>(p));
+// kWideLanes values of a narrow cache as float32, exactly. bfloat16 is float32's top half.
+// fp8 with F16C (every x86 CPU with AVX2) goes through the hardware's half-to-single
+// conversion: e5m2 is a half's top byte; e4m3fn's seven bits sit in a half's places one bit
+// lower (its exponent has a bit fewer), so that half is 2^-8 of the value, subnormals
+// included. Without F16C, fp8's normal numbers are their bits moved into float32's places
+// with the exponent rebiased, and their subnormals (exponent 0) the mantissa times the
+// smallest subnormal's scale (three times the operations: fp8 decode attention took
+// 1.3-2.1x the float32 cache's time this way, 0.7-1.6x through F16C; bench/README.md).
+// NaN and infinity (never written: writes saturate) come out as large finite numbers, or
+// e5m2's as NaN and infinity, and only in slots no row sees.
+template <CacheType kType>
+inline vw WidenLanes(const char* p) {
+  if constexpr (kType == CacheType::kBF16) {
+    u16w raw;
+    std::memcpy(&raw, p, sizeof(raw));
+    return BitCast<vw>(__builtin_convertvector(raw, iw) << 16);
+  } else {
+    constexpr bool kE4M3 = kType == CacheType::kF8E4M3FN;
+    u8w raw;
+    std::memcpy(&raw, p, sizeof(raw));
+#ifdef __F16C__
+    const u16w x = __builtin_convertvector(raw, u16w);
+    if constexpr (kE4M3) return HalvesToFloats(((x & 0x7F) << 7) | ((x & 0x80) << 8)) * 256.0f;
+    return HalvesToFloats(x << 8);
+#else
+    constexpr int kMantissaBits = kE4M3 ? 3 : 2, kRebias = kE4M3 ? 120 : 112;
+    constexpr float kSubnormalScale = kE4M3 ? 0x1p-9f : 0x1p-16f;
+    const iw x = __builtin_convertvector(raw, iw);
+    const iw magnitude = x & 0x7F;
+    const vw normal = BitCast<vw>((magnitude << (23 - kMantissaBits)) + (kRebias << 23));
+    const vw subnormal = __builtin_convertvector(magnitude, vw) * kSubnormalScale;
+    const vw widened = magnitude >= (1 << kMantissaBits) ? normal : subnormal;
+    return BitCast<vw>(BitCast<iw>(widened) | ((x & 0x80) << 24));
+#endif
   }
 }
 
-// One page's keys or values ([S, H]) as float32: the cache's own floats, or a narrow
-// page widened into `widened`.
+template <CacheType kType>
+inline void WidenPage(const char* page, int64_t count, float* widened) {
+  constexpr int64_t kBytes = kType == CacheType::kBF16 ? 2 : 1;
+  for (int64_t i = 0; i < count; i += kWideLanes) {
+    const vw floats = WidenLanes<kType>(page + i * kBytes);
+    std::memcpy(widened + i, &floats, sizeof(floats));
+  }
+}
+
+// One page's keys or values ([S, H], a multiple of 64 values) as float32: the cache's own
+// floats, or a narrow page widened into `widened`.
 inline const float* PageAsFloat(const Problem& p, const char* page, int64_t count,
                                 std::vector<float>& widened) {
-  if (p.cache_type == CacheType::kF32) return reinterpret_cast<const float*>(page);
-  for (int64_t i = 0; i < count; i += kLanes)
-    Store(widened.data() + i, Widen8(p.cache_type, page + i * p.cache_bytes));
+  switch (p.cache_type) {
+    case CacheType::kF32: return reinterpret_cast<const float*>(page);
+    case CacheType::kBF16: WidenPage<CacheType::kBF16>(page, count, widened.data()); break;
+    case CacheType::kF8E4M3FN: WidenPage<CacheType::kF8E4M3FN>(page, count, widened.data()); break;
+    case CacheType::kF8E5M2: WidenPage<CacheType::kF8E5M2>(page, count, widened.data()); break;
+  }
   return widened.data();
 }
 

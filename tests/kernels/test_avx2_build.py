@@ -21,7 +21,7 @@ from jengine.pallas_kernels.ragged_paged_attention import cpu as attention_cpu
 from jengine.pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 from jengine.pallas_kernels.stacked_matmul import cpu as stacked_cpu
 from jengine.pallas_kernels.stacked_matmul import stacked_matmul_reference
-from tests.kernels.test_cpu_kernel import CASES, case_batch
+from tests.kernels.test_cpu_kernel import CASES, assert_every_fp8_value_widens_exactly, case_batch
 from tests.kernels.test_quantized_matmul import (
     FORMATS,
     FOUR_BIT,
@@ -37,14 +37,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _avx2_build(module) -> NativeKernel:
+def _avx2_build(module, f16c: bool = True) -> NativeKernel:
     native = module.KERNEL
+    suffix = "" if f16c else "_no_f16c"
     kernel = NativeKernel(
         native.source,
         native.symbol,
-        target=f"{native.target}_avx2",
-        what=f"{native.what} (AVX2 build)",
-        extra_flags=("-mno-avx512f",),
+        target=f"{native.target}_avx2{suffix}",
+        what=f"{native.what} (AVX2 build{'' if f16c else ', no F16C'})",
+        extra_flags=("-mno-avx512f",) if f16c else ("-mno-avx512f", "-mno-f16c"),
     )
     assert kernel.load() is None, kernel.load()
     return kernel
@@ -63,6 +64,13 @@ def stacked_avx2():
 @pytest.fixture(scope="module")
 def attention_avx2():
     return _avx2_build(attention_cpu)
+
+
+@pytest.fixture(scope="module")
+def attention_without_f16c():
+    """Widens fp8 pages in its own integer and float operations, as a CPU without F16C
+    (not x86) builds the kernel; with F16C it takes the half-to-single conversion."""
+    return _avx2_build(attention_cpu, f16c=False)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
@@ -151,14 +159,19 @@ def test_attention_avx2_build_matches_the_oracle(attention_avx2, oracle, case):
 @pytest.mark.parametrize(
     "cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2], ids=["bf16", "e4m3", "e5m2"]
 )
-def test_attention_avx2_build_reads_narrow_caches(attention_avx2, cache_dtype):
-    """The widening of bf16 and fp8 pages, compiled for AVX2 (`reference`: the XLA
-    reference over the same narrow cache)."""
+@pytest.mark.parametrize("f16c", [True, False], ids=["f16c", "no-f16c"])
+def test_attention_avx2_build_reads_narrow_caches(
+    attention_avx2, attention_without_f16c, cache_dtype, f16c
+):
+    """The widening of bf16 and fp8 pages, compiled for AVX2 with and without F16C
+    (`reference`: the XLA reference over the same narrow cache); every fp8 byte pattern
+    widens exactly."""
+    build = attention_avx2 if f16c else attention_without_f16c
     batch, kwargs = case_batch(CASES[6])
     batch = batch._replace(kv_cache=batch.kv_cache.astype(cache_dtype))
-    out = np.asarray(
-        attention_cpu.ragged_paged_attention_cpu(*batch.args, **kwargs, kernel=attention_avx2)
-    )
+    out = np.asarray(attention_cpu.ragged_paged_attention_cpu(*batch.args, **kwargs, kernel=build))
     assert np.isfinite(out).all()
     expected = ragged_paged_attention_reference(*batch.args, **kwargs)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    if cache_dtype != jnp.bfloat16:
+        assert_every_fp8_value_widens_exactly(cache_dtype, kernel=build)

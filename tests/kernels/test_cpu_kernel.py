@@ -114,16 +114,21 @@ def test_kernel_reads_a_narrow_cache(case, cache_dtype):
 
 @pytest.mark.parametrize("cache_dtype", NARROW_CACHES[1:], ids=NARROW_IDS[1:])
 def test_every_fp8_value_widens_exactly(cache_dtype):
+    assert_every_fp8_value_widens_exactly(cache_dtype)
+
+
+def assert_every_fp8_value_widens_exactly(cache_dtype, **build):
     """One query seeing one key: the output is that slot's value row, here all 256 byte
     patterns of the format (subnormals, zeros of both signs, the largest normals). Each
-    finite one comes out as its exact float32 value."""
+    finite one comes out as its exact float32 value. `build`: kernel=<another build>."""
     head_dim = 256
     patterns = np.arange(256, dtype=np.uint8).view(cache_dtype)
     cache = np.zeros((1, 2, 1, 2, 8, head_dim), cache_dtype)
     cache[0, 1, 0, 1, 0] = patterns  # the value of page 1, slot 0
     q = np.ones((1, 1, head_dim), np.float32)
     args = (q, cache, 0, np.int32([1]), np.int32([[1]]), np.int32([0, 1]))
-    out = np.asarray(kernel(*map(jnp.asarray, args), sm_scale=1.0))[0, 0]
+    out = cpu.ragged_paged_attention_cpu(*map(jnp.asarray, args), sm_scale=1.0, **build)
+    out = np.asarray(out)[0, 0]
     expected = patterns.astype(np.float32)
     finite = np.isfinite(expected)
     assert finite.sum() >= 248  # e4m3fn: 2 NaN patterns; e5m2: 6 NaN and 2 infinities
