@@ -73,7 +73,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; pass token ids instead")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(_unicode(prompt, "prompt"))
         if isinstance(prompt, list | tuple):
             return None, list(prompt)
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
@@ -125,6 +125,7 @@ class InputProcessor:
             )
         except Exception as e:  # jinja errors, raise_exception() in templates, ...
             raise ValueError(f"could not apply the chat template: {e}") from e
+        text = _unicode(text, "messages")
         return text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
@@ -278,3 +279,16 @@ def text_of_content(content: str | list[dict] | None) -> str:
     ):
         raise ValueError("only text content parts are supported")
     return "\n".join(part["text"] for part in content)
+
+
+def _unicode(text: str, what: str) -> str:
+    """`text`, refused if it holds a lone UTF-16 surrogate ("\\ud800"): Python strings may,
+    but no tokenizer takes one (a TypeError deep inside `tokenizers` otherwise)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{what} holds a lone UTF-16 surrogate at character {e.start}, which is not a "
+            "Unicode character"
+        ) from None
+    return text

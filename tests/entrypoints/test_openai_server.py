@@ -451,6 +451,10 @@ def test_served_text_equals_llm_generate(client, tiny_model):
         llm.chat(MESSAGES, params, chat_template_kwargs={"tokenize": True})
     with pytest.raises(ValueError, match="only text content parts"):
         llm.chat([{"role": "user", "content": [{"type": "image_url"}]}], params)
+    with pytest.raises(ValueError, match="messages holds a lone UTF-16 surrogate"):
+        llm.chat([{"role": "user", "content": "Hi \udc00"}], params)
+    with pytest.raises(ValueError, match="prompt holds a lone UTF-16 surrogate"):
+        llm.generate("Hi \ud800", params)
 
 
 # -- load -------------------------------------------------------------------------------
@@ -536,6 +540,9 @@ BAD_COMPLETIONS = [
     ({"prompt": PROMPT, "allowed_token_ids": [1, 10**6]}, "allowed_token_ids"),
     ({"prompt": PROMPT, "bad_words": [" "]}, "bad_words"),
     ({"prompt": PROMPT, "cache_salt": ""}, "cache_salt"),
+    # Valid JSON ("\\ud800") but no Unicode character: no tokenizer takes it.
+    ({"prompt": "Hi \ud800"}, "prompt"),
+    ({"prompt": ["Hi", "\udfff"]}, "prompt.1"),
     # vLLM's fields jengine does not implement: refused, not ignored.
     ({"prompt": PROMPT, "use_beam_search": True, "n": 2}, "use_beam_search"),
     ({"prompt": PROMPT, "prompt_embeds": "AAAA"}, "prompt_embeds"),
@@ -556,20 +563,28 @@ BAD_CHATS = [
     ({"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
     ({"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
     ({"messages": MESSAGES, "chat_template": "{{ raise_exception('no') }}"}, "messages"),
+    ({"messages": [{"role": "user", "content": "Hi \udc00"}]}, "messages.0.content"),
+    ({"messages": MESSAGES, "stop": ["\ud83d"]}, "stop.0"),
 ]
+
+
+def _post(http, path: str, body: dict):
+    """`body` as the openai client sends it: json.dumps escapes a lone surrogate (httpx2's
+    json= would refuse to encode it)."""
+    return http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
 
 
 def test_errors_have_openai_shape_and_status(server, http):
     for body, param in BAD_COMPLETIONS:
-        _assert_error(http.post("/v1/completions", json={"model": MODEL_NAME, **body}), 400, param)
+        _assert_error(_post(http, "/v1/completions", {"model": MODEL_NAME, **body}), 400, param)
         if "stream_options" not in body:
-            streamed = http.post(
-                "/v1/completions", json={"model": MODEL_NAME, "stream": True, **body}
-            )
+            streamed = _post(http, "/v1/completions", {"model": MODEL_NAME, "stream": True, **body})
             _assert_error(streamed, 400, param)
     for body, param in BAD_CHATS:
-        response = http.post("/v1/chat/completions", json={"model": MODEL_NAME, **body})
+        response = _post(http, "/v1/chat/completions", {"model": MODEL_NAME, **body})
         _assert_error(response, 400, param)
+    surrogate = _post(http, "/v1/responses", {"model": MODEL_NAME, "input": "Hi \ud800"})
+    _assert_error(surrogate, 400, "input")
     for path in ("/v1/completions", "/v1/chat/completions"):
         malformed = http.post(path, content=b'{"model": "tiny", "prompt": ', headers={
             "content-type": "application/json"})  # fmt: skip
@@ -653,6 +668,7 @@ def test_models_tokenize_detokenize_version_health_metrics(server, client, http)
     assert text == PROMPT
     _assert_error(http.post("/detokenize", json={"tokens": [10**6]}), 400, "tokens")
     _assert_error(http.post("/tokenize", json={}), 400)
+    _assert_error(_post(http, "/tokenize", {"prompt": "Hi \ud800"}), 400, "prompt")
     _assert_error(http.post("/tokenize", json={"model": "x", "prompt": "a"}), 404, "model")
 
     assert http.get("/version").json()["version"]

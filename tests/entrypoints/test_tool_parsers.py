@@ -178,6 +178,12 @@ REASONING = [
      "Paris is in France.", "The capital is Paris."),
     ("deepseek_r1", "<think>Hmm.</think>Paris.", "Hmm.", "Paris."),
     ("deepseek_r1", "no end marker", "no end marker", ""),
+    # Whitespace before `<think>` (dropped with it) or before a `<` that starts no `<think>`.
+    ("deepseek_r1", "\n<think>abc</think>answer", "abc", "answer"),
+    ("qwen3", "\n<think>abc</think>answer", "abc", "answer"),
+    ("deepseek_r1", "\n<<<", "\n<<<", ""),
+    ("qwen3", " \n<<<", "", " \n<<<"),
+    ("qwen3", "\n", "", "\n"),
 ]  # fmt: skip
 
 
@@ -185,16 +191,21 @@ REASONING = [
 def test_reasoning_parsers_whole_and_streamed(name, text, reasoning, answer):
     parser = get_reasoning_parser(name)
     assert parser.split(text, finished=True) == (reasoning, answer)
+    chunkings = [[1, len(text)]]  # one character, then all the rest
     for seed in range(5):
         rng = random.Random(seed)
+        chunkings.append([rng.randint(1, 4) for _ in text])
+    for sizes in chunkings:
         stream, got, start = ReasoningStream(parser), ["", ""], 0
-        while start < len(text):
-            end = min(len(text), start + rng.randint(1, 4))
+        for size in sizes:
+            end = min(len(text), start + size)
             new_reasoning, new_answer = stream.feed(text[start:end], end == len(text))
             got[0] += new_reasoning
             got[1] += new_answer
             start = end
-        assert tuple(got) == (reasoning, answer)
+            if end == len(text):
+                break
+        assert tuple(got) == (reasoning, answer), sizes
 
 
 def test_reasoning_then_a_tool_call_in_one_stream():

@@ -191,7 +191,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             parts.append(f"malformed JSON body: {error.get('msg')}")
             continue
         where = ".".join(loc)
-        param = param or where or None
+        # A whole-model check names the field it is about in its context.
+        param = param or where or (error.get("ctx") or {}).get("param") or None
         parts.append(f"{where}: {error.get('msg')}" if where else str(error.get("msg")))
     return "; ".join(parts) or "invalid request", param
 

@@ -18,7 +18,8 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic_core import PydanticCustomError
 
 # Bounds that keep every integer inside msgpack's 64-bit range and the fan-out sane.
 _INT64 = dict(ge=-(2**63), le=2**63 - 1)
@@ -39,8 +40,44 @@ def now() -> int:
     return int(time.time())
 
 
+def _lone_surrogate_at(value: Any, path: tuple = ()) -> tuple | None:
+    """Where in a JSON value a string holds a lone UTF-16 surrogate ("\\ud800" is valid JSON
+    but no Unicode character: no tokenizer or UTF-8 encoder takes it), else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if (found := _lone_surrogate_at(item, (*path, key))) is not None:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            if (found := _lone_surrogate_at(item, (*path, index))) is not None:
+                return found
+    return None
+
+
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+class RequestModel(OpenAIBaseModel):
+    """A request body: its text anywhere must be Unicode (a 400 naming the field, not a
+    tokenizer's TypeError as a 500)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data: Any) -> Any:
+        if (path := _lone_surrogate_at(data)) is not None:
+            where = ".".join(map(str, path))
+            raise PydanticCustomError(
+                "lone_surrogate",
+                "{param} holds a lone UTF-16 surrogate, which is not a Unicode character",
+                {"param": where},
+            )
+        return data
 
 
 # -- errors ---------------------------------------------------------------------------------
@@ -115,7 +152,7 @@ class ResponseFormat(OpenAIBaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
-class SamplingRequest(OpenAIBaseModel):
+class SamplingRequest(RequestModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None

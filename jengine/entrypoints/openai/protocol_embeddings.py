@@ -9,10 +9,10 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from jengine.entrypoints.openai.protocol import _INT64, OpenAIBaseModel, now
+from jengine.entrypoints.openai.protocol import _INT64, OpenAIBaseModel, RequestModel, now
 
 
-class EmbeddingRequest(OpenAIBaseModel):
+class EmbeddingRequest(RequestModel):
     """`input`: a string, a list of strings, a list of token ids, or a list of those."""
 
     model: str | None = None

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from jengine.entrypoints.openai.protocol import _INT64, OpenAIBaseModel
+from jengine.entrypoints.openai.protocol import _INT64, OpenAIBaseModel, RequestModel
 
 
 class FunctionTool(OpenAIBaseModel):
@@ -43,7 +43,7 @@ class TextConfig(OpenAIBaseModel):
     format: TextFormat = Field(default_factory=TextFormat)
 
 
-class ResponsesRequest(OpenAIBaseModel):
+class ResponsesRequest(RequestModel):
     model: str | None = None
     # A string (one user message) or input items: messages (role + content, `type`
     # "message" or absent), "function_call" and "function_call_output" items.

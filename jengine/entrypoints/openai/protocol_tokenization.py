@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from jengine.entrypoints.openai.protocol import OpenAIBaseModel, TokenId, now
+from jengine.entrypoints.openai.protocol import OpenAIBaseModel, RequestModel, TokenId, now
 from jengine.entrypoints.openai.protocol_chat import ChatCompletionToolParam, ChatMessageParam
 
 
@@ -28,7 +28,7 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard] = Field(default_factory=list)
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(RequestModel):
     """Either `prompt` (a completion prompt) or `messages` (run through the chat template)."""
 
     model: str | None = None
@@ -48,7 +48,7 @@ class TokenizeResponse(OpenAIBaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[TokenId]
 

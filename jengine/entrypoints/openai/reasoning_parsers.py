@@ -30,12 +30,14 @@ class ReasoningParser:
 
     def split(self, text: str, finished: bool) -> tuple[str, str]:
         """(reasoning so far, answer so far); both only grow while not finished."""
+        if not finished and START.startswith(text.lstrip()):
+            # Perhaps `<think>` is still arriving, which would drop the whitespace before
+            # it: nothing is decided (a stream's pieces must never be taken back).
+            return "", ""
         body = text
         opened = body.lstrip().startswith(START)
         if opened:
             body = body.lstrip()[len(START) :]
-        elif not finished and START.startswith(body.lstrip()) and body.strip():
-            return "", ""  # perhaps `<think>` is still arriving
         end = body.find(END)
         if end != -1:
             if opened or self.reasoning_without_start:

@@ -19,17 +19,17 @@ import itertools
 
 from pydantic import Field
 
-from jengine.entrypoints.openai.protocol import OpenAIBaseModel, OpenAIError
+from jengine.entrypoints.openai.protocol import OpenAIError, RequestModel
 from jengine.entrypoints.openai.protocol_tokenization import ModelCard, ModelList
 from jengine.lora_request import LoRARequest
 
 
-class LoadLoRAAdapterRequest(OpenAIBaseModel):
+class LoadLoRAAdapterRequest(RequestModel):
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
 
 
-class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+class UnloadLoRAAdapterRequest(RequestModel):
     lora_name: str = Field(min_length=1)
     lora_int_id: int | None = None  # vLLM's field; the name decides
 
