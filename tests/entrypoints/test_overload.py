@@ -3,7 +3,8 @@ about 4 full-length requests (31 blocks of 16 tokens, max_model_len 128) and
 `--max-queued-requests 4` gets 40 at once through the official client: those admitted
 (16 seats + 4 queued, over 4x the KV capacity) all complete, each equal to the same
 request run alone (preemption and recompute change nothing); the excess gets 429s in
-OpenAI's shape with Retry-After; afterwards every KV block is free again. (With 24, a
+OpenAI's shape with Retry-After; afterwards every KV block is free again. One request of
+more sequences than seats and queue together is a 400. (With 24, a
 cold suite on two loaded cores once saw 4 requests finish before the last arrived, and
 nothing was left to refuse.)"""
 
@@ -78,3 +79,18 @@ def test_burst_beyond_kv_capacity_completes_exactly_and_excess_gets_429(server):
     assert metric(after, "jengine:kv_cache_free_blocks") == start_free
     assert metric(after, "jengine:num_preemptions_total") > 0  # the KV cache really overflowed
     assert metric(after, "jengine:compiles_after_warmup") == 0
+
+
+def test_a_request_larger_than_seats_and_queue_is_a_400_not_a_429(server):
+    """A 429 says "retry later"; one that could never be admitted, even on an idle server,
+    would have a client (the openai client retries 429s) retry forever."""
+    client = openai.OpenAI(base_url=server.url_for("v1"), api_key="none", max_retries=0)
+    too_many = SEATS + QUEUED + 1
+    with pytest.raises(openai.BadRequestError) as n:
+        client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, n=too_many)
+    assert n.value.body["param"] == "n" and f"at most {SEATS + QUEUED} at once" in str(n.value)
+    with pytest.raises(openai.BadRequestError) as prompts:
+        client.completions.create(model=MODEL_NAME, prompt=["Hi"] * too_many, max_tokens=2)
+    assert prompts.value.body["param"] == "prompt"
+    fits = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, n=SEATS + QUEUED)
+    assert len(fits.choices) == SEATS + QUEUED

@@ -11,7 +11,8 @@ Promises:
   sequences are all that is ever admitted; a request that would go beyond gets a 429 with
   `Retry-After`, before anything is sent to the engine. A request counts its sequences
   (n per prompt). The count is the server's own, taken when the request is admitted, so
-  a burst cannot slip past it between two engine steps;
+  a burst cannot slip past it between two engine steps. A request of more sequences than
+  seats and queue together is a 400, not a 429 that a client would retry forever;
 - draining refuses only what arrives after the signal (middleware.py, at arrival): a
   request received before it is served, even if it reaches `admit` later (its body still
   being parsed or tokenized); once `closed` (the shutdown timeout is over), `admit` answers
@@ -49,11 +50,20 @@ class Admission:
         self.draining = False  # new arrivals get 503
         self.closed = False  # past --shutdown-timeout: nothing more reaches the engine
 
-    def admit(self, num_sequences: int) -> Ticket:
-        """A ticket for a request of `num_sequences`, or an OpenAIError (429 or 503)."""
+    def admit(self, num_sequences: int, param: str | None = None) -> Ticket:
+        """A ticket for a request of `num_sequences`, or an OpenAIError: 429 or 503, or a
+        400 naming `param` for a request larger than all the room there is (retrying it
+        could never help)."""
         if self.closed:
             raise shutting_down_error(TIMED_OUT)
         limit = self.max_queued_requests
+        if limit is not None and num_sequences > self.num_seats + limit:
+            raise OpenAIError(
+                f"this request is {num_sequences} sequences (n for each prompt); the server "
+                f"admits at most {self.num_seats + limit} at once ({self.num_seats} running "
+                f"and --max-queued-requests {limit} queued)",
+                param=param,
+            )
         if limit is not None and self.num_admitted + num_sequences > self.num_seats + limit:
             raise OpenAIError(
                 f"The server is busy: {self.num_admitted} sequences are running or queued "

@@ -83,7 +83,8 @@ async def generation_response(
     in full."""
     prepared = serving.prepare(body)
     admission = raw_request.app.state.admission
-    ticket = admission.admit(sum(prompt.params.n for prompt in prepared.prompts))
+    num_sequences = sum(prompt.params.n for prompt in prepared.prompts)
+    ticket = admission.admit(num_sequences, "n" if len(prepared.prompts) == 1 else "prompt")
     if body.stream:
         return StreamingResponse(
             _released_after(serving.stream(body, prepared), ticket),
@@ -153,7 +154,7 @@ async def create_response(body: ResponsesRequest, raw_request: Request):
 async def create_embedding(body: EmbeddingRequest, raw_request: Request) -> EmbeddingResponse:
     serving = raw_request.app.state.serving_embedding
     prompts, params = serving.prepare(body)
-    ticket = raw_request.app.state.admission.admit(len(prompts))
+    ticket = raw_request.app.state.admission.admit(len(prompts), "input")
     try:
         response = await run_unless_disconnected(
             raw_request, serving.create_embedding(body, prompts, params)
