@@ -38,6 +38,7 @@ class InputProcessor:
             eos_token_ids=eos_token_ids_of(config.model.model, tokenizer),
             serves_lora=config.lora is not None,
             pooler=config.model.pooler,
+            priority_scheduling=config.scheduler.policy == "priority",
         )
 
     def __init__(
@@ -48,6 +49,7 @@ class InputProcessor:
         eos_token_ids: list[int] = (),
         serves_lora: bool = False,
         pooler: PoolerConfig | None = None,
+        priority_scheduling: bool = False,
     ):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -60,6 +62,7 @@ class InputProcessor:
         self._valid_specs: set[tuple] = set()
         self.serves_lora = serves_lora
         self.pooler = pooler
+        self.priority_scheduling = priority_scheduling
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) for a string, token-id list or vLLM-style dict."""
@@ -127,6 +130,15 @@ class InputProcessor:
             raise ValueError(f"could not apply the chat template: {e}") from e
         text = _unicode(text, "messages")
         return text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def validate_priority(self, priority: int) -> None:
+        """A priority other than 0 only means something to a priority scheduler; under
+        first come, first served it is refused (as vLLM does), not silently ignored."""
+        if priority != 0 and not self.priority_scheduling:
+            raise ValueError(
+                f"priority {priority} needs priority scheduling: start the engine with "
+                "--scheduling-policy priority (scheduling_policy='priority')"
+            )
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         self.validate_tokens(token_ids)
@@ -225,6 +237,7 @@ class InputProcessor:
                 f"LoRA adapter {lora_request.lora_name!r} asked of an engine that does not "
                 "serve LoRA adapters (start it with --enable-lora / enable_lora=True)"
             )
+        self.validate_priority(priority)
         text, token_ids = self.tokenize(prompt)
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if cache_salt is not None:

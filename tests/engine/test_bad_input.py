@@ -1,8 +1,11 @@
 """Bad input gets a clear ValueError before anything runs; the engine carries on, no leaks."""
 
+from dataclasses import replace
+
 import pytest
 
 from jengine import SamplingParams
+from jengine.engine.input_processor import InputProcessor
 from tests.engine.engine_helpers import ENGINE_KWARGS, hf_greedy, random_prompts
 from tests.models.checkpoints import VOCAB
 
@@ -47,6 +50,13 @@ def test_bad_prompts_raise_and_engine_carries_on(llm, checkpoint):
         llm.generate({"prompt_token_ids": good}, SamplingParams(logprobs=50))
     with pytest.raises(ValueError, match="sampling params"):
         llm.generate([{"prompt_token_ids": good}] * 2, [SamplingParams()] * 3)
+    # First come, first served (the default) has no use for a priority: refused, as in vLLM.
+    with pytest.raises(ValueError, match="priority 1 needs priority scheduling"):
+        llm.generate([{"prompt_token_ids": good}] * 2, priority=[0, 1])
+    config = llm.llm_engine.config
+    config = replace(config, scheduler=replace(config.scheduler, policy="priority"))
+    prioritized = InputProcessor.from_config(config, None, VOCAB)
+    prioritized.process("p", {"prompt_token_ids": good}, SamplingParams(), priority=-3)
     out = llm.generate({"prompt_token_ids": good}, SamplingParams(temperature=0, max_tokens=5))
     assert out[0].outputs[0].token_ids == hf_greedy(checkpoint[1], good, 5)
     assert llm.engine_core.num_free_blocks() == llm.engine_core.runner.num_blocks - 1

@@ -540,6 +540,7 @@ BAD_COMPLETIONS = [
     ({"prompt": PROMPT, "allowed_token_ids": [1, 10**6]}, "allowed_token_ids"),
     ({"prompt": PROMPT, "bad_words": [" "]}, "bad_words"),
     ({"prompt": PROMPT, "cache_salt": ""}, "cache_salt"),
+    ({"prompt": PROMPT, "priority": 1}, "priority"),  # the server schedules fcfs
     # Valid JSON ("\\ud800") but no Unicode character: no tokenizer takes it.
     ({"prompt": "Hi \ud800"}, "prompt"),
     ({"prompt": ["Hi", "\udfff"]}, "prompt.1"),

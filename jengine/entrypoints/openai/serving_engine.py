@@ -128,6 +128,10 @@ class OpenAIServing:
                 "generates nothing",
                 param="model",
             )
+        try:
+            self.engine.input_processor.validate_priority(request.priority)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="priority") from None
         if request.return_tokens_as_token_ids is None:  # decided here, once, for the formatting
             request.return_tokens_as_token_ids = self.return_tokens_as_token_ids
         if request.stream_options is not None and not request.stream:
