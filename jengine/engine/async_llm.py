@@ -96,6 +96,9 @@ class AsyncLLM:
         """Sequences sent to the engine and not yet finished."""
         return self.output_processor.get_num_unfinished_requests()
 
+    def request_id_in_use(self, request_id: str) -> bool:
+        return self.output_processor.in_use(request_id)
+
     @property
     def engine_pid(self) -> int:
         return self.engine_core.engine_pid

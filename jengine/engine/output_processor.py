@@ -146,6 +146,10 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
 
+    def in_use(self, request_id: str) -> bool:
+        """Whether a request of this id is registered and not yet finished."""
+        return request_id in self.parents
+
     def add_request(
         self,
         request: EngineCoreRequest,
@@ -156,7 +160,7 @@ class OutputProcessor:
         engine-core sequences to send: the request itself, or its n > 1 fan-out. Raises
         ValueError if the id is already in use."""
         request_id = request.request_id
-        if request_id in self.parents:
+        if self.in_use(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         if request.pooling_params is not None:
             output_kind = RequestOutputKind.FINAL_ONLY  # an embedding comes whole

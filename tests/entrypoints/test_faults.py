@@ -1,7 +1,8 @@
 """Faults, injected on purpose (jengine/fault_injection.py) into a real `jengine serve`: a
 failure while building one request's output, or while formatting it, ends that request with
 an error and nothing else; a client that reads its stream slowly stalls nobody; clients
-that hang up mid-generation get their sequences aborted and every KV block back; a failing
+that hang up mid-generation get their sequences aborted and every KV block back; a request
+whose client-chosen id a running request holds is a 400 before any chunk; a failing
 engine step is logged with its request ids and takes the engine down cleanly into 503s.
 The server runs with JENGINE_FAULT_INJECTION set; the step fault kills its engine, so that
 test comes last."""
@@ -144,6 +145,22 @@ def test_a_slow_reader_stalls_nobody(server, http):
         for choice in httpx2.Response(200, content=event).json()["choices"]:
             texts[choice["index"]] += choice["text"]
     assert texts == [choice["text"] for choice in expected["choices"]]
+
+
+def test_a_request_id_in_use_is_a_400_before_any_chunk(server, http):
+    """A client's request_id that a running request holds: a 400 naming request_id, streamed
+    or not, rather than a 200 stream whose only event is the error; the running request is
+    unharmed."""
+    body = {**BODY, "max_tokens": 900, "request_id": "same-id", "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as first:
+        lines = (line for line in first.iter_lines() if line.startswith("data: "))
+        events = [next(lines)]  # it runs (900 tokens: seconds)
+        for stream in (True, False):
+            again = http.post("/v1/completions", json={**body, "stream": stream})
+            assert again.status_code == 400, again.text
+            assert again.json()["error"]["param"] == "request_id"
+        events += list(lines)
+    assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
 
 
 def test_disconnects_return_kv_blocks(server, http):

@@ -650,7 +650,7 @@ def test_bad_requests_do_not_disturb_a_running_stream(client, http):
         text += "".join(c.text for c in chunk.choices)
         if i < len(BAD_COMPLETIONS):
             body, _ = BAD_COMPLETIONS[i]
-            response = http.post("/v1/completions", json={"model": MODEL_NAME, **body})
+            response = _post(http, "/v1/completions", {"model": MODEL_NAME, **body})
             assert response.status_code == 400
     assert text == expected
 

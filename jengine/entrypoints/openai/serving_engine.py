@@ -169,7 +169,15 @@ class OpenAIServing:
         self.models.lora_request(model)  # a 404 for a name neither served nor loaded
 
     def prepared(self, request: SamplingRequest, request_id: str, prompts, messages=None):
-        """The checked request, with the adapter its `model` names."""
+        """The checked request, with the adapter its `model` names. A client's request_id
+        already running is a 400 here, before a stream's first chunk (a race of two new
+        requests with one id still ends in the engine's refusal, as an error event)."""
+        if request.request_id and any(
+            self.engine.request_id_in_use(prompt.request_id) for prompt in prompts
+        ):
+            raise OpenAIError(
+                f"request id {request.request_id!r} is already in use", param="request_id"
+            )
         return PreparedRequest(
             request_id,
             prompts,
