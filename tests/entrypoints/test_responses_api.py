@@ -104,10 +104,16 @@ def test_cached_input_tokens_are_counted_on_every_route(client):
 
 
 def test_a_cut_off_response_is_incomplete(client):
+    """The response and the message item it cut short are "incomplete", whole and streamed."""
     response = respond(client, input=QUESTION, max_output_tokens=3)
     assert response.status == "incomplete"
     assert response.incomplete_details.reason == "max_output_tokens"
     assert response.usage.output_tokens == 3
+    assert [item.status for item in response.output] == ["incomplete"]
+    events = list(respond(client, input=QUESTION, max_output_tokens=3, stream=True))
+    [done] = [e for e in events if e.type == "response.output_item.done"]
+    assert done.item.status == "incomplete" and events[-1].type == "response.incomplete"
+    assert [item.status for item in events[-1].response.output] == ["incomplete"]
 
 
 def test_streamed_events_come_in_order_and_join_to_the_text(client):

@@ -21,15 +21,18 @@ _TEXT_PART_TYPES = {"input_text", "output_text", "text"}
 
 
 def output_items(
-    message: ChatMessage, logprobs: ChatCompletionLogProbs | None = None
+    message: ChatMessage, logprobs: ChatCompletionLogProbs | None = None, cut_short: bool = False
 ) -> list[dict]:
     """A chat reply as Responses output items, in the order the model wrote them; the
-    reply's `logprobs` go on the message's text."""
+    reply's `logprobs` go on the message's text. `cut_short` (max_output_tokens ended the
+    reply): the text item it ended is "incomplete", as OpenAI's."""
     items = []
     if message.reasoning_content:
         items.append(_reasoning_item(message.reasoning_content))
     if message.content:
         items.append(_message_item(message.content, logprobs=_entries(logprobs)))
+    if cut_short and items:
+        items[-1]["status"] = "incomplete"
     for call in message.tool_calls or []:
         items.append(_function_call_item(call.id, call.function.name, call.function.arguments))
     return items
@@ -168,11 +171,12 @@ class StreamedItems:
             entry["name"] += call.function.name or ""
             entry["arguments"] += call.function.arguments or ""
 
-    def finish(self) -> list[str]:
+    def finish(self, cut_short: bool = False) -> list[str]:
+        """The done events; `cut_short` as in `output_items`."""
         events = []
         for item in list(self.output):
             text = "".join(self.texts[item["id"]])
-            item["status"] = "completed"
+            item["status"] = "incomplete" if cut_short and item is self.output[-1] else "completed"
             if item["type"] == "reasoning":
                 item["content"] = [{"type": "reasoning_text", "text": text}]
                 events.append(self._content_event("response.reasoning_text.done", item, text=text))

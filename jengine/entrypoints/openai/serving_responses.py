@@ -151,7 +151,7 @@ class OpenAIServingResponses(OpenAIServing):
     ) -> ResponseObject:
         chat = self.chat.response(prepared.chat_request, prepared, finals)
         [choice] = chat.choices
-        output = output_items(choice.message, choice.logprobs)
+        output = output_items(choice.message, choice.logprobs, choice.finish_reason == "length")
         counts = StreamUsage(
             chat.usage.prompt_tokens, chat.usage.completion_tokens, {0: finals[0].num_cached_tokens}
         )
@@ -241,7 +241,7 @@ class OpenAIServingResponses(OpenAIServing):
                     for call in delta.tool_calls or []:
                         items.add_call_delta(call)
                     finish_reason = choice.finish_reason or finish_reason
-            for event in items.finish():
+            for event in items.finish(finish_reason == "length"):
                 yield event
             final = self.response_object(
                 request,
