@@ -237,6 +237,19 @@ def test_a_json_schema_text_format_validates(client):
         (dict(input=[{"type": "function_call_output", "output": "{}"}]), "input.0.call_id"),
         (dict(input=QUESTION, tools=[WEATHER], tool_choice="auto"), "tool_choice"),
         (dict(input=QUESTION, extra_body={"cache_salt": ""}), "cache_salt"),
+        # The chat fields they become are not what the client sent.
+        (
+            dict(input=QUESTION, text={"format": {"type": "json_schema", "name": "x"}}),
+            "text.format",
+        ),
+        (
+            dict(
+                input=QUESTION,
+                text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "objekt"}}},
+            ),
+            "text.format",
+        ),
+        (dict(input=QUESTION, max_output_tokens=10**6), "max_output_tokens"),
     ],
 )
 def test_what_is_not_served_is_a_400_naming_it(client, kwargs, param):

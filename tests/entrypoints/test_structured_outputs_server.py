@@ -224,6 +224,13 @@ def test_tool_messages_in_the_history(client):
          "structured_outputs"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
          "response_format"),
+        # A schema the grammar compiler refuses names the field it came in.
+        ({"response_format": {"type": "json_schema",
+                              "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+         "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f",
+                                                      "parameters": {"type": "objekt"}}}],
+          "tool_choice": "required"}, "tools"),
         ({"extra_body": {"guided_regex": "a"}, "response_format": {"type": "json_object"}},
          "guided_regex"),
         ({"tools": [WEATHER_TOOL]}, "tool_choice"),  # "auto" needs the server flags

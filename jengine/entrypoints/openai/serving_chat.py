@@ -52,7 +52,11 @@ from jengine.entrypoints.openai.serving_engine import (
     StreamUsage,
 )
 from jengine.entrypoints.openai.serving_models import ServingModels
-from jengine.entrypoints.openai.structured_outputs import tool_choice_constraint, tool_choice_of
+from jengine.entrypoints.openai.structured_outputs import (
+    constraint_field,
+    tool_choice_constraint,
+    tool_choice_of,
+)
 from jengine.entrypoints.openai.tool_parsers import (
     NamedToolCallParser,
     RequiredToolCallParser,
@@ -148,7 +152,9 @@ class OpenAIServingChat(OpenAIServing):
         if params.structured_outputs is not None and self.reasoning_parser is not None:
             params.structured_outputs.reasoning_end = REASONING_END  # enforce on the answer
         try:
-            self.validate_prompt(token_ids, params)
+            self.validate_prompt(
+                token_ids, params, "tools" if tool_constraint else constraint_field(request)
+            )
         except OpenAIError as e:
             if e.param == "logprobs":
                 e.param = "top_logprobs"  # the chat API's name for the count

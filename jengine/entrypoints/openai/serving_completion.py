@@ -30,6 +30,7 @@ from jengine.entrypoints.openai.serving_engine import (
     PreparedRequest,
     StreamUsage,
 )
+from jengine.entrypoints.openai.structured_outputs import constraint_field
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -58,7 +59,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 logprobs=request.logprobs,
                 prompt_logprobs=prompt_logprobs,
             )
-            self.validate_prompt(token_ids, params)
+            self.validate_prompt(token_ids, params, constraint_field(request))
             prompts.append(EnginePrompt(text, token_ids, params, f"{request_id}-{index}"))
         return self.prepared(request, request_id, prompts)
 

@@ -235,11 +235,18 @@ class OpenAIServing:
             )
         return requested
 
-    def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+    def validate_prompt(
+        self, token_ids: list[int], params: SamplingParams, constraint_field: str
+    ) -> None:
+        """The engine's checks of a prompt and its parameters; a refused output constraint
+        names `constraint_field`, the request field it came from."""
         try:
             self.engine.input_processor.validate(token_ids, params)
         except ValueError as e:
-            raise to_openai_error(e, param_of(str(e)) or "prompt") from None
+            param = param_of(str(e)) or "prompt"
+            if param == "structured_outputs":
+                param = constraint_field
+            raise to_openai_error(e, param) from None
 
     # -- running the engine ---------------------------------------------------------------
 

@@ -57,6 +57,25 @@ from jengine.outputs import RequestOutput
 LOGPROBS_ITEM = "message.output_text.logprobs"
 
 
+# The chat request's fields that stand for a Responses request's own.
+_FIELDS_AS_CHAT = {
+    "messages": "input",
+    "response_format": "text.format",
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+}
+
+
+def responses_field(chat_field: str | None) -> str | None:
+    """The Responses field a chat request's field (an error's param) came from."""
+    head, dot, rest = (chat_field or "").partition(".")
+    if head == "messages":
+        return "input"  # instructions add a message: the indices differ
+    if head in _FIELDS_AS_CHAT:
+        return _FIELDS_AS_CHAT[head] + dot + rest
+    return chat_field
+
+
 def wants_logprobs(request: ResponsesRequest) -> bool:
     return LOGPROBS_ITEM in (request.include or ()) or request.top_logprobs is not None
 
@@ -93,7 +112,11 @@ class OpenAIServingResponses(OpenAIServing):
                 param="include",
             )
         chat_request = self.chat_request(request)
-        prepared = self.chat.prepare(chat_request)
+        try:
+            prepared = self.chat.prepare(chat_request)
+        except OpenAIError as e:
+            e.param = responses_field(e.param)  # what the client sent, not what it became
+            raise
         return PreparedResponse(**vars(prepared), chat_request=chat_request)
 
     def chat_request(self, request: ResponsesRequest) -> ChatCompletionRequest:

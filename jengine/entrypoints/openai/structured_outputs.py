@@ -55,6 +55,13 @@ def structured_outputs_of(request: SamplingRequest) -> StructuredOutputsParams |
     return next(iter(found.values()), None)
 
 
+def constraint_field(request: SamplingRequest) -> str:
+    """The field a request's output constraint came from: what an error about the
+    constraint (a schema the grammar compiler refused) names."""
+    fmt = request.response_format
+    return "response_format" if fmt is not None and fmt.type != "text" else "structured_outputs"
+
+
 def _params(field: str, values: dict) -> StructuredOutputsParams:
     try:
         return StructuredOutputsParams(**values)
