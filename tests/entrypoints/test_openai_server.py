@@ -658,13 +658,20 @@ def test_bad_requests_do_not_disturb_a_running_stream(client, http):
 # -- other routes ------------------------------------------------------------------------
 
 
-def test_models_tokenize_detokenize_version_health_metrics(server, client, http):
+def test_models_tokenize_detokenize_version_health_metrics(server, client, http, tiny_model):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME, "tiny-alias"]
     assert models.data[0].model_extra["max_model_len"] == 128
 
     tokens = http.post("/tokenize", json={"model": MODEL_NAME, "prompt": PROMPT}).json()
     assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 128
+    assert tokens["token_strs"] is None
+    strs = {"model": MODEL_NAME, "prompt": PROMPT, "return_token_strs": True}
+    token_strs = http.post("/tokenize", json=strs).json()["token_strs"]
+    from jengine.engine.tokenizer import load_tokenizer_from
+
+    tokenizer = load_tokenizer_from(tiny_model)
+    assert token_strs == tokenizer.convert_ids_to_tokens(tokens["tokens"])
     text = http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
     assert text == PROMPT
     _assert_error(http.post("/detokenize", json={"tokens": [10**6]}), 400, "tokens")

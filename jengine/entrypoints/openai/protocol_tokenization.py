@@ -40,12 +40,14 @@ class TokenizeRequest(RequestModel):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatCompletionToolParam] | None = None  # they reach the template
+    return_token_strs: bool = False  # vLLM's: each token as the vocabulary writes it
 
 
 class TokenizeResponse(OpenAIBaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs
 
 
 class DetokenizeRequest(RequestModel):

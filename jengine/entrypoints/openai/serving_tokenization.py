@@ -48,7 +48,14 @@ class OpenAIServingTokenization(OpenAIServing):
                 request.chat_template,
                 [tool.model_dump(exclude_none=True) for tool in request.tools or []],
             )
-        return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len, tokens=tokens)
+        return TokenizeResponse(
+            count=len(tokens),
+            max_model_len=self.max_model_len,
+            tokens=tokens,
+            token_strs=self.tokenizer.convert_ids_to_tokens(tokens)
+            if request.return_token_strs
+            else None,
+        )
 
     def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(request.model)
