@@ -201,7 +201,8 @@ inline vw HalvesToFloats(u16w halves) {
 // included. Without F16C, fp8's normal numbers are their bits moved into float32's places
 // with the exponent rebiased, and their subnormals (exponent 0) the mantissa times the
 // smallest subnormal's scale (three times the operations: fp8 decode attention took
-// 1.3-2.1x the float32 cache's time this way, 0.7-1.6x through F16C; bench/README.md).
+// 1.3-2.1x the float32 cache's time this way, 0.7-1.1x through F16C at 8-128 requests;
+// bench/README.md).
 // NaN and infinity (never written: writes saturate) come out as large finite numbers, or
 // e5m2's as NaN and infinity, and only in slots no row sees.
 template <CacheType kType>
