@@ -85,3 +85,29 @@ def test_engine_args_build_the_config(tmp_path):
     # ... and shrinks to what max_num_seqs requests of max_model_len can use (fewer shapes).
     single = EngineArgs(model=str(tmp_path), max_num_seqs=1).create_engine_config()
     assert single.scheduler.max_num_batched_tokens == 300
+
+
+def test_max_model_len_past_the_trained_positions_needs_saying_so(tmp_path, monkeypatch):
+    """As vLLM: longer than max_position_embeddings is refused (a huge value once crashed
+    allocating the batch's token table) unless JENGINE_ALLOW_LONG_MAX_MODEL_LEN=1."""
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 300}')
+    monkeypatch.delenv("JENGINE_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    assert EngineArgs(model=str(tmp_path), max_model_len=300).create_engine_config()
+    for too_long in (301, 10**8):
+        with pytest.raises(ValueError, match="max_model_len=.* max_position_embeddings \\(300\\)"):
+            EngineArgs(model=str(tmp_path), max_model_len=too_long).create_engine_config()
+    monkeypatch.setenv("JENGINE_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    config = EngineArgs(model=str(tmp_path), max_model_len=301).create_engine_config()
+    assert config.scheduler.max_model_len == 301
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(max_model_len="abc"), dict(max_num_seqs=2.5), dict(block_size=True),
+     dict(gpu_memory_utilization="0.5")],
+)  # fmt: skip
+def test_a_number_of_the_wrong_type_names_its_field(tmp_path, kwargs):
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 300}')
+    [name] = kwargs
+    with pytest.raises(ValueError, match=f"^{name} must be"):
+        EngineArgs(model=str(tmp_path), **kwargs).create_engine_config()

@@ -10,6 +10,9 @@ folder's config.json or a GGUF's metadata).
 """
 
 import argparse
+import numbers
+import os
+import types
 from dataclasses import dataclass, field, fields
 
 from jengine.config import (
@@ -27,6 +30,12 @@ from jengine.config import (
 )
 from jengine.models.checkpoint import holds_base_model, read_hf_config, resolve_model
 from jengine.pooling import PoolerConfig
+
+# What a field's annotation admits (a numpy integer is an int; an int is a float).
+_ADMITS = {int: numbers.Integral, float: numbers.Real}
+
+# Set to 1, max_model_len may exceed the checkpoint's max_position_embeddings.
+ALLOW_LONG_MAX_MODEL_LEN = "JENGINE_ALLOW_LONG_MAX_MODEL_LEN"
 
 
 @dataclass
@@ -73,9 +82,24 @@ class EngineArgs:
     # vLLM's --pooler-config: {"pooling_type": ..., "normalize": ...}, or JSON text.
     pooler_config: dict | str | None = None
 
+    def _check_types(self) -> None:
+        """A number of the wrong type is a ValueError naming its field here, not a TypeError
+        from arithmetic somewhere later (`max_model_len="abc"`); the other fields' values
+        are checked against their choices by the config dataclasses."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            kinds = f.type.__args__ if isinstance(f.type, types.UnionType) else (f.type,)
+            if not set(kinds) & set(_ADMITS):
+                continue
+            admitted = tuple(_ADMITS.get(kind, kind) for kind in kinds)
+            if isinstance(value, bool) and bool not in kinds or not isinstance(value, admitted):
+                names = " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
+                raise ValueError(f"{f.name} must be {names}, got {value!r}")
+
     def create_engine_config(self) -> EngineConfig:
         """Validate and build; `model` may be None only for an in-memory model (then
         `max_model_len` must be given)."""
+        self._check_types()
         max_model_len = self.max_model_len
         model = None if self.model is None else resolve_model(self.model)
         hf_config = {}
@@ -84,8 +108,21 @@ class EngineArgs:
                 raise ValueError("EngineArgs.model must name a checkpoint folder")
         else:
             hf_config = read_hf_config(model)  # fail here, not in the engine process
+        trained_len = hf_config.get("max_position_embeddings")
         if max_model_len is None:
-            max_model_len = hf_config.get("max_position_embeddings", SchedulerConfig.max_model_len)
+            max_model_len = trained_len or SchedulerConfig.max_model_len
+        elif (
+            isinstance(max_model_len, int)
+            and trained_len is not None
+            and max_model_len > trained_len
+            and os.environ.get(ALLOW_LONG_MAX_MODEL_LEN) != "1"
+        ):
+            raise ValueError(
+                f"max_model_len={max_model_len} is longer than the model's "
+                f"max_position_embeddings ({trained_len}): positions past it were never "
+                f"trained. Set {ALLOW_LONG_MAX_MODEL_LEN}=1 to allow it anyway (as vLLM's "
+                "VLLM_ALLOW_LONG_MAX_MODEL_LEN)"
+            )
         # The default budget, raised to max_num_seqs (one token each) and capped at what
         # max_num_seqs requests of max_model_len can use: a larger budget only adds
         # step shapes to compile.

@@ -156,9 +156,21 @@ class LLM:
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
+        if not isinstance(prompts, list | tuple):
+            raise TypeError(
+                "prompts must be a string, a list of token ids, a prompt dict or a list of "
+                f"those, got {type(prompts).__name__}"
+            )
         prompts = list(prompts)
         if isinstance(params, SamplingParams | PoolingParams):
             params = [params] * len(prompts)
+        elif not isinstance(params, list | tuple) or not all(
+            isinstance(p, SamplingParams | PoolingParams) for p in params
+        ):
+            raise TypeError(
+                "sampling_params must be a SamplingParams or a list of them (embed's "
+                f"pooling_params: PoolingParams), got {type(params).__name__}"
+            )
         if len(params) != len(prompts):
             kind = "pooling" if isinstance(params[0], PoolingParams) else "sampling"
             raise ValueError(f"got {len(params)} {kind} params for {len(prompts)} prompts")

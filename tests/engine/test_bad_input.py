@@ -53,6 +53,11 @@ def test_bad_prompts_raise_and_engine_carries_on(llm, checkpoint):
     # First come, first served (the default) has no use for a priority: refused, as in vLLM.
     with pytest.raises(ValueError, match="priority 1 needs priority scheduling"):
         llm.generate([{"prompt_token_ids": good}] * 2, priority=[0, 1])
+    # Arguments of the wrong kind name themselves (not an AttributeError from inside).
+    with pytest.raises(TypeError, match="^prompts must be"):
+        llm.generate(123)
+    with pytest.raises(TypeError, match="^sampling_params must be a SamplingParams"):
+        llm.generate({"prompt_token_ids": good}, {"max_tokens": 3})
     config = llm.llm_engine.config
     config = replace(config, scheduler=replace(config.scheduler, policy="priority"))
     prioritized = InputProcessor.from_config(config, None, VOCAB)
