@@ -366,7 +366,10 @@ class SpeculativeConfig:
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, str):
-            value = json.loads(value)
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         unknown = set(value) - {f.name for f in fields(cls)}
         _require(not unknown, "speculative_config", "has unknown keys", sorted(unknown))
         return cls(**value)

@@ -111,3 +111,10 @@ def test_a_number_of_the_wrong_type_names_its_field(tmp_path, kwargs):
     [name] = kwargs
     with pytest.raises(ValueError, match=f"^{name} must be"):
         EngineArgs(model=str(tmp_path), **kwargs).create_engine_config()
+
+
+def test_speculative_config_that_is_not_json_names_the_flag():
+    from jengine.config import SpeculativeConfig
+
+    with pytest.raises(ValueError, match="^speculative_config is not valid JSON"):
+        SpeculativeConfig.from_value("{bad")

@@ -37,6 +37,10 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
 
+# What a one-shot command's positional text may be instead.
+FROM_STDIN = "the text (left out, or -: read from standard input)"
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jengine", description="JAX-native LLM inference and serving engine"
@@ -137,7 +141,7 @@ def make_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(serve)
 
     generate = commands.add_parser("generate", help="complete one prompt offline")
-    generate.add_argument("prompt")
+    generate.add_argument("prompt", nargs="?", help=FROM_STDIN)
     generate.add_argument("--max-tokens", type=int, default=64)
     recommended = "default: the model's generation_config.json, else %s"
     generate.add_argument("--temperature", type=float, help=recommended % "1")
@@ -151,7 +155,7 @@ def make_parser() -> argparse.ArgumentParser:
     chat = commands.add_parser(
         "chat", help="answer one message through the model's chat template, streamed"
     )
-    chat.add_argument("message")
+    chat.add_argument("message", nargs="?", help=FROM_STDIN)
     chat.add_argument("--system", default=None, help="system prompt (default: the template's)")
     _add_chat_template_arg(chat)
     chat.add_argument("--max-tokens", type=int, default=256)
@@ -272,13 +276,26 @@ def _sampling_params(llm, args: argparse.Namespace):
     )
 
 
+def _text_or_stdin(text: str | None, what: str) -> str:
+    """A one-shot command's text: the argument, else what is piped in (before the model
+    loads, so a missing text fails at once)."""
+    if text is None or text == "-":
+        if sys.stdin.isatty():
+            raise SystemExit(f"error: give the {what}, or pipe it in on standard input")
+        text = sys.stdin.read().strip()
+    if not text:
+        raise SystemExit(f"error: the {what} is empty")
+    return text
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
+    prompt = _text_or_stdin(args.prompt, "prompt")
     llm = _one_shot_llm(args)
     params = _sampling_params(llm, args)
     if not args.stream:
-        print(llm.generate(args.prompt, params, use_tqdm=False)[0].outputs[0].text)
+        print(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].text)
         return
-    _stream(llm, args.prompt, params)
+    _stream(llm, prompt, params)
 
 
 def _add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
@@ -293,8 +310,9 @@ def cmd_chat(args: argparse.Namespace) -> None:
     from jengine.engine.input_processor import load_chat_template
 
     template = load_chat_template(args.chat_template)  # a bad name fails before loading
+    message = _text_or_stdin(args.message, "message")
     llm = _one_shot_llm(args)
-    messages = [{"role": "user", "content": args.message}]
+    messages = [{"role": "user", "content": message}]
     if args.system is not None:
         messages.insert(0, {"role": "system", "content": args.system})
     text, token_ids = llm.llm_engine.input_processor.render_chat(messages, chat_template=template)

@@ -10,18 +10,22 @@ from tests.entrypoints.remote_server import ENGINE_FLAGS
 CLI = [sys.executable, "-m", "jengine.entrypoints.cli"]
 
 
-def run(args, timeout=300):
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+def run(args, timeout=300, stdin=""):
+    return subprocess.run(
+        [*CLI, *args], capture_output=True, text=True, timeout=timeout, input=stdin
+    )
 
 
 def test_generate_streamed_and_not(tiny_model):
-    args = ["generate", "The quick brown fox", "--model", tiny_model, "--max-tokens", "12",
-            "--temperature", "0", *ENGINE_FLAGS]  # fmt: skip
-    plain = run(args)
+    """The prompt as an argument or piped in (vLLM users pipe text into one-shot commands)."""
+    flags = ["--model", tiny_model, "--max-tokens", "12", "--temperature", "0", *ENGINE_FLAGS]
+    plain = run(["generate", "The quick brown fox", *flags])
     assert plain.returncode == 0, plain.stderr[-3000:]
-    streamed = run([*args, "--stream"])
+    streamed = run(["generate", "-", *flags, "--stream"], stdin="The quick brown fox\n")
     assert streamed.returncode == 0, streamed.stderr[-3000:]
     assert plain.stdout == streamed.stdout and plain.stdout.strip()
+    empty = run(["generate", *flags], stdin="")
+    assert empty.returncode != 0 and "error: the prompt is empty" in empty.stderr
 
 
 def test_serve_fails_fast_and_clearly():
