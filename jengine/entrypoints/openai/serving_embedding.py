@@ -17,6 +17,7 @@ import base64
 import numpy as np
 
 from jengine.engine.output_processor import RequestError
+from jengine.entrypoints.openai.async_merge import merge_async_iterators
 from jengine.entrypoints.openai.errors import to_openai_error
 from jengine.entrypoints.openai.protocol import OpenAIError
 from jengine.entrypoints.openai.protocol_embeddings import (
@@ -25,7 +26,7 @@ from jengine.entrypoints.openai.protocol_embeddings import (
     EmbeddingResponse,
     EmbeddingUsage,
 )
-from jengine.entrypoints.openai.serving_engine import OpenAIServing, merge_async_iterators
+from jengine.entrypoints.openai.serving_engine import OpenAIServing
 from jengine.outputs import EmbeddingRequestOutput
 from jengine.pooling import PoolingParams
 

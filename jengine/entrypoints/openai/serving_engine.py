@@ -15,7 +15,6 @@ comes as one OpenAI-shaped error event just before that; with
 (and every chunk carries the usage so far with `continuous_usage_stats`).
 """
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from jengine.engine.output_processor import RequestError, RequestOutputKind
+from jengine.entrypoints.openai.async_merge import merge_async_iterators
 from jengine.entrypoints.openai.errors import engine_dead_error, param_of, to_openai_error
 from jengine.entrypoints.openai.logprob_format import LogprobFormat
 from jengine.entrypoints.openai.protocol import (
@@ -364,43 +364,3 @@ def usage(
 
 def sse(data: str) -> str:
     return f"data: {data}\n\n"
-
-
-async def merge_async_iterators(*iterators: AsyncIterator) -> AsyncIterator[tuple[int, object]]:
-    """Yield (index of source, item) from several async iterators as items arrive; closing
-    the merged iterator cancels (and so aborts) every source still running."""
-    if len(iterators) == 1:
-        try:
-            async for item in iterators[0]:
-                yield 0, item
-        finally:
-            aclose = getattr(iterators[0], "aclose", None)
-            if aclose is not None:
-                await aclose()
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def drain(index: int, iterator: AsyncIterator) -> None:
-        try:
-            async for item in iterator:
-                await queue.put((index, item))
-            await queue.put((index, done))
-        except Exception as e:
-            await queue.put((index, e))
-
-    tasks = [asyncio.create_task(drain(i, it)) for i, it in enumerate(iterators)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
