@@ -86,7 +86,8 @@ def llm(request, tmp_path_factory):
         path = make_tiny_model(str(tmp_path_factory.mktemp("tiny_model_so")))
     else:
         path = BUNDLED_MODEL_PATH
-    return LLM(path, **TIGHT_ENGINE_ARGS)
+    # The bundled model was trained on 256 positions: its max_model_len can be no longer.
+    return LLM(path, **{**TIGHT_ENGINE_ARGS, "max_model_len": 256})
 
 
 PROMPTS = [
