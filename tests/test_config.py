@@ -118,3 +118,13 @@ def test_speculative_config_that_is_not_json_names_the_flag():
 
     with pytest.raises(ValueError, match="^speculative_config is not valid JSON"):
         SpeculativeConfig.from_value("{bad")
+
+
+def test_seed_none_draws_a_seed_per_engine(tmp_path):
+    """vLLM's seed=None: unseeded sampling differs between runs (it crashed the first
+    unseeded request before); the default 0 keeps it reproducible."""
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 300}')
+    seeds = {EngineArgs(model=str(tmp_path), seed=None).create_engine_config().model.seed
+             for _ in range(3)}  # fmt: skip
+    assert len(seeds) == 3 and all(isinstance(seed, int) for seed in seeds)
+    assert EngineArgs(model=str(tmp_path)).create_engine_config().model.seed == 0

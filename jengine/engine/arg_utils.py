@@ -12,6 +12,7 @@ folder's config.json or a GGUF's metadata).
 import argparse
 import numbers
 import os
+import secrets
 import types
 from dataclasses import dataclass, field, fields
 
@@ -60,7 +61,8 @@ class EngineArgs:
     scheduling_policy: str = SchedulerConfig.policy
     async_scheduling: bool = SchedulerConfig.async_scheduling
     num_scheduler_steps: int = SchedulerConfig.num_scheduler_steps
-    seed: int = ModelConfig.seed
+    # None (vLLM's): unseeded sampling differs from run to run (a seed drawn at start).
+    seed: int | None = ModelConfig.seed
     attention_impl: str | None = ModelConfig.attention_impl
     generation_config: str = ModelConfig.generation_config
     # None leaves jax's process-wide compilation cache setting alone.
@@ -145,7 +147,7 @@ class EngineArgs:
                 dtype=self.dtype,
                 quantization=self.quantization,
                 max_model_len=max_model_len,
-                seed=self.seed,
+                seed=self.seed if self.seed is not None else secrets.randbits(31),
                 attention_impl=self.attention_impl,
                 runner=self.runner,
                 pooler=pooler,
