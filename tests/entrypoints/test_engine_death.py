@@ -10,12 +10,12 @@ import time
 import httpx2
 import pytest
 
-from tests.entrypoints.remote_server import MODEL_NAME, SERVER_ARGS, RemoteServer
+from tests.entrypoints.remote_server import LONG_SERVER_ARGS, MODEL_NAME, RemoteServer
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    with RemoteServer(tiny_model, SERVER_ARGS) as remote:
+    with RemoteServer(tiny_model, LONG_SERVER_ARGS) as remote:
         yield remote
 
 
@@ -28,7 +28,8 @@ def test_dead_engine_answers_503(server):
         events: list[str] = []
 
         def stream():
-            long = {**body, "max_tokens": 120, "ignore_eos": True, "stream": True}
+            # 900 tokens: seconds of work (120 once all ended before the kill landed).
+            long = {**body, "max_tokens": 900, "ignore_eos": True, "stream": True}
             with http.stream("POST", "/v1/completions", json=long) as response:
                 for line in response.iter_lines():
                     if line.startswith("data: "):
