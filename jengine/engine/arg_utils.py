@@ -114,9 +114,8 @@ class EngineArgs:
         if max_model_len is None:
             max_model_len = trained_len or SchedulerConfig.max_model_len
         elif (
-            isinstance(max_model_len, int)
-            and trained_len is not None
-            and max_model_len > trained_len
+            trained_len is not None
+            and max_model_len > trained_len  # a number: _check_types saw to it
             and os.environ.get(ALLOW_LONG_MAX_MODEL_LEN) != "1"
         ):
             raise ValueError(

@@ -59,7 +59,6 @@ LOGPROBS_ITEM = "message.output_text.logprobs"
 
 # The chat request's fields that stand for a Responses request's own.
 _FIELDS_AS_CHAT = {
-    "messages": "input",
     "response_format": "text.format",
     "max_tokens": "max_output_tokens",
     "max_completion_tokens": "max_output_tokens",
