@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 
 from llguidance import LLTokenizer, TokenizerWrapper
 
+from jengine.engine.token_bytes import byte_decoder, piece_bytes
+
 logger = logging.getLogger(__name__)
 
-_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 _SPECIAL_MARK = b"\xff"  # llguidance: a token that text never matches
 
 
@@ -49,19 +49,6 @@ def llguidance_tokenizer(hf_tokenizer, vocab_size: int) -> tuple[LLTokenizer, bo
     return LLTokenizer(TokenizerWrapper(table), n_vocab=vocab_size), False
 
 
-def byte_decoder() -> dict[str, int]:
-    """The GPT-2 byte alphabet (a ByteLevel pre-tokenizer's) back to bytes."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    chars, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            chars[chr(byte)] = byte
-        else:
-            chars[chr(256 + extra)] = byte
-            extra += 1
-    return chars
-
-
 class VocabularyTable:
     """What llguidance's `TokenizerWrapper` asks of a tokenizer, built from the vocabulary."""
 
@@ -78,20 +65,18 @@ class VocabularyTable:
         ordinary = [i for i in sorted(by_id) if i not in special and i < vocab_size]
         byte_level = _is_byte_level(backend, [by_id[i] for i in ordinary])
         decoded = {} if byte_level else _decoded_after_anchor(backend, ordinary)
-        alphabet = byte_decoder()
+        alphabet = byte_decoder() if byte_level else None
         tokens = [b""] * vocab_size
         for token_id, piece in by_id.items():
             if token_id >= vocab_size:
                 continue
-            fallback = _BYTE_FALLBACK.match(piece)
             if token_id in special:
                 tokens[token_id] = _SPECIAL_MARK + piece.encode()
-            elif fallback:
-                tokens[token_id] = bytes([int(fallback.group(1), 16)])
-            elif byte_level and all(char in alphabet for char in piece):
-                tokens[token_id] = bytes(alphabet[char] for char in piece)
-            else:
-                tokens[token_id] = decoded.get(token_id, piece).encode()
+                continue
+            spelled = piece_bytes(piece, alphabet)
+            if spelled is None:
+                spelled = decoded.get(token_id, piece).encode()
+            tokens[token_id] = spelled
         self.tokens = tokens
 
     def __call__(self, text: str) -> list[int]:

@@ -16,6 +16,7 @@ import transformers
 from jengine import LLM, SamplingParams
 from jengine.engine.output_processor import RequestOutputKind
 from jengine.engine.tokenizer import gguf_tokenizer, load_tokenizer_from
+from jengine.entrypoints.openai.logprob_format import LogprobFormat
 from jengine.models.checkpoint import BUNDLED_MODEL_PATH, installed_smollm2
 from jengine.sampling_params import StructuredOutputsParams
 from tests.engine.tokenizer_kinds import KINDS, save_tokenizer
@@ -113,6 +114,25 @@ def test_incremental_detokenization_and_a_stop_string(row):
     [cut] = llm.generate(PROMPT, greedy(32, stop=[stop]), use_tqdm=False)
     assert cut.outputs[0].text == text[: text.index(stop)], kind
     assert cut.outputs[0].finish_reason == "stop" and cut.outputs[0].stop_reason == stop
+
+
+def test_logprob_bytes_spell_split_characters(row):
+    """OpenAI's logprob `bytes`: each token's text is what the server writes (U+FFFD where
+    a token holds part of a character), and the tokens' bytes join into the text's UTF-8,
+    characters split over byte-level and byte-fallback tokens included. A word-level
+    vocabulary has no pieces of characters: its tokens' bytes are their texts'."""
+    kind, llm = row
+    tokenizer = llm.llm_engine.tokenizer
+    logprob_format = LogprobFormat(tokenizer)
+    text = "日本語🐱café"
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    tokens = [logprob_format.token_str(token_id) for token_id in token_ids]
+    spelled = [logprob_format.token_bytes(i, token) for i, token in zip(token_ids, tokens)]
+    if kind == "word-level":
+        assert spelled == [list(token.encode()) for token in tokens]
+        return
+    assert any("\ufffd" in token for token in tokens), kind
+    assert b"".join(map(bytes, spelled)) == text.encode(), kind
 
 
 def test_one_constrained_request(row):

@@ -219,6 +219,23 @@ def test_token_ids_beside_the_text(server, client):
         assert "token_ids" not in chunk.choices[0].model_dump()
 
 
+def test_logprob_bytes_join_into_the_emoji(client):
+    """OpenAI's logprob `bytes`: the emoji's tokens each write U+FFFD as their text, and
+    their bytes join into the emoji again, so all the entries' bytes are the reply's UTF-8
+    (the end of turn aside); so are the candidates' (the request asks for text tokens
+    against the server's default)."""
+    reply = client.chat.completions.create(
+        model="smollm2", messages=EMOJI_CHAT, temperature=0, max_tokens=40, logprobs=True,
+        top_logprobs=3, extra_body={"return_tokens_as_token_ids": False},
+    )  # fmt: skip
+    choice = reply.choices[0]
+    entries = [e for e in choice.logprobs.content if e.token != "<|im_end|>"]
+    assert any("\ufffd" in e.token for e in entries)
+    assert b"".join(bytes(e.bytes) for e in entries).decode() == choice.message.content
+    for top in (top for e in choice.logprobs.content for top in e.top_logprobs):
+        assert bytes(top.bytes).decode("utf-8", "replace") == top.token
+
+
 def test_completion_token_ids_with_echo(server, client):
     """Completions: each choice's prompt ids; with echo and logprobs as ids, the logprob
     tokens are the prompt's ids then the reply's; streamed, the same ids in order; a

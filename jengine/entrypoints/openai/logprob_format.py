@@ -8,6 +8,7 @@ what it returns into their own logprob objects.
 
 import math
 
+from jengine.engine.token_bytes import byte_decoder, piece_bytes
 from jengine.entrypoints.openai.protocol import PromptLogprob, PromptLogprobs
 from jengine.outputs import Logprob, RequestOutput
 
@@ -15,6 +16,7 @@ from jengine.outputs import Logprob, RequestOutput
 class LogprobFormat:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer  # None: tokens are written "token_id:<id>"
+        self.alphabet = byte_decoder()
 
     def token_str(self, token_id: int, logprob: Logprob | None = None, as_id: bool = False) -> str:
         """A logprob entry's token: its text, or "token_id:<id>" (`as_id`: vLLM's
@@ -26,6 +28,18 @@ class LogprobFormat:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
+
+    def token_bytes(self, token_id: int, token: str) -> list[int]:
+        """OpenAI's `bytes` of a logprob entry whose text is `token`: the token's own UTF-8
+        bytes, so that a character split over tokens joins again from its tokens' bytes.
+        Such a token's text holds U+FFFD, so its bytes come from its vocabulary piece (a
+        byte-level or byte-fallback one), when that piece decodes to the very same text."""
+        if "\ufffd" in token and self.tokenizer is not None:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            spelled = piece_bytes(piece, self.alphabet) if isinstance(piece, str) else None
+            if spelled is not None and spelled.decode("utf-8", "replace") == token:
+                return list(spelled)
+        return list(token.encode("utf-8", errors="replace"))
 
     def prompt_logprobs(self, output: RequestOutput, num: int | None) -> PromptLogprobs | None:
         """vLLM's `prompt_logprobs` field of a response asking for `num` of them: each
@@ -50,10 +64,14 @@ class LogprobFormat:
 
     def top_logprobs(
         self, row: dict[int, Logprob], num: int, as_ids: bool = False
-    ) -> list[tuple[str, float]]:
-        """The `num` most likely candidates of one position as (token, logprob)."""
+    ) -> list[tuple[int, str, float]]:
+        """The `num` most likely candidates of one position as (token id, token, logprob)."""
         return [
-            (self.token_str(candidate_id, candidate, as_ids), clamp_logprob(candidate.logprob))
+            (
+                candidate_id,
+                self.token_str(candidate_id, candidate, as_ids),
+                clamp_logprob(candidate.logprob),
+            )
             for candidate_id, candidate in top_k_of(row, num)
         ]
 

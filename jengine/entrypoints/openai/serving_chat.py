@@ -369,14 +369,16 @@ class OpenAIServingChat(OpenAIServing):
                 ChatCompletionLogProbsContent(
                     token=token,
                     logprob=clamp_logprob(chosen.logprob) if chosen else -9999.0,
-                    bytes=list(token.encode("utf-8", errors="replace")),
+                    bytes=self.logprob_format.token_bytes(token_id, token),
                     top_logprobs=[
                         ChatCompletionLogProb(
                             token=candidate,
                             logprob=logprob,
-                            bytes=list(candidate.encode("utf-8", errors="replace")),
+                            bytes=self.logprob_format.token_bytes(candidate_id, candidate),
                         )
-                        for candidate, logprob in self.logprob_format.top_logprobs(row, num, as_ids)
+                        for candidate_id, candidate, logprob in self.logprob_format.top_logprobs(
+                            row, num, as_ids
+                        )
                     ],
                 )
             )

@@ -207,7 +207,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 continue
             out.token_logprobs.append(clamp_logprob(chosen.logprob))
             top = {token: clamp_logprob(chosen.logprob)}
-            for candidate, logprob in self.logprob_format.top_logprobs(row, num, as_ids):
+            for _, candidate, logprob in self.logprob_format.top_logprobs(row, num, as_ids):
                 top.setdefault(candidate, logprob)
             out.top_logprobs.append(top)
         return out
