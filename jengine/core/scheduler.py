@@ -122,8 +122,8 @@ class Scheduler(StepResults, Preemption, MultiStep):
 
     # -- requests in and out ----------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
-        self.num_requests_received += 1
+    def check_request(self, request: Request) -> None:
+        """A ValueError if `add_request` would refuse `request`."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if not 0 < request.num_prompt_tokens <= self.max_model_len:
@@ -131,13 +131,16 @@ class Scheduler(StepResults, Preemption, MultiStep):
                 f"prompt of request {request.request_id!r} has {request.num_prompt_tokens} "
                 f"tokens; it must have between 1 and max_model_len={self.max_model_len}"
             )
+        if request.sampling_params.masks_tokens and self.structured_output_manager is None:
+            raise ValueError("this engine does not take structured outputs")
+
+    def add_request(self, request: Request) -> None:
+        self.num_requests_received += 1
+        self.check_request(request)
         self.requests[request.request_id] = request
         if not request.sampling_params.masks_tokens:
             self.waiting.add(request)
             return
-        if self.structured_output_manager is None:
-            del self.requests[request.request_id]
-            raise ValueError("this engine does not take structured outputs")
         self.structured_output_manager.add_request(request)
         request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.waiting_for_grammar[request.request_id] = request

@@ -140,6 +140,7 @@ class EngineCore:
             logger.info("async scheduling is off: speculative decoding proposes on the host")
         # The step dispatched but not collected yet (async scheduling).
         self._in_flight: tuple[SchedulerOutput, InFlightStep] | None = None
+        self._held: list[Request] = []  # new requests reusing the id of one still in flight
         self._warmup(started)
         if self.broadcaster is not None and self.broadcaster.is_source:
             self.broadcaster.start_keep_alive()
@@ -166,17 +167,34 @@ class EngineCore:
         self.num_requests_added += 1
         if request.lora_request is not None:  # read (and checked) the first time it is named
             self.add_lora(request.lora_request)
-        self.scheduler.add_request(
-            Request(
-                request.request_id,
-                request.prompt_token_ids,
-                request.sampling_params,
-                eos_token_id=request.eos_token_id,
-                arrival_time=request.arrival_time or None,
-                priority=request.priority,
-                lora_request=request.lora_request,
-                cache_salt=request.cache_salt,
-            )
+        new = Request(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            eos_token_id=request.eos_token_id,
+            arrival_time=request.arrival_time or None,
+            priority=request.priority,
+            lora_request=request.lora_request,
+            cache_salt=request.cache_salt,
+        )
+        if not self._in_flight_names_ended(new.request_id):
+            self.scheduler.add_request(new)
+            return
+        # The id of a request that ended (or was aborted) while a step of it is still in
+        # flight: that step's token for the old request would be read, by the scheduler and
+        # the persistent batch alike, as the new request's. The new one waits for that step
+        # to be collected (the next `step`), checked now as the scheduler would check it.
+        if any(held.request_id == new.request_id for held in self._held):
+            raise ValueError(f"request id {new.request_id!r} is already in use")
+        self.scheduler.check_request(new)
+        self._held.append(new)
+
+    def _in_flight_names_ended(self, request_id: str) -> bool:
+        """Whether the step in flight ran a request `request_id` that has ended since."""
+        return (
+            self._in_flight is not None
+            and request_id in self._in_flight[0].num_scheduled_tokens
+            and request_id not in self.scheduler.requests
         )
 
     # -- LoRA adapters ----------------------------------------------------------------------
@@ -202,11 +220,13 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        if self._held:
+            self._held = [r for r in self._held if r.request_id not in set(request_ids)]
 
     def has_unfinished_requests(self) -> bool:
         # A step still in flight for requests that have all ended has nothing to report:
         # it is collected (and its tokens dropped) by the next step, whenever that comes.
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._held)
 
     def step(self) -> EngineCoreOutputs:
         """One engine step: the outputs of the step this call collects (with async
@@ -225,6 +245,9 @@ class EngineCore:
             runner_output = self.runner.collect(in_flight)
             outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._count(outputs)
+        held, self._held = self._held, []
+        for request in held:  # the step that ran their ids' old requests is collected
+            self.scheduler.add_request(request)
         return outputs
 
     def _dispatch(self, scheduler_output: SchedulerOutput) -> InFlightStep:

@@ -170,6 +170,39 @@ def test_an_abort_while_its_step_is_in_flight_frees_its_blocks(engines):
     assert_engines_clean(engines)
 
 
+def test_an_id_used_again_while_a_step_of_its_old_request_is_in_flight(engines):
+    """A request id used again as soon as its request stopped, or was aborted, while a step
+    of the old request is still on the device: the new request gets the tokens it gets
+    under a fresh id, never the old request's late token (which the persistent batch and
+    the scheduler once took for the new request's first), and nothing leaks."""
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    [fresh] = engines["sync"].generate("Again and again", greedy, use_tqdm=False)
+    [first] = engines["sync"].generate("First of all", greedy, use_tqdm=False)
+    # A stop the scheduler cannot see coming (max_tokens it can): the step after it runs.
+    stop = SamplingParams(
+        temperature=0, max_tokens=12, stop_token_ids=[first.outputs[0].token_ids[4]]
+    )
+    engine, core = engines["async"].llm_engine, engines["async"].engine_core
+
+    def run(prompt: str, params: SamplingParams) -> list[int]:
+        engine.add_request("again", {"prompt": prompt}, params)
+        finished = []
+        while engine.has_unfinished_requests():
+            finished += [o for o in engine.step() if o.finished]
+        return finished[0].outputs[0].token_ids
+
+    run("First of all", stop)
+    assert "again" in core._in_flight[0].num_scheduled_tokens
+    assert run("Again and again", greedy) == fresh.outputs[0].token_ids
+    engine.add_request("again", {"prompt": "Abort me " * 4}, stop.clone())
+    for _ in range(3):
+        engine.step()
+    engine.abort_request(["again"])
+    assert "again" in core._in_flight[0].num_scheduled_tokens
+    assert run("Again and again", greedy) == fresh.outputs[0].token_ids
+    assert_engines_clean(engines)
+
+
 def test_speculative_decoding_runs_synchronously(tmp_path_factory):
     """n-gram drafts are proposed from the tokens on the host: the engine says so and
     runs every step synchronously."""

@@ -2,7 +2,8 @@
 failure while building one request's output, or while formatting it, ends that request with
 an error and nothing else; a client that reads its stream slowly stalls nobody; clients
 that hang up mid-generation get their sequences aborted and every KV block back; a request
-whose client-chosen id a running request holds is a 400 before any chunk; a failing
+whose client-chosen id a running request holds is a 400 before any chunk, and one used
+again once its request ended gets its own tokens; a failing
 engine step is logged with its request ids and takes the engine down cleanly into 503s.
 The server runs with JENGINE_FAULT_INJECTION set; the step fault kills its engine, so that
 test comes last."""
@@ -161,6 +162,21 @@ def test_a_request_id_in_use_is_a_400_before_any_chunk(server, http):
             assert again.json()["error"]["param"] == "request_id"
         events += list(lines)
     assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
+
+
+def test_a_request_id_used_again_gets_its_own_tokens(server, http):
+    """A client's request_id used again once its request stopped: the new request's tokens
+    are those a fresh id gets. (With async scheduling the step after a stop is still in
+    flight when the next request comes; the new request once took its token as its own.)"""
+    body = {**BODY, "max_tokens": 24, "return_token_ids": True}
+    tokens = http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+    other = {**body, "prompt": "Once upon a time"}
+    fresh = http.post("/v1/completions", json=other).json()["choices"][0]["token_ids"]
+    stopped = {**body, "request_id": "used-again", "stop_token_ids": [tokens[5]]}
+    choice = http.post("/v1/completions", json=stopped).json()["choices"][0]
+    assert choice["finish_reason"] == "stop"  # a stop the scheduler could not foresee
+    again = http.post("/v1/completions", json={**other, "request_id": "used-again"})
+    assert again.json()["choices"][0]["token_ids"] == fresh
 
 
 def test_disconnects_return_kv_blocks(server, http):
