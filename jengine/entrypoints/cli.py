@@ -1,6 +1,7 @@
 """The `jengine` command: `jengine serve [MODEL] ...` (OpenAI-compatible server),
 `jengine generate "PROMPT" ...` (one offline completion through `LLM`), `jengine chat
-"MESSAGE" ...` (one reply through the model's chat template, streamed) and `jengine bench
+"MESSAGE" ...` (one reply through the model's chat template, streamed; a conversation at a
+terminal when the message is left out, or with -i) and `jengine bench
 NAME ...` (the benchmarks of bench/, installed as jengine.bench).
 
 Where it sits: the outermost entry point. Flags keep vLLM's names (`--max-model-len`,
@@ -153,9 +154,22 @@ def make_parser() -> argparse.ArgumentParser:
     generate.set_defaults(max_num_seqs=1, warmup=False)
 
     chat = commands.add_parser(
-        "chat", help="answer one message through the model's chat template, streamed"
+        "chat",
+        help="answer one message through the model's chat template, streamed (or hold a "
+        "conversation)",
     )
-    chat.add_argument("message", nargs="?", help=FROM_STDIN)
+    chat.add_argument(
+        "message",
+        nargs="?",
+        help="the message (left out: a conversation at a terminal, else read from standard "
+        "input; -: read from standard input)",
+    )
+    chat.add_argument(
+        "-i",
+        "--interactive",
+        action="store_true",
+        help="a conversation: each line of input is a turn (the message, if given, is the first)",
+    )
     chat.add_argument("--system", default=None, help="system prompt (default: the template's)")
     _add_chat_template_arg(chat)
     chat.add_argument("--max-tokens", type=int, default=256)
@@ -250,17 +264,20 @@ def _one_shot_llm(args: argparse.Namespace):
     return LLM(e.model, **engine_kwargs)
 
 
-def _stream(llm, prompt, params) -> None:
-    """Print one request's text as it comes, then a newline."""
+def _stream(llm, prompt, params) -> str:
+    """Print one request's text as it comes, then a newline; return the text."""
     from jengine.engine.output_processor import RequestOutputKind
 
     engine = llm.llm_engine
     engine.add_request("0", prompt, params, output_kind=RequestOutputKind.DELTA)
+    pieces = []
     while engine.has_unfinished_requests():
         for output in engine.step():
-            sys.stdout.write(output.outputs[0].text)
+            pieces.append(output.outputs[0].text)
+            sys.stdout.write(pieces[-1])
             sys.stdout.flush()
     sys.stdout.write("\n")
+    return "".join(pieces)
 
 
 def _sampling_params(llm, args: argparse.Namespace):
@@ -310,13 +327,49 @@ def cmd_chat(args: argparse.Namespace) -> None:
     from jengine.engine.input_processor import load_chat_template
 
     template = load_chat_template(args.chat_template)  # a bad name fails before loading
-    message = _text_or_stdin(args.message, "message")
+    conversation = args.interactive or (args.message is None and sys.stdin.isatty())
+    message = None if conversation else _text_or_stdin(args.message, "message")
     llm = _one_shot_llm(args)
-    messages = [{"role": "user", "content": message}]
-    if args.system is not None:
-        messages.insert(0, {"role": "system", "content": args.system})
-    text, token_ids = llm.llm_engine.input_processor.render_chat(messages, chat_template=template)
-    _stream(llm, {"prompt": text, "prompt_token_ids": token_ids}, _sampling_params(llm, args))
+    system = [] if args.system is None else [{"role": "system", "content": args.system}]
+    params = _sampling_params(llm, args)
+
+    def reply(messages: list[dict]) -> str:
+        render = llm.llm_engine.input_processor.render_chat
+        text, token_ids = render(messages, chat_template=template)
+        return _stream(llm, {"prompt": text, "prompt_token_ids": token_ids}, params)
+
+    if not conversation:
+        reply([*system, {"role": "user", "content": message}])
+        return
+    _converse(reply, system, first=None if args.message == "-" else args.message)
+
+
+def _converse(reply, system: list[dict], first: str | None) -> None:
+    """`jengine chat` as a conversation: each line read is a user turn, answered with the
+    turns before it. A turn the engine refuses (the conversation outgrew max_model_len)
+    prints why and is dropped; `/clear` starts over; `/exit`, end of input or Ctrl-C ends."""
+    at_terminal = sys.stdin.isatty()
+    if at_terminal:
+        print("(a conversation: /clear starts over, /exit or Ctrl-D ends it)", file=sys.stderr)
+    history: list[dict] = []
+    with contextlib.suppress(EOFError, KeyboardInterrupt):
+        while True:  # piped turns: the replies alone, a line each
+            line = first if first is not None else input("> " if at_terminal else "")
+            first = None
+            if line.strip() == "/exit":
+                return
+            if line.strip() == "/clear":
+                history = []
+                continue
+            if not line.strip():
+                continue
+            turn = {"role": "user", "content": line}
+            try:
+                answer = reply([*system, *history, turn])
+            except ValueError as e:
+                print(f"error: {e}", file=sys.stderr)
+                continue
+            history += [turn, {"role": "assistant", "content": answer}]
 
 
 def cmd_bench(args: argparse.Namespace) -> None:

@@ -1,10 +1,11 @@
-"""`jengine generate` and `jengine serve` as a user runs them (subprocesses)."""
+"""`jengine generate`, `jengine chat` and `jengine serve` as a user runs them (subprocesses)."""
 
 import re
 import socket
 import subprocess
 import sys
 
+from jengine.entrypoints.cli import _converse
 from tests.entrypoints.remote_server import ENGINE_FLAGS
 
 CLI = [sys.executable, "-m", "jengine.entrypoints.cli"]
@@ -26,6 +27,48 @@ def test_generate_streamed_and_not(tiny_model):
     assert plain.stdout == streamed.stdout and plain.stdout.strip()
     empty = run(["generate", *flags], stdin="")
     assert empty.returncode != 0 and "error: the prompt is empty" in empty.stderr
+
+
+def test_chat_as_a_conversation(tiny_model):
+    """`jengine chat -i`: each line is a turn; `/clear` starts over, so the last turn's
+    reply is the one-shot reply to the same message (greedy), and the turns between held
+    the history (below)."""
+    flags = ["--model", tiny_model, "--max-tokens", "8", *ENGINE_FLAGS]
+    one_shot = run(["chat", "Hello there", *flags])
+    assert one_shot.returncode == 0, one_shot.stderr[-3000:]
+    turns = "Hello there\nAnd then?\n/clear\nHello there\n"
+    talk = run(["chat", "-i", *flags], stdin=turns)
+    assert talk.returncode == 0, talk.stderr[-3000:]
+    reply = one_shot.stdout
+    assert talk.stdout.startswith(reply) and talk.stdout.endswith(reply)
+    assert len(talk.stdout) > 2 * len(reply)
+
+
+def test_a_conversation_keeps_its_history(monkeypatch, capsys):
+    """What each turn is answered with: the system prompt, every earlier turn and reply,
+    then the new turn; a refused turn (too long) says why and leaves no trace; `/clear`
+    forgets; `/exit` ends."""
+    seen = []
+
+    def reply(messages):
+        seen.append(messages)
+        if messages[-1]["content"] == "too long":
+            raise ValueError("prompt has 9000 tokens")
+        return f"reply {len(seen)}"
+
+    lines = iter(["too long", "", "second", "/clear", "third", "/exit", "never read"])
+    monkeypatch.setattr("builtins.input", lambda prompt: next(lines))
+    system = [{"role": "system", "content": "Be brief."}]
+    _converse(reply, system, first="first")
+    user = lambda text: {"role": "user", "content": text}  # noqa: E731
+    answer = lambda text: {"role": "assistant", "content": text}  # noqa: E731
+    assert seen == [
+        [*system, user("first")],
+        [*system, user("first"), answer("reply 1"), user("too long")],
+        [*system, user("first"), answer("reply 1"), user("second")],
+        [*system, user("third")],
+    ]
+    assert "error: prompt has 9000 tokens" in capsys.readouterr().err
 
 
 def test_serve_fails_fast_and_clearly():
