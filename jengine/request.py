@@ -62,6 +62,7 @@ class Request:
         "num_prompt_logprobs_computed",
         "num_cached_tokens",
         "num_preemptions",
+        "arrival_number",
         "output_token_ids",
         "all_token_ids",
         "block_hashes",
@@ -103,6 +104,9 @@ class Request:
         # Prefix-cache hit length at the first schedule; -1 means "not scheduled yet".
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        # Its place among the requests the scheduler received (it numbers them): an
+        # unseeded request's random stream is drawn from it, so asking again samples afresh.
+        self.arrival_number = 0
         self.output_token_ids: list[int] = []
         # Prompt + output in one list so hashing and recompute-after-preemption need no
         # concatenation on the hot path.

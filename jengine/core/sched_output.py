@@ -46,6 +46,7 @@ class NewRequestData:
     output_token_ids: list[int] = field(default_factory=list)
     eos_token_id: int | None = None  # the sampler masks it (and stop ids) before min_tokens
     lora_request: LoRARequest | None = None  # its adapter (None: the base model)
+    arrival_number: int = 0  # Request.arrival_number: an unseeded request's random stream
 
 
 @dataclass(slots=True)

@@ -137,6 +137,7 @@ class Scheduler(StepResults, Preemption, MultiStep):
     def add_request(self, request: Request) -> None:
         self.num_requests_received += 1
         self.check_request(request)
+        request.arrival_number = self.num_requests_received
         self.requests[request.request_id] = request
         if not request.sampling_params.masks_tokens:
             self.waiting.add(request)
@@ -361,6 +362,7 @@ class Scheduler(StepResults, Preemption, MultiStep):
                 output_token_ids=list(r.output_token_ids),
                 eos_token_id=r.eos_token_id,
                 lora_request=r.lora_request,
+                arrival_number=r.arrival_number,
             )
             for r in step.new
         ]

@@ -37,7 +37,7 @@ from jengine.core.kv_cache_utils import cdiv
 from jengine.core.sched_output import NewRequestData, SchedulerOutput
 from jengine.runner.buckets import BucketSpec
 from jengine.runner.prepared_step import PreparedStep, neutral_sampling_arrays, padded
-from jengine.runner.sampler import MAX_SUPPRESSED_IDS
+from jengine.runner.sampler import MAX_SUPPRESSED_IDS, fold_seed
 from jengine.runner.spec_decode import verification_rows
 from jengine.sampling_params import SamplingParams
 
@@ -137,7 +137,7 @@ class InputBatch:
             num_prompt_tokens=len(new.prompt_token_ids),
             sampling_params=params,
             slot=self.free_slots.pop(),
-            seed=self._seed_for(new.req_id, params.seed),
+            seed=self._seed_for(new.req_id, params.seed, new.arrival_number),
             suppressed_ids=suppressed[:MAX_SUPPRESSED_IDS],
             lora_id=0 if new.lora_request is None else new.lora_request.lora_int_id,
         )
@@ -173,12 +173,14 @@ class InputBatch:
         self.block_table[slot, begin : begin + len(block_ids)] = block_ids
         self.num_blocks[slot] = begin + len(block_ids)
 
-    def _seed_for(self, req_id: str, seed: int | None) -> int:
-        # Unseeded requests get a seed derived from the engine seed and the request id, so
-        # a run is reproducible and a preempted request resumes the same random stream.
-        if seed is not None:
-            return seed & 0xFFFFFFFF
-        return (self.seed * 1_000_003 + zlib.crc32(req_id.encode())) & 0xFFFFFFFF
+    def _seed_for(self, req_id: str, seed: int | None, arrival_number: int) -> int:
+        # Unseeded requests get a seed derived from the engine seed, the request id and its
+        # arrival, so a run is reproducible, a request sent again (under the same id too)
+        # samples afresh, and a preempted request resumes the same random stream.
+        if seed is None:
+            seed = (self.seed * 1_000_003 + zlib.crc32(req_id.encode())) * 1_000_033
+            seed += arrival_number
+        return fold_seed(seed)
 
     def all_token_ids(self, req_id: str) -> np.ndarray:
         """Prompt + the tokens sampled so far of a request in the batch (a view)."""

@@ -280,3 +280,10 @@ def write_slot_history(
         state.logit_bias.at[slot].set(bias),
         state.last_token,
     )
+
+
+def fold_seed(seed: int) -> int:
+    """A request's seed as the sampler's uint32: a seed below 2**32 is itself, and the high
+    half of a larger (or negative) 64-bit one is mixed in, so that such seeds stay apart."""
+    seed &= (1 << 64) - 1
+    return (seed ^ (seed >> 32) * 0x9E3779B1) & 0xFFFFFFFF

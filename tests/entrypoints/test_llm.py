@@ -174,6 +174,30 @@ def test_seeded_sampling_is_batch_independent(llm):
     assert first == again and len({tuple(t) for t in first}) == 3
 
 
+def test_64_bit_seeds_and_an_unseeded_request_sent_again(llm):
+    """Seeds are 64-bit, as vLLM's: seeds equal in their low 32 bits sample differently.
+    An unseeded request sent again, under the same request id too, samples afresh (its
+    stream once came from the id alone)."""
+    prompt = {"prompt_token_ids": random_prompts(1, seed=6)[0]}
+
+    def seeded(seed: int) -> list[int]:
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=12)
+        return llm.generate([prompt], params)[0].outputs[0].token_ids
+
+    assert seeded(1234 + 2**32) == seeded(1234 + 2**32) != seeded(1234)
+    assert seeded(-1) != seeded(2**63 - 1)
+    engine = llm.llm_engine
+
+    def unseeded(req_id: str) -> tuple[int, ...]:
+        engine.add_request(req_id, prompt, SamplingParams(temperature=1.0, max_tokens=12))
+        finished = []
+        while engine.has_unfinished_requests():
+            finished += [o for o in engine.step() if o.finished]
+        return tuple(finished[0].outputs[0].token_ids)
+
+    assert len({unseeded("same-id") for _ in range(3)}) == 3
+
+
 def test_varied_workload_compiles_nothing_after_warmup(llm):
     prompts = random_prompts(12, seed=8, low=1, high=90)
     params = [
