@@ -29,8 +29,10 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import shutil
+import signal
 import tempfile
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -54,6 +56,8 @@ from jengine.protocol import (
 from jengine.torch_free import keep_torch_out
 
 logger = logging.getLogger(__name__)
+
+_PARENT_POLL_SECONDS = 0.5
 
 
 class InprocClient:
@@ -119,9 +123,11 @@ def run_engine_core(
     output_address: str,
     identity: bytes,
     engine_index: int,
+    parent_pid: int,
 ) -> None:
     """Spawn target of the engine process. Lives here, in a jax-free module, because the
     child imports the target's module first; jax loads only inside this call."""
+    threading.Thread(target=watch_parent, args=(parent_pid,), daemon=True).start()
     keep_torch_out()
     data_parallel = config.parallel.data_parallel_size > 1
     prefix = f"replica {engine_index}" if data_parallel else "engine-core"
@@ -130,7 +136,21 @@ def run_engine_core(
         _claim_devices(engine_index, config.parallel.tensor_parallel_size)
     from jengine.engine.core_proc import EngineCoreProc
 
-    EngineCoreProc.run_engine_core(config, input_address, output_address, identity, engine_index)
+    EngineCoreProc.run_engine_core(
+        config, input_address, output_address, identity, engine_index, parent_pid
+    )
+
+
+def watch_parent(parent_pid: int) -> None:
+    """Exit once the front end (`parent_pid`, passed down: by the time the child could ask,
+    its parent may be gone already) is gone. Polled (a reparented process has another
+    ppid) from the child's first moment, so a front end killed while its engine still
+    imports, loads or compiles leaves nothing behind; the main thread may be in a step or
+    a compile, so it is told by SIGTERM (the engine's handler exits when orphaned)."""
+    while os.getppid() == parent_pid:
+        time.sleep(_PARENT_POLL_SECONDS)
+    logger.info("front-end process is gone; engine core exits")
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _claim_devices(engine_index: int, devices_per_replica: int) -> None:
@@ -178,7 +198,7 @@ class MPClient:
             identity = uuid.uuid4().bytes
             proc = context.Process(
                 target=run_engine_core,
-                args=(config, input_address, output_address, identity, index),
+                args=(config, input_address, output_address, identity, index, os.getpid()),
                 name=f"EngineCore-{index}" if self.balancer else "EngineCore",
                 daemon=True,
             )

@@ -39,8 +39,6 @@ from jengine.runner import distributed
 
 logger = logging.getLogger(__name__)
 
-_PARENT_POLL_SECONDS = 0.5
-
 
 class EngineCoreProc(EngineCore):
     """EngineCore behind ZeroMQ, in a process of its own.
@@ -49,8 +47,9 @@ class EngineCoreProc(EngineCore):
     Messages out (PUSH, to the front end's PULL): [EngineCoreOutputType byte, payload].
     The first message in either direction is the `EngineCoreReady` handshake, sent once
     warmup is done. The process exits on `ENGINE_STOP_SIGNAL` from the front end, within
-    a second of its parent going away (SIGKILL included: a watch thread turns that into
-    SIGTERM, so no orphan keeps holding memory), and with an error when a step fails (see
+    a second of its parent going away, also while it still loads or compiles (SIGKILL
+    included: client.watch_parent turns that into SIGTERM, so no orphan keeps holding
+    memory), and with an error when a step fails (see
     EngineCore); a SIGTERM while its parent lives is the front end's to handle.
     """
 
@@ -66,7 +65,6 @@ class EngineCoreProc(EngineCore):
         self.engine_index = engine_index  # which data-parallel replica this is
         self.input_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
-        self._parent_pid = os.getppid()
         self._stats_dirty = False
         self._zmq = zmq.Context()
         ready = EngineCoreReady(
@@ -79,7 +77,6 @@ class EngineCoreProc(EngineCore):
         for target, args in (
             (self._run_input_thread, (input_address, identity, ready)),
             (self._run_output_thread, (output_address,)),
-            (self._watch_parent, ()),
         ):
             threading.Thread(target=target, args=args, daemon=True).start()
 
@@ -115,14 +112,6 @@ class EngineCoreProc(EngineCore):
         while True:
             kind, message = self.output_queue.get()
             sock.send_multipart((bytes((kind,)), encoder.encode(message)), copy=False)
-
-    def _watch_parent(self) -> None:
-        # The parent's death is noticed by polling (a reparented process has another
-        # ppid); the busy loop may be in the middle of a step, so it is told by signal.
-        while os.getppid() == self._parent_pid:
-            time.sleep(_PARENT_POLL_SECONDS)
-        logger.info("front-end process is gone; engine core exits")
-        os.kill(os.getpid(), signal.SIGTERM)
 
     # -- busy loop (main thread) ----------------------------------------------------------
 
@@ -201,12 +190,12 @@ class EngineCoreProc(EngineCore):
         input_address: str,
         output_address: str,
         identity: bytes,
-        engine_index: int = 0,
+        engine_index: int,
+        parent_pid: int,
     ) -> None:
         """Body of the engine process (reached through the jax-free spawn target in
-        jengine/engine/client.py): build the engine, hand-shake, run until told to stop."""
-
-        parent_pid = os.getppid()
+        jengine/engine/client.py, which watches `parent_pid`, the front end's): build the
+        engine, hand-shake, run until told to stop."""
 
         def on_stop(signum, frame):
             # Once: a second signal must not interrupt the exit (atexit's jax clean-up).
@@ -215,7 +204,7 @@ class EngineCoreProc(EngineCore):
             raise SystemExit(0)
 
         def on_sigterm(signum, frame):
-            if os.getppid() != parent_pid:  # orphaned (see _watch_parent)
+            if os.getppid() != parent_pid:  # orphaned (see client.watch_parent)
                 on_stop(signum, frame)
 
         # The front end owns shutdown: it drains its requests, then sends

@@ -1,12 +1,16 @@
 """Stopping `jengine serve`: SIGTERM drains (health and new requests 503, every request
 received before it finishes, exit code 0, no process left, no noise), --shutdown-timeout
 ends what is left with an error event, and a SIGKILLed API server takes its engine
-process with it within 5 s. Each test starts its own server, since each ends it."""
+process with it within 5 s, also one stopped while its engine still starts. Each test
+starts its own server, since each ends it."""
 
 import http.client
 import json
 import os
+import re
 import signal
+import subprocess
+import sys
 import time
 
 import httpx2
@@ -15,6 +19,7 @@ from tests.entrypoints.remote_server import (
     LONG_SERVER_ARGS,
     MODEL_NAME,
     RemoteServer,
+    free_port,
     metric,
 )
 
@@ -162,3 +167,32 @@ def test_sigkill_of_the_api_server_takes_the_engine_down(tiny_model):
             connection.close()
     finally:
         server.stop()
+
+
+def test_an_api_server_stopped_while_its_engine_starts_takes_the_engine_down(tiny_model):
+    """SIGTERM to `jengine serve` as soon as its engine process exists (still importing,
+    loading, compiling): the engine does not live on as an orphan. (It once read its
+    parent's pid only once ready, by then init's, so it never noticed; and it warmed up
+    and held its KV cache until SIGKILLed.)"""
+    command = [sys.executable, "-m", "jengine.entrypoints.cli", "serve", tiny_model,
+               "--host", "127.0.0.1", "--port", str(free_port()), *LONG_SERVER_ARGS]  # fmt: skip
+    server = subprocess.Popen(
+        command, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1")
+    )
+    try:
+        for line in server.stderr:
+            started = re.search(r"started the engine-core process \(pid (\d+)\)", line)
+            if started:
+                engine_pid = int(started.group(1))
+                break
+        else:
+            raise AssertionError("the engine process was never started")
+        server.terminate()
+        server.wait(30)
+        deadline = time.monotonic() + 5
+        while alive(engine_pid):
+            assert time.monotonic() < deadline, "the engine outlived its API server by 5 s"
+            time.sleep(0.1)
+    finally:
+        server.kill()
+        server.wait()
