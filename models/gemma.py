@@ -108,6 +108,8 @@ class GemmaConfig(DecoderConfig):
             sandwich_norms=True,
             embedding_multiplier=hf["hidden_size"] ** 0.5,
             query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or head_dim),
-            attn_soft_cap=hf.get("attn_logit_softcapping"),
+            # Gemma 3's config may carry one, but its attention never applies it
+            # (transformers', the reference, passes none).
+            attn_soft_cap=hf.get("attn_logit_softcapping") if model_type == "gemma2" else None,
             final_soft_cap=hf.get("final_logit_softcapping"),
         )

@@ -122,12 +122,14 @@ FAMILIES = {
         ),
     ),
     # Five local layers to a global one (the pattern, cut to 4 layers: local, local,
-    # global, local), each kind with its own rope (the global one linearly scaled).
+    # global, local), each kind with its own rope (the global one linearly scaled). An
+    # attention soft-cap in the config, which Gemma 3's attention never applies.
     "gemma3": (
         transformers.Gemma3TextConfig,
         transformers.Gemma3ForCausalLM,
         dict(
             head_dim=32,
+            attn_logit_softcapping=2.0,
             num_hidden_layers=4,
             sliding_window=5,
             layer_types=[

@@ -139,6 +139,7 @@ def write_llama_gguf(
             writer.add_sliding_window_pattern(local)
         if config.get("attn_logit_softcapping"):
             writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        if config.get("final_logit_softcapping"):
             writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
