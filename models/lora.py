@@ -14,8 +14,10 @@ forward pass takes each token's slot (`lora_slots` [T]) and adds, to every targe
 projection, `lora_delta`.
 
 Promises (PEFT's numerics): y = x W^T + scale * (x A^T) B^T with scale = alpha / r
-(alpha / sqrt(r) with rsLoRA), folded into B once at load; an adapter of rank below the
-slots' is zero-padded (exact); targets among q/k/v/o and gate/up/down; a clear
+(alpha / sqrt(r) with rsLoRA), each module's own alpha (alpha_pattern) and rank
+(rank_pattern), folded into B once at load; an adapter of rank below the slots', or a
+module of rank below the adapter's, is zero-padded (exact), and a layer it leaves alone
+(layers_to_transform) holds zeros; targets among q/k/v/o and gate/up/down; a clear
 ValueError for what is not read (embedding or LM-head adapters, `modules_to_save`, DoRA,
 biases, a rank above the slots', other targets).
 """
@@ -130,9 +132,7 @@ def read_peft_adapter(path: str, config, name: str | None = None) -> LoRAAdapter
             raise ValueError(f"{where}: {key} is not supported")
     if peft.get("bias", "none") != "none":
         raise ValueError(f"{where}: bias {peft['bias']!r} is not supported (only 'none')")
-    rank, alpha = int(peft["r"]), float(peft.get("lora_alpha", peft["r"]))
-    scale = alpha / (rank**0.5 if peft.get("use_rslora") else rank)
-    found: dict[str, dict[str, list]] = {}
+    found: dict[tuple[str, int], dict[str, np.ndarray]] = {}
     for tensor, array in _adapter_tensors(path).items():
         match = _TENSOR.match(tensor)
         if not match or match.group(2) not in TARGETS:
@@ -143,14 +143,41 @@ def read_peft_adapter(path: str, config, name: str | None = None) -> LoRAAdapter
                 f"{where}: tensor {tensor} is for layer {layer}; the model has "
                 f"{config.num_hidden_layers}"
             )
-        layers = found.setdefault(target, {}).setdefault(which, [None] * config.num_hidden_layers)
-        layers[layer] = np.asarray(array, np.float32)
-    weights = {}
-    for target, parts in found.items():
-        if set(parts) != {"A", "B"} or any(a is None for p in parts.values() for a in p):
-            raise ValueError(f"{where}: {target} lacks lora_A or lora_B in some layers")
-        weights[target] = (np.stack(parts["A"]), np.stack(parts["B"]) * np.float32(scale))
+        module = tensor.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
+        found.setdefault((target, layer), {"module": module})[which] = np.asarray(array)
+    modules = {}
+    for (target, layer), parts in found.items():
+        if "A" not in parts or "B" not in parts or parts["A"].shape[0] != parts["B"].shape[1]:
+            raise ValueError(f"{where}: {parts['module']} lacks lora_A or lora_B")
+        rank = parts["A"].shape[0]  # rank_pattern's, where it names this module
+        scale = _alpha(peft, parts["module"]) / (rank**0.5 if peft.get("use_rslora") else rank)
+        modules[target, layer] = (parts["A"], parts["B"] * np.float32(scale))
+    rank = max(a.shape[0] for a, _ in modules.values())
+    sizes, weights = projection_sizes(config), {}
+    for target in sorted({target for target, _ in modules}):
+        # A layer the adapter leaves alone (layers_to_transform) adds nothing: zeros; a
+        # module of a lower rank (rank_pattern) is zero-padded to the adapter's highest.
+        out, inputs = sizes[target]
+        nothing = (np.zeros((0, inputs)), np.zeros((out, 0)))
+        a, b = zip(
+            *(modules.get((target, layer), nothing) for layer in range(config.num_hidden_layers)),
+            strict=True,
+        )
+        weights[target] = (
+            np.stack([np.pad(x, ((0, rank - x.shape[0]), (0, 0))) for x in a]).astype(np.float32),
+            np.stack([np.pad(x, ((0, 0), (0, rank - x.shape[1]))) for x in b]).astype(np.float32),
+        )
     return LoRAAdapter(name or os.path.basename(os.path.normpath(path)), rank, weights)
+
+
+def _alpha(peft: dict, module: str) -> float:
+    """PEFT's lora_alpha of `module` ("model.layers.3.self_attn.v_proj"): the first `alpha_pattern`
+    key that matches the end of its name (PEFT's rule: a regex, after a dot), else
+    lora_alpha (else r)."""
+    for key, alpha in (peft.get("alpha_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return float(alpha)
+    return float(peft.get("lora_alpha", peft["r"]))
 
 
 def _adapter_tensors(path: str) -> dict[str, np.ndarray]:

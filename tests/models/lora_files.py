@@ -16,7 +16,10 @@ ADAPTERS = {  # name: (rank, alpha, targets, rsLoRA)
 }
 
 
-def write_adapter(base_path: str, path: str, rank, alpha, targets, rslora, seed) -> None:
+def write_adapter(
+    base_path: str, path: str, rank, alpha, targets, rslora, seed, **lora_config
+) -> None:
+    """`lora_config`: more of PEFT's LoraConfig (rank_pattern, alpha_pattern, ...)."""
     import peft
     import transformers
 
@@ -27,6 +30,7 @@ def write_adapter(base_path: str, path: str, rank, alpha, targets, rslora, seed)
         target_modules=targets,
         use_rslora=rslora,
         init_lora_weights=False,  # random A and B: the adapter changes the outputs
+        **lora_config,
     )
     torch.manual_seed(seed)
     model = peft.get_peft_model(base, config)
