@@ -12,7 +12,8 @@ Promises:
   has no config.json), else None;
 - `read_hf_config(path)`: an HF `config.json` dict, from the folder or, for a GGUF, built
   from its metadata the way transformers builds it (architecture: llama, qwen2, qwen3,
-  gemma2, gemma3; sizes, rope theta and linear scaling, tied embeddings when the file has
+  gemma2, gemma3; sizes, rope theta, linear scaling and llama.cpp's `rope_freqs` (Llama
+  3's rope scaling, written as each frequency's divisor), tied embeddings when the file has
   no `output.weight`, BOS/EOS ids; Gemma's window and soft-caps, transformers' defaults
   for what the file does not say);
 - a clear ValueError naming what is wrong: a missing path, a folder without config.json
@@ -41,6 +42,9 @@ GGUF_ARCHITECTURES = {
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
+# llama.cpp's converter writes Llama 3's rope scaling as this tensor: [rotary_dim / 2]
+# divisors of the inverse frequencies (the factors HF's llama3 rope computes).
+GGUF_ROPE_FREQS = "rope_freqs.weight"
 # What transformers' Gemma configs default to where a GGUF has no key for it.
 _GEMMA_DEFAULTS = {
     "gemma2": dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
@@ -164,6 +168,9 @@ def gguf_hf_config(path: str) -> dict:
     if rope_scaling == "linear":
         factor = float(get("rope.scaling.factor", 1.0))
         config["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+    if GGUF_ROPE_FREQS in gguf.tensors:
+        factors = gguf.tensor_data(GGUF_ROPE_FREQS).astype("float32").tolist()
+        config["rope_scaling"] = {**config.get("rope_scaling", {}), "freq_factors": factors}
     if arch in _GEMMA_DEFAULTS:
         # llama.cpp's converter writes the soft-caps and the window; the rest is
         # transformers' defaults, as its own GGUF loader takes them.

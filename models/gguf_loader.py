@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jengine.models.checkpoint import gguf_hf_config
+from jengine.models.checkpoint import GGUF_ROPE_FREQS, gguf_hf_config
 from jengine.models.gguf_quants import dequantize
 from jengine.models.gguf_reader import read_gguf
 from jengine.models.quantize import common_format, repack_gguf
@@ -112,7 +112,7 @@ def load_gguf_model(path: str, dtype, keep_quantized: bool = True) -> nnx.Module
     wanted = _gguf_names(layer_params, config.num_hidden_layers, config.tie_word_embeddings)
     used = {name for names in wanted.values() for name in names}
     # Some tied checkpoints still carry an output.weight; nothing else may be left over.
-    unexpected = sorted(set(tensors) - used - {_LM_HEAD})
+    unexpected = sorted(set(tensors) - used - {_LM_HEAD, GGUF_ROPE_FREQS})
     missing = sorted(used - set(tensors))
     if unexpected or missing:
         raise ValueError(

@@ -65,7 +65,8 @@ def gated_mlp(x, gate_up, down: Linear, biases=None, *, activation="silu"):
 @dataclass(frozen=True)
 class RopeConfig:
     """Rotary embedding parameters as HF writes them (`rope_parameters` or the older
-    `rope_theta` + `rope_scaling`). Supported types: default, linear, llama3."""
+    `rope_theta` + `rope_scaling`). Supported types: default, linear, llama3; and a GGUF's
+    `freq_factors` (llama.cpp's rope_freqs: each inverse frequency's divisor)."""
 
     head_dim: int
     theta: float = 10000.0
@@ -75,8 +76,17 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     partial_rotary_factor: float = 1.0
+    freq_factors: tuple[float, ...] | None = None
 
     SUPPORTED = ("default", "linear", "llama3")
+
+    def __post_init__(self) -> None:
+        dim = int(self.head_dim * self.partial_rotary_factor)
+        if self.freq_factors is not None and len(self.freq_factors) != dim // 2:
+            raise ValueError(
+                f"rope freq_factors (a GGUF's rope_freqs) has {len(self.freq_factors)} values; "
+                f"the rotary dimension {dim} takes {dim // 2}"
+            )
 
     @classmethod
     def from_hf(cls, hf_config: dict, head_dim: int) -> "RopeConfig":
@@ -102,12 +112,15 @@ class RopeConfig:
             partial_rotary_factor=float(
                 params.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))
             ),
+            freq_factors=tuple(params["freq_factors"]) if params.get("freq_factors") else None,
         )
 
     def inv_freq(self) -> jax.Array:
         """[rotary_dim / 2] inverse frequencies, as HF's rope init functions compute them."""
         dim = int(self.head_dim * self.partial_rotary_factor)
         inv_freq = 1.0 / (self.theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+        if self.freq_factors is not None:
+            inv_freq = inv_freq / jnp.asarray(self.freq_factors, jnp.float32)
         if self.rope_type == "linear":
             return inv_freq / self.factor
         if self.rope_type == "llama3":

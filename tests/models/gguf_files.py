@@ -153,6 +153,10 @@ def write_llama_gguf(
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "llama3":
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        freqs = llama3_rope_freqs(rope, head_dim, rope.get("rope_theta", 10000.0))
+        extra_tensors = {"rope_freqs.weight": freqs, **(extra_tensors or {})}
     writer.add_vocab_size(config["vocab_size"])
     rng = np.random.default_rng(0)
     for name, array in {**gguf_tensors(folder), **(extra_tensors or {})}.items():
@@ -169,3 +173,21 @@ def write_llama_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def llama3_rope_freqs(rope: dict, head_dim: int, theta: float) -> np.ndarray:
+    """What llama.cpp's converter writes for Llama 3's rope scaling: each inverse
+    frequency's divisor (its own formula, written out apart from the engine's)."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context = rope["original_max_position_embeddings"]
+    divisors = []
+    for freq in 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim):
+        wavelen = 2 * np.pi / freq
+        if wavelen < old_context / high:
+            divisors.append(1.0)
+        elif wavelen > old_context / low:
+            divisors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(divisors, np.float32)

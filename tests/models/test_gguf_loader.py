@@ -62,6 +62,7 @@ def test_f32_gguf_loads_the_hf_weights_exactly(hf_folder, tmp_path):
 # and its window, soft-caps and linear rope scaling in the metadata. Gemma's
 # query_pre_attn_scalar is not in a GGUF: transformers' default (256) is what loads.
 GGUF_FAMILIES = {
+    "llama3": {},  # its rope scaling as llama.cpp writes it: rope_freqs.weight
     "qwen2": {},
     "qwen3": {},
     "gemma2": dict(query_pre_attn_scalar=256),
