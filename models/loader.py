@@ -18,6 +18,7 @@ Promises:
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -105,9 +106,17 @@ def read_safetensors(file: str) -> dict[str, np.ndarray]:
     """One file's tensors, read by the safetensors layout: an 8-byte header length, a JSON
     header of dtype, shape and byte offsets, the data."""
     tensors = {}
+    size = os.path.getsize(file)
     with open(file, "rb") as f:
         header_bytes = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(header_bytes))
+        if size < 8 or 8 + header_bytes > size:
+            raise ValueError(f"{file} is truncated or not a safetensors file")
+        try:
+            header = json.loads(f.read(header_bytes))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{file} has a corrupt safetensors header ({e})") from None
+    if not header or set(header) == {"__metadata__"}:
+        return tensors
     data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + header_bytes)
     for name, info in header.items():
         if name == "__metadata__":
@@ -115,7 +124,10 @@ def read_safetensors(file: str) -> dict[str, np.ndarray]:
         if info["dtype"] not in _SAFETENSORS_DTYPES:
             raise ValueError(f"{file}: tensor {name} has dtype {info['dtype']}, not supported")
         start, end = info["data_offsets"]
-        array = data[start:end].view(_SAFETENSORS_DTYPES[info["dtype"]])
+        dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
+        if end > len(data) or end - start != dtype.itemsize * math.prod(info["shape"]):
+            raise ValueError(f"{file} is truncated or corrupt (tensor {name}'s data)")
+        array = data[start:end].view(dtype)
         tensors[name] = np.array(array.reshape(info["shape"]))  # a copy: the file closes
     del data
     return tensors

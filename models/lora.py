@@ -122,8 +122,11 @@ def read_peft_adapter(path: str, config, name: str | None = None) -> LoRAAdapter
     config_path = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"LoRA adapter {path!r} has no adapter_config.json")
-    with open(config_path) as f:
-        peft = json.load(f)
+    try:
+        with open(config_path) as f:
+            peft = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path} is not valid JSON: {e}") from None
     where = f"LoRA adapter {path}"
     if peft.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{where}: peft_type {peft['peft_type']!r} is not LORA")
@@ -185,7 +188,11 @@ def _adapter_tensors(path: str) -> dict[str, np.ndarray]:
 
     file = os.path.join(path, "adapter_model.safetensors")
     if not os.path.isfile(file):
-        raise ValueError(f"LoRA adapter {path!r} has no adapter_model.safetensors")
+        legacy = os.path.isfile(os.path.join(path, "adapter_model.bin"))
+        raise ValueError(
+            f"LoRA adapter {path!r} has no adapter_model.safetensors"
+            + (" (its adapter_model.bin, PyTorch's pickle format, is not read)" if legacy else "")
+        )
     return read_safetensors(file)
 
 

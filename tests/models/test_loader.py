@@ -99,3 +99,15 @@ def test_malformed_folders(tmp_path):
         load_model(str(shallow))
     with pytest.raises(ValueError, match="unknown dtype"):
         load_model(str(tmp_path / "ok"), dtype="float8")
+
+
+@pytest.mark.parametrize("kept", [0.6, 0.001, 0.0])
+def test_a_truncated_weights_file_is_named(tmp_path, kept):
+    """Cut in its data, in its header or to nothing: a ValueError naming the file (once a
+    numpy reshape error, a bare JSONDecodeError, or an mmap error)."""
+    make_checkpoint("llama2", str(tmp_path))
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: int(len(data) * kept)])
+    with pytest.raises(ValueError, match=f"{weights} is truncated"):
+        load_model(str(tmp_path))

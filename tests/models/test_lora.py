@@ -117,3 +117,11 @@ def test_what_it_cannot_apply_is_named(base_and_adapters, tmp_path):
         adapter.slot_arrays(8)
     with pytest.raises(ValueError, match="no adapter_config.json"):
         read_peft_adapter(str(tmp_path), config)
+    (folder / "adapter_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="adapter_config.json is not valid JSON"):
+        read_peft_adapter(str(folder), config)
+    shutil.copy(f"{paths['attn-r4']}/adapter_config.json", folder)
+    weights = folder / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:300])
+    with pytest.raises(ValueError, match="adapter_model.safetensors is truncated"):
+        read_peft_adapter(str(folder), config)
