@@ -4,7 +4,8 @@ valid): `response_format` json_schema and json_object's routes, vLLM's
 `structured_outputs` and `guided_*` fields, `tools` with tool_choice "required" and a
 named function (arguments validate against the function's parameters), streamed and not,
 n > 1; tool-result messages in the history; bad constraints are 400s naming the field;
-with `--reasoning-parser`, reasoning_content, streamed and not."""
+with `--reasoning-parser`, reasoning_content, streamed and not, and constraints that start
+where the reply's answer does."""
 
 import json
 import re
@@ -302,3 +303,22 @@ def test_reasoning_content(tiny_model):
         with pytest.raises(openai.BadRequestError) as refused:
             client.responses.create(model=MODEL_NAME, input="Hi", top_logprobs=1)
         assert refused.value.body["param"] == "include"
+
+
+def test_a_constraint_starts_where_the_answer_does(tiny_model):
+    """qwen3: a reply to a prompt without `<think>` is all answer, so the constraint holds
+    from its first token (it once waited for a `</think>` that never came: free noise, and
+    a required tool call with no call). Where it waits: test_tool_parsers.py."""
+    args = [*SERVER_ARGS, "--reasoning-parser", "qwen3"]
+    with RemoteServer(tiny_model, args) as server:
+        client = openai.OpenAI(base_url=server.url_for("v1"), api_key="none", max_retries=0)
+        schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+        kwargs = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=60, temperature=0.0)
+        message = client.chat.completions.create(**kwargs, response_format=schema)
+        jsonschema.validate(json.loads(message.choices[0].message.content), PERSON)
+        called = (
+            client.chat.completions.create(**kwargs, tools=[WEATHER_TOOL], tool_choice="required")
+            .choices[0]
+            .message.tool_calls
+        )
+        assert len(called) >= 1 and called[0].function.name == "get_weather"

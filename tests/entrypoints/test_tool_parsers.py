@@ -247,3 +247,21 @@ def test_reasoning_tokens_end_with_the_one_that_completes_the_end_marker(
     else:
         assert 0 < count < len(ids)
         assert "</think>" in decode(ids[:count]) and "</think>" not in decode(ids[: count - 1])
+
+
+@pytest.mark.parametrize(
+    ("name", "prompt", "thinking"),
+    [
+        ("deepseek_r1", "<|User|>Hi<|Assistant|><think>\n", True),  # R1's template opens it
+        ("deepseek_r1", "<|User|>Hi<|Assistant|>", True),  # the model thinks anyway
+        ("qwen3", "<|im_start|>assistant\n<think>\n", True),
+        ("qwen3", "<|im_start|>assistant\n", False),  # no <think>: all answer
+        # Thinking off: the template closed the block (after an earlier turn's, too).
+        ("qwen3", "<think>a</think>b<|im_start|>assistant\n<think>\n\n</think>\n\n", False),
+        ("deepseek_r1", "<|Assistant|><think>\n\n</think>\n\n", False),
+    ],
+)
+def test_whether_a_reply_starts_thinking(name, prompt, thinking):
+    """Where an output constraint starts: after `</think>` if the reply starts thinking,
+    else at its first token (vLLM reads the prompt for a closed block too)."""
+    assert get_reasoning_parser(name).starts_thinking(prompt) is thinking

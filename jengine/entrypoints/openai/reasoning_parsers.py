@@ -3,7 +3,8 @@ between `<think>` and `</think>`, moved out of the answer into `reasoning_conten
 
 Where it sits: the chat route splits every reply here before anything else (tool calls
 are parsed from the answer part only); with a structured-output constraint the engine
-starts enforcing it after `END` (the request's `StructuredOutputsParams.reasoning_end`).
+starts enforcing it after `END` (the request's `StructuredOutputsParams.reasoning_end`)
+when the reply starts thinking (`starts_thinking`), else from its first token.
 `split` is prefix-stable like the tool parsers': a stream (`ReasoningStream`) sends only
 what each delta adds, and the pieces join into the full response; `ReplyStream` chains it
 with a tool-call stream for one streamed chat choice. Jax-free.
@@ -27,6 +28,18 @@ START, END = "<think>", "</think>"
 class ReasoningParser:
     name = ""
     reasoning_without_start = True  # is text before `</think>` reasoning without `<think>`?
+
+    def starts_thinking(self, prompt: str) -> bool:
+        """Whether a reply to `prompt` starts inside a think block, so that an output
+        constraint waits for `</think>`: the prompt opened one it did not close (a
+        reasoning model's template); not if it closed it (Qwen3 with thinking off); with
+        neither, deepseek_r1's model thinks anyway, and qwen3's reply is answer unless the
+        model opens `<think>` itself, which a constraint from the first token forbids
+        (a constraint waiting for a `</think>` that never comes would be none at all)."""
+        opened, closed = prompt.rfind(START), prompt.rfind(END)
+        if opened != closed:  # one of them is there: the later one tells
+            return opened > closed
+        return self.reasoning_without_start
 
     def split(self, text: str, finished: bool) -> tuple[str, str]:
         """(reasoning so far, answer so far); both only grow while not finished."""

@@ -149,7 +149,8 @@ class OpenAIServingChat(OpenAIServing):
                     param="tool_choice",
                 )
             params.structured_outputs = tool_constraint
-        if params.structured_outputs is not None and self.reasoning_parser is not None:
+        reasoning = self.reasoning_parser
+        if params.structured_outputs is not None and reasoning and reasoning.starts_thinking(text):
             params.structured_outputs.reasoning_end = REASONING_END  # enforce on the answer
         try:
             self.validate_prompt(
