@@ -14,7 +14,8 @@ Tools and reasoning: `tools` reach the chat template; tool_choice "required" or 
 function becomes a JSON-schema constraint on the reply (structured_outputs.py), "auto"
 (with `--enable-auto-tool-choice --tool-call-parser NAME`) parses the reply with a tool
 parser (tool_parsers.py); calls come back as `message.tool_calls` with finish_reason
-"tool_calls", streamed as `delta.tool_calls`. With `--reasoning-parser`, the thinking
+"tool_calls" ("stop" where the request named the function, as OpenAI's), streamed as
+`delta.tool_calls`. With `--reasoning-parser`, the thinking
 goes to `reasoning_content` (reasoning_parsers.py), and a constraint applies to the
 answer after it. A streamed reply goes through the same parsers as a growing text
 (`ReplyStream`), so its deltas join into the full response.
@@ -245,7 +246,7 @@ class OpenAIServingChat(OpenAIServing):
         if tool_parser is not None:
             content, tool_calls = tool_parser.extract(answer)
         finish_reason = seq.finish_reason
-        if tool_calls and finish_reason == "stop":
+        if tool_calls and finish_reason == "stop" and not _names_the_function(request):
             finish_reason = "tool_calls"
         return ChatCompletionResponseChoice(
             index=seq.index,
@@ -314,7 +315,7 @@ class OpenAIServingChat(OpenAIServing):
                     )  # fmt: skip
                 token_ids = list(seq.token_ids) if request.return_token_ids else None
                 finish_reason = seq.finish_reason
-                if stream.called and finish_reason == "stop":
+                if stream.called and finish_reason == "stop" and not _names_the_function(request):
                     finish_reason = "tool_calls"
                 deltas = deltas or [DeltaMessage()]
                 for i, delta in enumerate(deltas):
@@ -384,6 +385,12 @@ class OpenAIServingChat(OpenAIServing):
                 )
             )
         return ChatCompletionLogProbs(content=content)
+
+
+def _names_the_function(request: ChatCompletionRequest) -> bool:
+    """A tool_choice naming one function: OpenAI (and vLLM) then finish the reply with
+    "stop", not "tool_calls"."""
+    return request.tool_choice is not None and not isinstance(request.tool_choice, str)
 
 
 def _prompt_ids_if_asked(request: ChatCompletionRequest, prepared: PreparedRequest):
