@@ -49,7 +49,12 @@ def make_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="start the OpenAI-compatible HTTP server")
-    serve.add_argument("model_tag", nargs="?", default=None, help="HF checkpoint folder")
+    serve.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        help="an HF checkpoint folder, a .gguf file, or smollm2 / shakespeare",
+    )
     serve.add_argument("--host", default=None, help="address to bind (default: all)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
