@@ -14,7 +14,6 @@ and compile only the step shapes their one request needs, when it needs them.
 import argparse
 import contextlib
 import importlib
-import json
 import logging
 import os
 import socket
@@ -22,6 +21,7 @@ import sys
 from dataclasses import fields
 
 from jengine.engine.arg_utils import EngineArgs
+from jengine.entrypoints.openai.cli_args import add_serve_args, flags_met_by_construction
 from jengine.logger import init_logging
 from jengine.lora_request import parse_lora_modules
 from jengine.models.default import default_model, describe_default
@@ -34,8 +34,6 @@ BENCHMARKS = (
     "throughput", "latency", "serve", "prefix", "overhead", "startup", "parallel", "structured",
     "spec_decode", "moe", "lora", "embed",
 )  # fmt: skip
-DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
-DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
 
 # What a one-shot command's positional text may be instead.
@@ -49,100 +47,7 @@ def make_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="start the OpenAI-compatible HTTP server")
-    serve.add_argument(
-        "model_tag",
-        nargs="?",
-        default=None,
-        help="an HF checkpoint folder, a .gguf file, or smollm2 / shakespeare",
-    )
-    serve.add_argument("--host", default=None, help="address to bind (default: all)")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help="model name(s) clients use (default: the model path); the first is reported",
-    )
-    serve.add_argument(
-        "--api-key",
-        default=os.environ.get("JENGINE_API_KEY"),
-        help="require `Authorization: Bearer KEY` on /v1, /tokenize, /detokenize and /metrics "
-        "(env JENGINE_API_KEY)",
-    )
-    serve.add_argument(
-        "--allowed-origins",
-        type=json.loads,
-        default=[],
-        help="CORS: origins allowed to call the server from a browser, as JSON ('[\"*\"]' for "
-        'any); default none (no CORS headers, unlike vLLM\'s "*")',
-    )
-    serve.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS, JSON list")
-    serve.add_argument("--allowed-headers", type=json.loads, default=["*"], help="CORS, JSON list")
-    serve.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
-    serve.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=None,
-        help="answer 429 (with Retry-After) to requests beyond max_num_seqs running plus this "
-        "many queued sequences (default: queue without bound)",
-    )
-    serve.add_argument(
-        "--max-request-body-bytes",
-        type=int,
-        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-        help="answer 413 to larger request bodies",
-    )
-    serve.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=DEFAULT_SHUTDOWN_TIMEOUT,
-        help="on SIGTERM/SIGINT, seconds running requests may take to finish before they "
-        "end with an error",
-    )
-    serve.add_argument(
-        "--uvicorn-log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error", "critical", "trace"],
-    )
-    serve.add_argument("--disable-uvicorn-access-log", action="store_true")
-    serve.add_argument("--disable-log-stats", action="store_true")
-    serve.add_argument(
-        "--log-stats-interval", type=float, default=10.0, help="seconds between stats lines"
-    )
-    serve.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help='tool_choice "auto": find tool calls in replies with --tool-call-parser',
-    )
-    serve.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"])
-    serve.add_argument(
-        "--return-tokens-as-token-ids",
-        action="store_true",
-        help='logprob tokens as "token_id:<id>" for requests that do not say',
-    )
-    serve.add_argument(
-        "--enable-prompt-tokens-details",
-        action="store_true",
-        help="usage.prompt_tokens_details.cached_tokens: prompt tokens the prefix cache served",
-    )
-    serve.add_argument(
-        "--reasoning-parser",
-        choices=["deepseek_r1", "qwen3"],
-        help="move the text between <think> and </think> into reasoning_content",
-    )
-    serve.add_argument(
-        "--lora-modules",
-        nargs="+",
-        action="extend",
-        metavar="NAME=PATH",
-        help="LoRA adapters (PEFT folders) served by name, as name=path or JSON "
-        '{"name": ..., "path": ...} (with --enable-lora)',
-    )
-    serve.add_argument(
-        "--allow-runtime-lora-updating",
-        action="store_true",
-        help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter change the adapters",
-    )
+    add_serve_args(serve)
     _add_chat_template_arg(serve)
     EngineArgs.add_cli_args(serve)
 
@@ -204,6 +109,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     args.model = args.model_tag or args.model
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("error: --enable-auto-tool-choice needs --tool-call-parser")
+    for line in flags_met_by_construction(args):
+        logger.info(line)
     try:
         args.lora_modules = parse_lora_modules(args.lora_modules)
     except ValueError as e:

@@ -217,6 +217,19 @@ def test_tool_messages_in_the_history(client):
     assert reply.choices[0].message.content and not reply.choices[0].message.tool_calls
 
 
+def test_tool_choice_none_still_shows_the_template_its_tools(client):
+    """vLLM's default: tool_choice "none" forbids calls, yet the template still sees the
+    tools (`--exclude-tools-when-tool-choice-none` leaves them out)."""
+    names = "{% for t in tools or [] %} {{ t.function.name }}{% endfor %}"
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}" + names
+
+    def prompt_tokens(**kwargs) -> int:
+        body = dict(messages=MESSAGES, max_tokens=1, extra_body={"chat_template": template})
+        return chat(client, **body, **kwargs).usage.prompt_tokens
+
+    assert prompt_tokens(tools=[WEATHER_TOOL], tool_choice="none") > prompt_tokens()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [
@@ -310,13 +323,17 @@ def test_a_constraint_starts_where_the_answer_does(tiny_model):
     """qwen3: a reply to a prompt without `<think>` is all answer, so the constraint holds
     from its first token (it once waited for a `</think>` that never came: free noise, and
     a required tool call with no call). Where it waits: test_tool_parsers.py."""
-    args = [*SERVER_ARGS, "--reasoning-parser", "qwen3"]
+    # vLLM flags beside: a role of its own, and one whose purpose jengine meets anyway.
+    args = [*SERVER_ARGS, "--reasoning-parser", "qwen3", "--response-role", "model",
+            "--trust-remote-code"]  # fmt: skip
     with RemoteServer(tiny_model, args) as server:
+        assert "--trust-remote-code changes nothing" in server.log_text()
         client = openai.OpenAI(base_url=server.url_for("v1"), api_key="none", max_retries=0)
         schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
         kwargs = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=60, temperature=0.0)
         message = client.chat.completions.create(**kwargs, response_format=schema)
         jsonschema.validate(json.loads(message.choices[0].message.content), PERSON)
+        assert message.choices[0].message.role == "model"
         called = (
             client.chat.completions.create(**kwargs, tools=[WEATHER_TOOL], tool_choice="required")
             .choices[0]

@@ -76,6 +76,8 @@ def build_app(
     allow_runtime_lora_updating: bool = False,
     return_tokens_as_token_ids: bool = False,
     enable_prompt_tokens_details: bool = False,
+    response_role: str = "assistant",
+    exclude_tools_when_tool_choice_none: bool = False,
 ) -> FastAPI:
     """The app. CORS headers are sent only with `allowed_origins` (none by default: a web
     page on another origin cannot use the server from its visitors' browsers).
@@ -95,6 +97,8 @@ def build_app(
         chat_template=chat_template,
         return_tokens_as_token_ids=return_tokens_as_token_ids,
         enable_prompt_tokens_details=enable_prompt_tokens_details,
+        response_role=response_role,
+        exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
     )
 
     app = FastAPI(title="jengine", version=version())
@@ -235,6 +239,8 @@ async def serve_http(
             allow_credentials=args.allow_credentials,
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
             enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+            response_role=args.response_role,
+            exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         )
         for lora in app.state.models.loras.values():  # --lora-modules read (checked) now
             try:

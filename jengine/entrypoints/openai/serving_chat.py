@@ -68,7 +68,6 @@ from jengine.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 class OpenAIServingChat(OpenAIServing):
-    response_role = "assistant"
     chunk_type = ChatCompletionStreamResponse
     request_id_prefix = "chatcmpl"
 
@@ -83,11 +82,15 @@ class OpenAIServingChat(OpenAIServing):
         chat_template: str | None = None,
         return_tokens_as_token_ids: bool = False,
         enable_prompt_tokens_details: bool = False,
+        response_role: str = "assistant",
+        exclude_tools_when_tool_choice_none: bool = False,
     ):
         """`tool_call_parser` (with `enable_auto_tool_choice`): how tool_choice "auto"
         finds calls in a reply; `reasoning_parser`: how the reasoning is split off;
         `chat_template` (--chat-template): the Jinja template to use instead of the
-        model's (a request's own `chat_template` wins over both)."""
+        model's (a request's own `chat_template` wins over both); `response_role`: the
+        replies' role; `exclude_tools_when_tool_choice_none`: tool_choice "none" keeps the
+        tools from the template (else it sees them, as in vLLM)."""
         super().__init__(
             engine,
             models,
@@ -95,6 +98,8 @@ class OpenAIServingChat(OpenAIServing):
             enable_prompt_tokens_details=enable_prompt_tokens_details,
         )
         self.chat_template = chat_template
+        self.response_role = response_role
+        self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
         if enable_auto_tool_choice and tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         self.auto_tool_parser = (
@@ -117,7 +122,9 @@ class OpenAIServingChat(OpenAIServing):
             )
         tool_constraint = tool_choice_constraint(request)
         tools = None
-        if request.tools and tool_choice != "none":
+        if request.tools and not (
+            tool_choice == "none" and self.exclude_tools_when_tool_choice_none
+        ):
             tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
         messages = template_messages(request.messages)
         template_kwargs = request.chat_template_kwargs

@@ -1,0 +1,145 @@
+"""`jengine serve`'s own flags (the engine's are EngineArgs'), by vLLM's names.
+
+Where it sits: cli.py's `serve` parser takes them; `api_server.run_server` hands them to
+`build_app`. Jax-free.
+
+Promises: a vLLM flag jengine takes means what it means in vLLM; the vLLM flags whose
+purpose jengine meets by construction (`--trust-remote-code`: no checkpoint code ever runs;
+`--enable-chunked-prefill`: prefill is always chunked; `--disable-log-requests`: requests
+are not logged; `--enforce-eager`: no CUDA graphs to turn off) are taken, and the start-up
+log says so, so that a vLLM command line starts a jengine server.
+"""
+
+import argparse
+import json
+import os
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+# vLLM's flags whose purpose jengine meets by construction: flag -> why it changes nothing.
+MET_BY_CONSTRUCTION = {
+    "trust_remote_code": "jengine runs no code from checkpoints",
+    "enable_chunked_prefill": "jengine always chunks prefill",
+    "disable_log_requests": "jengine does not log requests",
+    "enforce_eager": "jengine has no CUDA graphs to turn off",
+}
+
+
+def add_serve_args(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        help="an HF checkpoint folder, a .gguf file, or smollm2 / shakespeare",
+    )
+    serve.add_argument("--host", default=None, help="address to bind (default: all)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model name(s) clients use (default: the model path); the first is reported",
+    )
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("JENGINE_API_KEY"),
+        help="require `Authorization: Bearer KEY` on /v1, /tokenize, /detokenize and /metrics "
+        "(env JENGINE_API_KEY)",
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        type=json.loads,
+        default=[],
+        help="CORS: origins allowed to call the server from a browser, as JSON ('[\"*\"]' for "
+        'any); default none (no CORS headers, unlike vLLM\'s "*")',
+    )
+    serve.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS, JSON list")
+    serve.add_argument("--allowed-headers", type=json.loads, default=["*"], help="CORS, JSON list")
+    serve.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    serve.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="answer 429 (with Retry-After) to requests beyond max_num_seqs running plus this "
+        "many queued sequences (default: queue without bound)",
+    )
+    serve.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="answer 413 to larger request bodies",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT,
+        help="on SIGTERM/SIGINT, seconds running requests may take to finish before they "
+        "end with an error",
+    )
+    serve.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error", "critical", "trace"],
+    )
+    serve.add_argument("--disable-uvicorn-access-log", action="store_true")
+    serve.add_argument("--disable-log-stats", action="store_true")
+    serve.add_argument(
+        "--log-stats-interval", type=float, default=10.0, help="seconds between stats lines"
+    )
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": find tool calls in replies with --tool-call-parser',
+    )
+    serve.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"])
+    serve.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help='logprob tokens as "token_id:<id>" for requests that do not say',
+    )
+    serve.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage.prompt_tokens_details.cached_tokens: prompt tokens the prefix cache served",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=["deepseek_r1", "qwen3"],
+        help="move the text between <think> and </think> into reasoning_content",
+    )
+    serve.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) served by name, as name=path or JSON "
+        '{"name": ..., "path": ...} (with --enable-lora)',
+    )
+    serve.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter change the adapters",
+    )
+    serve.add_argument(
+        "--response-role",
+        default="assistant",
+        help="the role of chat replies when the request adds the generation prompt",
+    )
+    serve.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help='tool_choice "none": leave the tools out of the chat template (default: the '
+        "template still sees them, as in vLLM)",
+    )
+    for name, why in MET_BY_CONSTRUCTION.items():
+        flag = "--" + name.replace("_", "-")
+        serve.add_argument(flag, action="store_true", help=f"vLLM's; no effect: {why}")
+
+
+def flags_met_by_construction(args: argparse.Namespace) -> list[str]:
+    """The start-up log's lines for the vLLM flags given that change nothing here."""
+    return [
+        f"--{name.replace('_', '-')} changes nothing: {why}"
+        for name, why in MET_BY_CONSTRUCTION.items()
+        if getattr(args, name, False)
+    ]
