@@ -155,6 +155,8 @@ def read_peft_adapter(path: str, config, name: str | None = None) -> LoRAAdapter
         rank = parts["A"].shape[0]  # rank_pattern's, where it names this module
         scale = _alpha(peft, parts["module"]) / (rank**0.5 if peft.get("use_rslora") else rank)
         modules[target, layer] = (parts["A"], parts["B"] * np.float32(scale))
+    if not modules:
+        raise ValueError(f"{where} has no LoRA weights")
     rank = max(a.shape[0] for a, _ in modules.values())
     sizes, weights = projection_sizes(config), {}
     for target in sorted({target for target, _ in modules}):

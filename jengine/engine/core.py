@@ -221,7 +221,8 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         if self._held:
-            self._held = [r for r in self._held if r.request_id not in set(request_ids)]
+            aborted = set(request_ids)
+            self._held = [r for r in self._held if r.request_id not in aborted]
 
     def has_unfinished_requests(self) -> bool:
         # A step still in flight for requests that have all ended has nothing to report:
