@@ -80,6 +80,15 @@ class ChatCompletionRequest(SamplingRequest):
     documents: list[dict[str, str]] | None = None  # for RAG templates (vLLM's field)
     include_reasoning: bool = True  # False: the reasoning parser's part is left out
 
+    def finish_reason(self, finish_reason: str | None, called_tools: bool) -> str | None:
+        """A reply's OpenAI finish_reason: "tool_calls" where it stopped after calling
+        tools, except where this request named the function ("stop", as OpenAI's and
+        vLLM's)."""
+        named = self.tool_choice is not None and not isinstance(self.tool_choice, str)
+        if called_tools and finish_reason == "stop" and not named:
+            return "tool_calls"
+        return finish_reason
+
 
 class ChatCompletionLogProb(OpenAIBaseModel):
     token: str

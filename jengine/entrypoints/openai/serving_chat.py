@@ -252,9 +252,7 @@ class OpenAIServingChat(OpenAIServing):
         tool_parser = self.tool_parser_for(request)
         if tool_parser is not None:
             content, tool_calls = tool_parser.extract(answer)
-        finish_reason = seq.finish_reason
-        if tool_calls and finish_reason == "stop" and not _names_the_function(request):
-            finish_reason = "tool_calls"
+        finish_reason = request.finish_reason(seq.finish_reason, bool(tool_calls))
         return ChatCompletionResponseChoice(
             index=seq.index,
             message=ChatMessage(
@@ -321,9 +319,7 @@ class OpenAIServingChat(OpenAIServing):
                         request.return_tokens_as_token_ids,
                     )  # fmt: skip
                 token_ids = list(seq.token_ids) if request.return_token_ids else None
-                finish_reason = seq.finish_reason
-                if stream.called and finish_reason == "stop" and not _names_the_function(request):
-                    finish_reason = "tool_calls"
+                finish_reason = request.finish_reason(seq.finish_reason, stream.called)
                 deltas = deltas or [DeltaMessage()]
                 for i, delta in enumerate(deltas):
                     last = i == len(deltas) - 1
@@ -392,12 +388,6 @@ class OpenAIServingChat(OpenAIServing):
                 )
             )
         return ChatCompletionLogProbs(content=content)
-
-
-def _names_the_function(request: ChatCompletionRequest) -> bool:
-    """A tool_choice naming one function: OpenAI (and vLLM) then finish the reply with
-    "stop", not "tool_calls"."""
-    return request.tool_choice is not None and not isinstance(request.tool_choice, str)
 
 
 def _prompt_ids_if_asked(request: ChatCompletionRequest, prepared: PreparedRequest):
