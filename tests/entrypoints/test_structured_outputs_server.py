@@ -60,6 +60,9 @@ TIME_TOOL = {
 }
 PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER_TOOL, TIME_TOOL)}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+OPENS_THINKING = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: <think>\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -340,3 +343,16 @@ def test_a_constraint_starts_where_the_answer_does(tiny_model):
             .message.tool_calls
         )
         assert len(called) >= 1 and called[0].function.name == "get_weather"
+        # A template that opens `<think>` itself (Qwen3-2507's thinking models): the reply
+        # only closes it, so all of this one (which never does) is reasoning, whole and
+        # streamed; it was shown as the answer.
+        opened = {"chat_template": OPENS_THINKING}
+        kwargs["max_tokens"] = 12
+        whole = client.chat.completions.create(**kwargs, extra_body=opened).choices[0].message
+        assert whole.content is None and whole.reasoning_content
+        stream = client.chat.completions.create(**kwargs, extra_body=opened, stream=True)
+        deltas = [chunk.choices[0].delta for chunk in stream if chunk.choices]
+        assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == (
+            whole.reasoning_content
+        )
+        assert not any(d.content for d in deltas)

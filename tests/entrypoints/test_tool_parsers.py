@@ -187,16 +187,28 @@ REASONING = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("name", "text", "reasoning", "answer"), REASONING)
-def test_reasoning_parsers_whole_and_streamed(name, text, reasoning, answer):
+# What the prompt says decides where a reply starts (`thinking`, from `starts_thinking`).
+REASONING_AFTER_A_PROMPT = [
+    # Qwen3-2507's thinking template opens `<think>` itself: the reply only closes it.
+    ("qwen3", True, "Paris is in France.</think>The capital is Paris.",
+     "Paris is in France.", "The capital is Paris."),
+    ("qwen3", True, "still thinking", "still thinking", ""),
+    ("qwen3", False, "The capital is Paris.", "", "The capital is Paris."),
+    # A template that closed the block (thinking off): deepseek_r1's reply is all answer.
+    ("deepseek_r1", False, "The capital is Paris.", "", "The capital is Paris."),
+    ("deepseek_r1", True, "Hmm.</think>Paris.", "Hmm.", "Paris."),
+]  # fmt: skip
+
+
+def _check_whole_and_streamed(name, text, reasoning, answer, thinking=None):
     parser = get_reasoning_parser(name)
-    assert parser.split(text, finished=True) == (reasoning, answer)
+    assert parser.split(text, True, thinking) == (reasoning, answer)
     chunkings = [[1, len(text)]]  # one character, then all the rest
     for seed in range(5):
         rng = random.Random(seed)
         chunkings.append([rng.randint(1, 4) for _ in text])
     for sizes in chunkings:
-        stream, got, start = ReasoningStream(parser), ["", ""], 0
+        stream, got, start = ReasoningStream(parser, thinking), ["", ""], 0
         for size in sizes:
             end = min(len(text), start + size)
             new_reasoning, new_answer = stream.feed(text[start:end], end == len(text))
@@ -206,6 +218,22 @@ def test_reasoning_parsers_whole_and_streamed(name, text, reasoning, answer):
             if end == len(text):
                 break
         assert tuple(got) == (reasoning, answer), sizes
+
+
+@pytest.mark.parametrize(("name", "text", "reasoning", "answer"), REASONING)
+def test_reasoning_parsers_whole_and_streamed(name, text, reasoning, answer):
+    _check_whole_and_streamed(name, text, reasoning, answer)
+
+
+@pytest.mark.parametrize(
+    ("name", "thinking", "text", "reasoning", "answer"), REASONING_AFTER_A_PROMPT
+)
+def test_a_reply_is_split_where_its_prompt_left_the_thinking(
+    name, thinking, text, reasoning, answer
+):
+    """A reply that starts inside a block its prompt opened is reasoning up to `</think>`
+    for either parser; after a prompt that closed one, it is all answer."""
+    _check_whole_and_streamed(name, text, reasoning, answer, thinking)
 
 
 def test_reasoning_then_a_tool_call_in_one_stream():

@@ -9,8 +9,13 @@ when the reply starts thinking (`starts_thinking`), else from its first token.
 what each delta adds, and the pieces join into the full response; `ReplyStream` chains it
 with a tool-call stream for one streamed chat choice. Jax-free.
 
-- `deepseek_r1`: the prompt opens the thinking, so the reply is reasoning up to
-  `</think>` (an opening `<think>` is dropped); with no `</think>`, it is all reasoning.
+Whether a reply starts inside a think block is read from its prompt (`starts_thinking`):
+a template that opens `<think>` (DeepSeek-R1, Qwen3-2507's thinking models) makes the reply
+reasoning up to `</think>`; one that closed the block (thinking turned off) makes it all
+answer. With neither marker in the prompt the parsers differ:
+
+- `deepseek_r1`: the model thinks anyway, so the reply is reasoning up to `</think>` (an
+  opening `<think>` is dropped); with no `</think>`, it is all reasoning.
 - `qwen3`: reasoning only inside `<think>...</think>`; with no `<think>`, it is all answer
   (Qwen3 with thinking off).
 """
@@ -41,8 +46,12 @@ class ReasoningParser:
             return opened > closed
         return self.reasoning_without_start
 
-    def split(self, text: str, finished: bool) -> tuple[str, str]:
-        """(reasoning so far, answer so far); both only grow while not finished."""
+    def split(self, text: str, finished: bool, thinking: bool | None = None) -> tuple[str, str]:
+        """(reasoning so far, answer so far); both only grow while not finished.
+        `thinking`: whether the reply starts inside a think block (`starts_thinking` of
+        its prompt); None: as after a prompt with neither marker."""
+        if thinking is None:
+            thinking = self.reasoning_without_start
         if not finished and START.startswith(text.lstrip()):
             # Perhaps `<think>` is still arriving, which would drop the whitespace before
             # it: nothing is decided (a stream's pieces must never be taken back).
@@ -53,17 +62,20 @@ class ReasoningParser:
             body = body.lstrip()[len(START) :]
         end = body.find(END)
         if end != -1:
-            if opened or self.reasoning_without_start:
+            if opened or thinking:
                 return body[:end], body[end + len(END) :]
             return "", text
-        if opened or self.reasoning_without_start:
+        if opened or thinking:
             cut = len(body) if finished else len(body) - _held_back(body, END)
             return body[:cut], ""
         cut = len(text) if finished else len(text) - _held_back(text, START)
         return "", text[:cut]
 
     def num_reasoning_tokens(
-        self, token_ids: Sequence[int], decode: Callable[[Sequence[int]], str]
+        self,
+        token_ids: Sequence[int],
+        decode: Callable[[Sequence[int]], str],
+        thinking: bool | None = None,
     ) -> int:
         """How many of a finished reply's tokens are reasoning (the Responses API's
         `usage.output_tokens_details.reasoning_tokens`): none when the reply has no
@@ -71,7 +83,7 @@ class ReasoningParser:
         token that completes `</think>`, found by bisecting on decoded prefixes (log2 n
         decodes, since a token's text is not known apart from its neighbours')."""
         text = decode(token_ids)
-        reasoning, answer = self.split(text, finished=True)
+        reasoning, answer = self.split(text, finished=True, thinking=thinking)
         if answer == text:
             return 0
         if not answer:
@@ -109,8 +121,9 @@ def get_reasoning_parser(name: str) -> ReasoningParser:
 class ReasoningStream:
     """One streamed choice: each delta's new reasoning and new answer text."""
 
-    def __init__(self, parser: ReasoningParser):
+    def __init__(self, parser: ReasoningParser, thinking: bool | None = None):
         self.parser = parser
+        self.thinking = thinking
         self.text = ""
         self.sent_reasoning = 0
         self.sent_answer = 0
@@ -118,7 +131,7 @@ class ReasoningStream:
     def feed(self, delta: str, finished: bool) -> tuple[str, str]:
         """(new reasoning, new answer text) this delta brings."""
         self.text += delta
-        reasoning, answer = self.parser.split(self.text, finished)
+        reasoning, answer = self.parser.split(self.text, finished, self.thinking)
         new_reasoning = reasoning[self.sent_reasoning :]
         new_answer = answer[self.sent_answer :]
         self.sent_reasoning, self.sent_answer = len(reasoning), len(answer)
@@ -129,8 +142,13 @@ class ReplyStream:
     """One streamed choice through the reasoning parser, then the tool parser: each
     delta's new reasoning, content and tool calls."""
 
-    def __init__(self, reasoning_parser: ReasoningParser | None, tool_parser: ToolParser | None):
-        self.reasoning = ReasoningStream(reasoning_parser) if reasoning_parser else None
+    def __init__(
+        self,
+        reasoning_parser: ReasoningParser | None,
+        tool_parser: ToolParser | None,
+        thinking: bool | None = None,
+    ):
+        self.reasoning = ReasoningStream(reasoning_parser, thinking) if reasoning_parser else None
         self.tools = ToolCallStream(tool_parser) if tool_parser else None
 
     @property

@@ -224,7 +224,9 @@ class OpenAIServingChat(OpenAIServing):
             id=prepared.request_id,
             model=prepared.model,
             choices=[
-                self.response_choice(request, seq, role, echo, num_logprobs)
+                self.response_choice(
+                    request, seq, role, echo, num_logprobs, self.starts_thinking(prepared)
+                )
                 for seq in final.outputs
             ],
             usage=self.usage_of(finals),
@@ -239,12 +241,14 @@ class OpenAIServingChat(OpenAIServing):
         role: str,
         echo: str,
         num_logprobs: int | None,
+        thinking: bool | None = None,
     ) -> ChatCompletionResponseChoice:
-        """One finished sequence as a choice of the full response: reasoning split off,
-        then tool calls parsed out of the answer."""
+        """One finished sequence as a choice of the full response: reasoning split off
+        (`thinking`: the reply starts inside a think block), then tool calls parsed out of
+        the answer."""
         reasoning, answer = None, seq.text
         if self.reasoning_parser is not None:
-            reasoning, answer = self.reasoning_parser.split(answer, finished=True)
+            reasoning, answer = self.reasoning_parser.split(answer, True, thinking)
             reasoning = (reasoning or None) if request.include_reasoning else None
         content, tool_calls = answer, []
         if self.reasoning_parser is not None and not answer:
@@ -271,6 +275,12 @@ class OpenAIServingChat(OpenAIServing):
             token_ids=list(seq.token_ids) if request.return_token_ids else None,
         )
 
+    def starts_thinking(self, prepared: PreparedRequest) -> bool | None:
+        """Whether the reply starts inside a think block, read from its prompt (None
+        without --reasoning-parser)."""
+        parser = self.reasoning_parser
+        return parser.starts_thinking(prepared.prompts[0].text) if parser else None
+
     def tool_parser_for(self, request: ChatCompletionRequest) -> ToolParser | None:
         """How this request's reply turns into tool calls (None: it is all content)."""
         if not request.tools:
@@ -296,7 +306,10 @@ class OpenAIServingChat(OpenAIServing):
             if echo:
                 yield self._chunk(prepared, index, DeltaMessage(content=echo))
         tool_parser = self.tool_parser_for(request)
-        streams = [ReplyStream(self.reasoning_parser, tool_parser) for _ in range(request.n)]
+        thinking = self.starts_thinking(prepared)
+        streams = [
+            ReplyStream(self.reasoning_parser, tool_parser, thinking) for _ in range(request.n)
+        ]
         async for _, output in self.generate(request, prepared, RequestOutputKind.DELTA):
             counts.cached_tokens[0] = output.num_cached_tokens
             for seq in output.outputs:

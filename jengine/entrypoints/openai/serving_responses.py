@@ -189,7 +189,9 @@ class OpenAIServingResponses(OpenAIServing):
             return 0
         skip = prepared.prompts[0].params.skip_special_tokens
         return parser.num_reasoning_tokens(
-            token_ids, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=skip)
+            token_ids,
+            lambda ids: self.tokenizer.decode(ids, skip_special_tokens=skip),
+            self.chat.starts_thinking(prepared),
         )
 
     def response_object(
