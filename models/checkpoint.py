@@ -186,7 +186,15 @@ def gguf_hf_config(path: str) -> dict:
             config["layer_types"] = [
                 "sliding_attention" if local else "full_attention" for local in pattern
             ]
-        config["query_pre_attn_scalar"] = 256
+        # Not in a GGUF. The checkpoints' own value is the head size, except for the 27B
+        # sizes' hidden / heads (llama.cpp's rule, which tells those by their depth);
+        # transformers' GGUF loader takes its default, 256, which only the 27Bs differ from.
+        depth_of_27b = {"gemma2": 46, "gemma3": 62}[arch]
+        config["query_pre_attn_scalar"] = (
+            int(hidden) // int(num_heads)
+            if config["num_hidden_layers"] == depth_of_27b
+            else config["head_dim"]
+        )
         config["hidden_activation"] = "gelu_pytorch_tanh"
         del config["hidden_act"]
     for name in ("bos", "eos", "padding"):

@@ -60,13 +60,14 @@ def test_f32_gguf_loads_the_hf_weights_exactly(hf_folder, tmp_path):
 # What llama.cpp's GGUF of each family holds differently from a Llama's: q/k not
 # permuted, Qwen2's biases, Qwen3's and Gemma 3's q/k norms, Gemma's norms stored plus one
 # and its window, soft-caps and linear rope scaling in the metadata. Gemma's
-# query_pre_attn_scalar is not in a GGUF: transformers' default (256) is what loads.
+# query_pre_attn_scalar is not in a GGUF: the head size loads, as in every Gemma but the
+# 27Bs (test_gemma_27b_scales_queries_by_hidden_over_heads).
 GGUF_FAMILIES = {
     "llama3": {},  # its rope scaling as llama.cpp writes it: rope_freqs.weight
     "qwen2": {},
     "qwen3": {},
-    "gemma2": dict(query_pre_attn_scalar=256),
-    "gemma3": {},
+    "gemma2": dict(query_pre_attn_scalar=16),
+    "gemma3": dict(query_pre_attn_scalar=32),
 }
 
 
@@ -86,6 +87,36 @@ def test_other_architectures_load_as_their_folders(tmp_path, family):
     np.testing.assert_allclose(got, hf_logits(hf_model, seq).numpy(), atol=1e-4, rtol=0)
     kept = load_model(write_llama_gguf(folder, str(tmp_path / "q8.gguf"), "Q8_0"), "float32")
     assert {name for name, _ in kept.config.quantization} >= {"q_proj", "down_proj"}
+
+
+@pytest.mark.parametrize(
+    ("arch", "layers", "hidden", "heads", "head_dim", "scalar"),
+    [
+        ("gemma2", 26, 2304, 8, 256, 256),  # Gemma 2 2B: the head size
+        ("gemma2", 46, 4608, 32, 128, 144),  # Gemma 2 27B: hidden / heads
+        ("gemma3", 34, 2560, 8, 256, 256),  # Gemma 3 4B
+        ("gemma3", 62, 5376, 32, 128, 168),  # Gemma 3 27B
+    ],
+)
+def test_gemma_27b_scales_queries_by_hidden_over_heads(
+    tmp_path, arch, layers, hidden, heads, head_dim, scalar
+):
+    """A GGUF does not hold query_pre_attn_scalar: what loads is each release's own value
+    (transformers' GGUF loader takes 256 for all, which a 27B's attention differs from)."""
+    path = str(tmp_path / "metadata.gguf")
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(layers)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(4 * hidden)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(heads // 2)
+    writer.add_key_length(head_dim)
+    writer.add_vocab_size(256)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert read_hf_config(path)["query_pre_attn_scalar"] == scalar
 
 
 @pytest.mark.parametrize("quantization", [None, "none"])
