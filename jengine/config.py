@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from jengine.pooling import PoolerConfig
+from jengine.sampling_params import MAX_LOGPROBS
 
 # vLLM's `--quantization` values jengine takes (None: what the checkpoint holds; the
 # methods are models/quantize.METHODS).
@@ -191,6 +192,9 @@ class ModelConfig:
     pooler: the pooling of a "pooling" runner (None otherwise).
     generation_config: vLLM's `--generation-config`: "auto", "vllm" or a folder
         (jengine/generation_config.py).
+    max_logprobs: vLLM's `--max-logprobs`: the most top logprobs a request may ask for,
+        a token or a prompt position (-1: the whole vocabulary); the sampling programs
+        compute that many whenever a request asks for any.
     """
 
     model: str | None = None
@@ -203,6 +207,7 @@ class ModelConfig:
     runner: str = "generate"
     pooler: PoolerConfig | None = None
     generation_config: str = "auto"
+    max_logprobs: int = MAX_LOGPROBS
 
     def __post_init__(self) -> None:
         _require(
@@ -237,6 +242,11 @@ class ModelConfig:
             "must be reference, cpu, gpu or tpu",
             self.attention_impl,
         )
+        _require(self.max_logprobs >= -1, "max_logprobs", "must be >= -1", self.max_logprobs)
+
+    def num_top_logprobs(self, vocab_size: int) -> int:
+        """`max_logprobs` for a vocabulary of `vocab_size`: all of it for -1, never more."""
+        return vocab_size if self.max_logprobs == -1 else min(self.max_logprobs, vocab_size)
 
 
 def default_compilation_cache_dir() -> str:

@@ -23,8 +23,8 @@ import msgspec
 # Below this temperature sampling is greedy (argmax); same threshold as vLLM. The on-device
 # sampler (jengine/runner/sampler.py) reads the same constant.
 GREEDY_TEMPERATURE_EPS = 1e-5
-# Top logprobs the runner computes per token, so the most a request may ask for (vLLM's
-# default max_logprobs); the input processor rejects more.
+# The most top logprobs a request may ask for unless the engine was given another
+# `max_logprobs` (vLLM's default; `ModelConfig.max_logprobs`).
 MAX_LOGPROBS = 20
 
 

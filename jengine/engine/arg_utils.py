@@ -65,6 +65,7 @@ class EngineArgs:
     seed: int | None = ModelConfig.seed
     attention_impl: str | None = ModelConfig.attention_impl
     generation_config: str = ModelConfig.generation_config
+    max_logprobs: int = ModelConfig.max_logprobs
     # None leaves jax's process-wide compilation cache setting alone.
     compilation_cache_dir: str | None = field(default_factory=default_compilation_cache_dir)
     warmup: bool = CompilationConfig.warmup
@@ -151,6 +152,7 @@ class EngineArgs:
                 runner=self.runner,
                 pooler=pooler,
                 generation_config=self.generation_config,
+                max_logprobs=self.max_logprobs,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -340,6 +342,12 @@ class EngineArgs:
             "--generation-config",
             help='sampling defaults: "auto" (the model folder\'s generation_config.json '
             'recommends them), "vllm" (ignore the file) or a folder holding one',
+        )
+        add(
+            "--max-logprobs",
+            type=int,
+            help="the most top logprobs a request may ask for, per token or prompt position "
+            "(-1: the whole vocabulary); this many are computed whenever one asks",
         )
         add(
             "--warmup",

@@ -99,6 +99,7 @@ class EngineCore:
             lora_config=config.lora,
             pooling_type=None if config.model.pooler is None else config.model.pooler.pooling_type,
             num_decode_steps=scheduler_config.num_scheduler_steps,
+            max_logprobs=config.model.num_top_logprobs(model.config.vocab_size),
         )
         logger.info(
             "model %s: %s, %s, %.1fM parameters; attention: %s",

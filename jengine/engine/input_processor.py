@@ -39,6 +39,7 @@ class InputProcessor:
             serves_lora=config.lora is not None,
             pooler=config.model.pooler,
             priority_scheduling=config.scheduler.policy == "priority",
+            max_logprobs=config.model.num_top_logprobs(vocab_size),
         )
 
     def __init__(
@@ -50,6 +51,7 @@ class InputProcessor:
         serves_lora: bool = False,
         pooler: PoolerConfig | None = None,
         priority_scheduling: bool = False,
+        max_logprobs: int = MAX_LOGPROBS,
     ):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -63,6 +65,7 @@ class InputProcessor:
         self.serves_lora = serves_lora
         self.pooler = pooler
         self.priority_scheduling = priority_scheduling
+        self.max_logprobs = max_logprobs
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) for a string, token-id list or vLLM-style dict."""
@@ -163,8 +166,11 @@ class InputProcessor:
     def validate_params(self, params: SamplingParams) -> None:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
-            if value is not None and value > MAX_LOGPROBS:
-                raise ValueError(f"{name}={value} exceeds the maximum of {MAX_LOGPROBS}")
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(
+                    f"{name}={value} exceeds the maximum of {self.max_logprobs} "
+                    "(the engine's max_logprobs)"
+                )
         bias = params.logit_bias or {}
         bad_bias = [t for t in bias if not 0 <= int(t) < self.vocab_size]
         if bad_bias:

@@ -72,6 +72,7 @@ from jengine.runner.step import (
 )
 from jengine.runner.step_outputs import InFlightStep, collected_output
 from jengine.runner.weight_update import updated_params
+from jengine.sampling_params import MAX_LOGPROBS
 
 
 class ModelRunner:
@@ -99,6 +100,7 @@ class ModelRunner:
         lora_config: LoRAConfig | None = None,
         pooling_type: str | None = None,
         num_decode_steps: int = 1,
+        max_logprobs: int = MAX_LOGPROBS,
     ):
         """`devices`: where to run (default: the first of `jax.devices()`), e.g. the
         devices of the mesh a user's params live on. `draft_model`: speculative decoding's
@@ -106,7 +108,9 @@ class ModelRunner:
         `lora_config`: serve LoRA adapters (`lora_slots.py`). `pooling_type`: an
         embedding engine's pooling (`pooler.py`; None: a generating engine).
         `num_decode_steps`: K > 1 compiles multi-step decodes of K steps too.
-        `kv_cache_dtype`: vLLM's `--kv-cache-dtype` name, for the draft's cache too."""
+        `kv_cache_dtype`: vLLM's `--kv-cache-dtype` name, for the draft's cache too.
+        `max_logprobs`: the top logprobs the sampling programs compute (at most the
+        vocabulary)."""
         if draft_model is not None:
             check_draft_model(draft_model, model, tensor_parallel_size)
         if lora_config is not None:
@@ -179,13 +183,18 @@ class ModelRunner:
         bound = (self.graphdef, self.attention_impl, mesh)  # the model steps' static arguments
         select = selects(self.device.platform)  # how the sampling steps skip work
         self._forward_fn = StaticJit(forward_step, *bound, donate_argnums=(1,))
-        self._decode_fn = StaticJit(decode_step, *bound, select, donate_argnums=(1, 3))
+        # The sampling programs' static arguments: how they skip work, and how many top
+        # logprobs they compute (a request slices what it asked for).
+        sampling = (select, min(max_logprobs, self.config.vocab_size))
+        self._decode_fn = StaticJit(decode_step, *bound, *sampling, donate_argnums=(1, 3))
         self.num_decode_steps = num_decode_steps
-        multi = (*bound, select, block_size, num_decode_steps)
+        multi = (*bound, *sampling, block_size, num_decode_steps)
         self._multi_decode_fn = StaticJit(multi_decode_step, *multi, donate_argnums=(1, 3))
         self._first_rows = jax.jit(first_rows, static_argnums=1)
-        self._sample_fn = StaticJit(sample_step, self.graphdef, mesh, select, donate_argnums=(0,))
-        self._prompt_logprobs_fn = StaticJit(prompt_logprobs_step, self.graphdef, mesh)
+        self._sample_fn = StaticJit(
+            sample_step, self.graphdef, mesh, *sampling, donate_argnums=(0,)
+        )
+        self._prompt_logprobs_fn = StaticJit(prompt_logprobs_step, self.graphdef, mesh, sampling[1])
         self._write_history = jax.jit(write_slot_history, donate_argnums=0)
         self._compile_counter = CompileCounter()
         self.draft = None

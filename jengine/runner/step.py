@@ -2,7 +2,8 @@
 
 Where it sits: `ModelRunner` jits these functions once (binding the graphdef, the
 attention implementation, the tensor-parallel mesh and, for those that sample, whether
-its platform's branches select (`branches.selects`) as static arguments) and calls them
+its platform's branches select (`branches.selects`) and the top-logprob count k
+(`--max-logprobs`) as static arguments) and calls them
 every step: `ForwardInputs.from_prepared`
 turns the numpy `PreparedStep` of `input_batch.py` into the model's inputs and
 `sampling_args` into the sampling program's, `forward_step`
@@ -18,7 +19,7 @@ Promises:
   the KV cache, so it is updated in place; an input whose `from_slot` is set is that
   slot's `last_token` (the previous step's sampled token, never seen by the host);
 - `sample_step` is `(sampling_state, params, rows, meta, want_logprobs, grammar_bitmask,
-  use_grammar) -> (sampling_state, SampleOutputs)` (graphdef, mesh, select bound): the LM head
+  use_grammar) -> (sampling_state, SampleOutputs)` (graphdef, mesh, select, k bound): the LM head
   runs over the S sampling rows only, not over every request row of the step's shape;
   the runner donates the sampling state; the top-logprob work runs only when
   `want_logprobs` is true and the structured-output masking only when `use_grammar` is
@@ -26,8 +27,8 @@ Promises:
 - `decode_step` is `forward_step` then `sample_step` on its rows, `(params, kv_cache,
   inputs, sampling_state, meta, want_logprobs, grammar_bitmask, use_grammar) ->
   (kv_cache, sampling_state, hidden, SampleOutputs)`, cache and state donated;
-- logprobs are [S, MAX_LOGPROBS + 1] (the sampled or target token first), whatever a
-  request asked for: the host slices what it wants.
+- logprobs are [S, k + 1] (the sampled or target token first), whatever a request asked
+  for: the host slices what it wants.
 
 Why the head is in the sampling program, not a program of its own: one dispatch less per
 step (~0.2 ms of host time on a small CPU), and XLA:CPU runs a program as small as a gather
@@ -38,7 +39,7 @@ sampling as one program: one dispatch, and one program launch, a step (bench/REA
 "One program per decode step"); the other shapes keep the two programs, so that the
 sampling program compiles per S rather than per forward shape.
 
-Axis letters: T tokens, R requests, S sampling rows (S <= R), D hidden, k MAX_LOGPROBS.
+Axis letters: T tokens, R requests, S sampling rows (S <= R), D hidden, k top logprobs.
 """
 
 from dataclasses import dataclass, replace
@@ -55,7 +56,6 @@ from jengine.runner.branches import branch
 from jengine.runner.grammar_mask import DeviceBitmasks, apply_token_bitmask
 from jengine.runner.prepared_step import PreparedStep, padded
 from jengine.runner.sampler import SamplingMetadata, sample, top_logprobs
-from jengine.sampling_params import MAX_LOGPROBS
 
 
 @jax.tree_util.register_dataclass
@@ -153,6 +153,7 @@ def sample_step(
     graphdef,
     mesh,
     select: bool,
+    num_logprobs: int,
     sampling_state,
     params,
     rows,
@@ -161,8 +162,8 @@ def sample_step(
     grammar_bitmask,
     use_grammar,
 ):
-    """Sample one token per sampling row from its [D] hidden row, with its top logprobs
-    when `want_logprobs`.
+    """Sample one token per sampling row from its [D] hidden row, with its top
+    `num_logprobs` logprobs when `want_logprobs`.
 
     With `use_grammar`, tokens `grammar_bitmask` forbids are masked first, so every
     sampling rule and the logprobs see the masked logits (as vLLM's do); without it the
@@ -180,13 +181,13 @@ def sample_step(
     sampled, sampling_state = sample(logits, meta, sampling_state, select=select)
 
     def compute(_):
-        return top_logprobs(logits, sampled, MAX_LOGPROBS)
+        return top_logprobs(logits, sampled, num_logprobs)
 
     def skip(_):  # the branch not taken costs nothing
         rows = logits.shape[0]
         return (
-            jnp.zeros((rows, MAX_LOGPROBS + 1), jnp.int32),
-            jnp.zeros((rows, MAX_LOGPROBS + 1), jnp.float32),
+            jnp.zeros((rows, num_logprobs + 1), jnp.int32),
+            jnp.zeros((rows, num_logprobs + 1), jnp.float32),
             jnp.zeros((rows,), jnp.int32),
         )
 
@@ -199,6 +200,7 @@ def decode_step(
     attention_impl,
     mesh,
     select: bool,
+    num_logprobs: int,
     params,
     kv_cache,
     inputs: ForwardInputs,
@@ -216,6 +218,7 @@ def decode_step(
         graphdef,
         mesh,
         select,
+        num_logprobs,
         sampling_state,
         params,
         rows,
@@ -232,6 +235,7 @@ def multi_decode_step(
     attention_impl,
     mesh,
     select: bool,
+    num_logprobs: int,
     block_size: int,
     num_steps: int,
     params,
@@ -263,6 +267,7 @@ def multi_decode_step(
             attention_impl,
             mesh,
             select,
+            num_logprobs,
             params,
             kv_cache,
             inputs,
@@ -295,6 +300,7 @@ def multi_decode_step(
     return kv_cache, sampling_state, sampled
 
 
-def prompt_logprobs_step(graphdef, mesh, params, hidden, targets):
+def prompt_logprobs_step(graphdef, mesh, num_logprobs, params, hidden, targets):
     """Logprobs of each position's next prompt token: logits for all T rows, [T, k+1]."""
-    return top_logprobs(_logits(nnx.merge(graphdef, params), hidden, mesh), targets, MAX_LOGPROBS)
+    logits = _logits(nnx.merge(graphdef, params), hidden, mesh)
+    return top_logprobs(logits, targets, num_logprobs)

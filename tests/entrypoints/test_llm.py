@@ -153,6 +153,39 @@ def test_logprobs_match_transformers_log_softmax(llm, checkpoint):
         assert abs(completion.cumulative_logprob - cumulative) < 1e-3
 
 
+def test_max_logprobs_sets_how_many_a_request_may_ask_for(checkpoint):
+    """vLLM's max_logprobs: -1 lets a request see the whole vocabulary's logprobs (against
+    transformers), a number caps what a request may ask for; warmup compiles the width."""
+    from jengine import LLM
+    from tests.models.checkpoints import VOCAB
+
+    path, hf_model = checkpoint
+    prompt = random_prompts(1, seed=9, low=6, high=7)[0]
+    request = [{"prompt_token_ids": prompt}]
+    every = LLM(path, dtype="float32", max_model_len=32, max_num_seqs=2, max_logprobs=-1)
+    params = SamplingParams(temperature=0, max_tokens=2, logprobs=VOCAB, prompt_logprobs=VOCAB)
+    output = every.generate(request, params)[0]
+    completion = output.outputs[0]
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + completion.token_ids])).logits[0]
+    expected = torch.log_softmax(logits.double(), -1).numpy()
+    rows = [(output.prompt_logprobs[p], p - 1) for p in range(1, len(prompt))]
+    rows += [(row, len(prompt) - 1 + i) for i, row in enumerate(completion.logprobs)]
+    for row, position in rows:
+        assert sorted(row) == list(range(VOCAB))
+        got = np.array([row[token].logprob for token in range(VOCAB)])
+        np.testing.assert_allclose(got, expected[position], atol=1e-4, rtol=0)
+    assert every.engine_core.compiles_after_warmup() == 0
+    with pytest.raises(ValueError, match=f"logprobs={VOCAB + 1} exceeds the maximum of {VOCAB}"):
+        every.generate(request, SamplingParams(max_tokens=1, logprobs=VOCAB + 1))
+    capped = LLM(path, dtype="float32", max_model_len=32, max_num_seqs=2, max_logprobs=3,
+                 warmup=False)  # fmt: skip
+    with pytest.raises(ValueError, match="prompt_logprobs=4 exceeds the maximum of 3"):
+        capped.generate(request, SamplingParams(max_tokens=1, prompt_logprobs=4))
+    row = capped.generate(request, SamplingParams(max_tokens=1, logprobs=3))[0].outputs[0]
+    assert set(np.argsort(-expected[len(prompt) - 1])[:3].tolist()) <= set(row.logprobs[0])
+
+
 def test_seeded_sampling_is_batch_independent(llm):
     prompt = {"prompt_token_ids": random_prompts(1, seed=6)[0]}
     seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12)

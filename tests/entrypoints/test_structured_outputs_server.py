@@ -328,7 +328,7 @@ def test_a_constraint_starts_where_the_answer_does(tiny_model):
     a required tool call with no call). Where it waits: test_tool_parsers.py."""
     # vLLM flags beside: a role of its own, and one whose purpose jengine meets anyway.
     args = [*SERVER_ARGS, "--reasoning-parser", "qwen3", "--response-role", "model",
-            "--trust-remote-code"]  # fmt: skip
+            "--trust-remote-code", "--max-logprobs", "30"]  # fmt: skip
     with RemoteServer(tiny_model, args) as server:
         assert "--trust-remote-code changes nothing" in server.log_text()
         client = openai.OpenAI(base_url=server.url_for("v1"), api_key="none", max_retries=0)
@@ -337,6 +337,10 @@ def test_a_constraint_starts_where_the_answer_does(tiny_model):
         message = client.chat.completions.create(**kwargs, response_format=schema)
         jsonschema.validate(json.loads(message.choices[0].message.content), PERSON)
         assert message.choices[0].message.role == "model"
+        top = client.chat.completions.create(**kwargs, logprobs=True, top_logprobs=30)
+        assert len(top.choices[0].logprobs.content[0].top_logprobs) == 30
+        with pytest.raises(openai.BadRequestError, match="logprobs=31 exceeds the maximum of 30"):
+            client.chat.completions.create(**kwargs, logprobs=True, top_logprobs=31)
         called = (
             client.chat.completions.create(**kwargs, tools=[WEATHER_TOOL], tool_choice="required")
             .choices[0]

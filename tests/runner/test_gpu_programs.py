@@ -27,6 +27,7 @@ from jengine.runner.step import (
     sample_step,
     sampling_args,
 )
+from jengine.sampling_params import MAX_LOGPROBS
 
 
 def _subjaxprs(params: dict):
@@ -79,11 +80,13 @@ def _programs(runner, select: bool) -> dict:
 
     return {
         "decode": (
-            functools.partial(decode_step, *bound, select),
+            functools.partial(decode_step, *bound, select, MAX_LOGPROBS),
             (params, kv, inputs(decode), state, *sampling_args(decode, runner.bitmasks)),
         ),
         "multi-step decode": (
-            functools.partial(multi_decode_step, *bound, select, runner.block_size, 4),
+            functools.partial(
+                multi_decode_step, *bound, select, MAX_LOGPROBS, runner.block_size, 4
+            ),
             (params, kv, inputs(decode), state, *sampling_args(decode, runner.bitmasks)),
         ),
         "forward": (
@@ -91,7 +94,7 @@ def _programs(runner, select: bool) -> dict:
             (params, kv, inputs(mixed), state.last_token),
         ),
         "sampling": (
-            functools.partial(sample_step, runner.graphdef, None, select),
+            functools.partial(sample_step, runner.graphdef, None, select, MAX_LOGPROBS),
             (state, params, rows, *sampling_args(mixed, runner.bitmasks)),
         ),
     }
