@@ -17,9 +17,12 @@ Promises (PEFT's numerics): y = x W^T + scale * (x A^T) B^T with scale = alpha /
 (alpha / sqrt(r) with rsLoRA), each module's own alpha (alpha_pattern) and rank
 (rank_pattern), folded into B once at load; an adapter of rank below the slots', or a
 module of rank below the adapter's, is zero-padded (exact), and a layer it leaves alone
-(layers_to_transform) holds zeros; targets among q/k/v/o and gate/up/down; a clear
-ValueError for what is not read (embedding or LM-head adapters, `modules_to_save`, DoRA,
-biases, a rank above the slots', other targets).
+(layers_to_transform) holds zeros; targets among q/k/v/o and gate/up/down, and a fused
+module of the checkpoint (Phi-3's `qkv_proj`, `gate_up_proj`: `fused_weights`) as the
+projections it splits into, each with the module's A and its own rows of B (exact: x A^T
+B^T, row by row); a clear ValueError for what is not read (embedding or LM-head adapters,
+`modules_to_save`, DoRA, biases, a rank above the slots', other targets, a module whose
+sizes are not the model's).
 """
 
 import dataclasses
@@ -135,21 +138,8 @@ def read_peft_adapter(path: str, config, name: str | None = None) -> LoRAAdapter
             raise ValueError(f"{where}: {key} is not supported")
     if peft.get("bias", "none") != "none":
         raise ValueError(f"{where}: bias {peft['bias']!r} is not supported (only 'none')")
-    found: dict[tuple[str, int], dict[str, np.ndarray]] = {}
-    for tensor, array in _adapter_tensors(path).items():
-        match = _TENSOR.match(tensor)
-        if not match or match.group(2) not in TARGETS:
-            raise ValueError(f"{where}: tensor {tensor} is not a LoRA weight jengine applies")
-        layer, target, which = int(match.group(1)), TARGETS[match.group(2)], match.group(3)
-        if layer >= config.num_hidden_layers:
-            raise ValueError(
-                f"{where}: tensor {tensor} is for layer {layer}; the model has "
-                f"{config.num_hidden_layers}"
-            )
-        module = tensor.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
-        found.setdefault((target, layer), {"module": module})[which] = np.asarray(array)
     modules = {}
-    for (target, layer), parts in found.items():
+    for (target, layer), parts in _lora_pairs(path, config, where).items():
         if "A" not in parts or "B" not in parts or parts["A"].shape[0] != parts["B"].shape[1]:
             raise ValueError(f"{where}: {parts['module']} lacks lora_A or lora_B")
         rank = parts["A"].shape[0]  # rank_pattern's, where it names this module
@@ -173,6 +163,41 @@ def read_peft_adapter(path: str, config, name: str | None = None) -> LoRAAdapter
             np.stack([np.pad(x, ((0, 0), (0, rank - x.shape[1]))) for x in b]).astype(np.float32),
         )
     return LoRAAdapter(name or os.path.basename(os.path.normpath(path)), rank, weights)
+
+
+def _lora_pairs(path: str, config, where: str) -> dict[tuple[str, int], dict]:
+    """The adapter's tensors by (our projection, layer): {"module": PEFT's module name,
+    "A": [r, in], "B": [out, r]}; a fused module's A goes to each projection it splits
+    into, and its B's rows are split among them."""
+    sizes, found = projection_sizes(config), {}
+    for tensor, array in _adapter_tensors(path).items():
+        match = _TENSOR.match(tensor)
+        name = match.group(2) if match else None
+        if name not in TARGETS and name not in config.fused_weights:
+            raise ValueError(f"{where}: tensor {tensor} is not a LoRA weight jengine applies")
+        layer, which = int(match.group(1)), match.group(3)
+        if layer >= config.num_hidden_layers:
+            raise ValueError(
+                f"{where}: tensor {tensor} is for layer {layer}; the model has "
+                f"{config.num_hidden_layers}"
+            )
+        targets = config.fused_weights.get(name, (TARGETS.get(name),))
+        rows = [sizes[target][0] for target in targets]
+        inputs = sizes[targets[0]][1]  # the parts of a fused module share their inputs
+        axis, size = (1, inputs) if which == "A" else (0, sum(rows))
+        if array.ndim != 2 or array.shape[axis] != size:
+            wanted = f"[r, {size}]" if which == "A" else f"[{size}, r]"
+            raise ValueError(
+                f"{where}: tensor {tensor} is {list(array.shape)}; this model's {name} wants "
+                f"{wanted}"
+            )
+        pieces = [array] * len(targets)
+        if which == "B":
+            pieces = np.split(array, np.cumsum(rows)[:-1])
+        module = tensor.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
+        for target, piece in zip(targets, pieces, strict=True):
+            found.setdefault((target, layer), {"module": module})[which] = np.asarray(piece)
+    return found
 
 
 def _alpha(peft: dict, module: str) -> float:

@@ -5,6 +5,7 @@ in one ragged paged batch of chunks and decodes, each sequence's logits within 1
 PEFT's for its own adapter; what jengine cannot apply is a ValueError naming it.
 (The engine's side: tests/engine/test_lora_engine.py.)"""
 
+import dataclasses
 import json
 import shutil
 
@@ -15,7 +16,7 @@ from flax import nnx
 from jengine.models import load_model
 from jengine.models.loader import model_from_params
 from jengine.models.lora import param_names, read_peft_adapter, with_lora_slots
-from tests.models.checkpoints import VOCAB, hf_logits
+from tests.models.checkpoints import VOCAB, hf_logits, make_checkpoint
 from tests.models.lora_files import ADAPTERS, peft_model, write_adapter, write_base_and_adapters
 from tests.models.paged_batch import PagedSequences
 
@@ -98,6 +99,35 @@ def test_per_module_ranks_and_alphas_and_some_layers_equal_peft(base_and_adapter
     with hf.disable_adapter():
         assert np.abs(expected - hf_logits(hf, seq).numpy()).max() > 1e-2
     np.testing.assert_allclose(np.concatenate(got), expected, atol=1e-4, rtol=0)
+
+
+def test_an_adapter_on_phi3s_fused_modules_equals_peft(tmp_path):
+    """PEFT on Phi-3's fused qkv_proj and gate_up_proj (as its fine-tunes target them):
+    each projection the loader splits them into gets the module's A and its own rows of B,
+    within 1e-4 of PEFT prefilled then decoded; a B of the wrong size is named."""
+    base, path = str(tmp_path / "phi3"), str(tmp_path / "fused")
+    make_checkpoint("phi3", base)
+    write_adapter(
+        base, path, 4, 8, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], False, seed=6,
+        alpha_pattern={"qkv_proj": 16},
+    )  # fmt: skip
+    config = load_model(base, "float32").config
+    adapter = read_peft_adapter(path, config)
+    assert sorted(adapter.weights) == sorted(TARGETS)
+    model = _model_with_slots(base, [adapter])
+    seq = np.random.default_rng(5).integers(0, VOCAB, size=12).tolist()
+    paged = PagedSequences(model, [seq], block_size=4)
+    got = [paged.step({0: 11}, lora={0: 1})[0]]
+    paged.sequences = [seq]
+    got.append(paged.step({0: 1}, lora={0: 1})[0])
+    hf = peft_model(base, {"fused": path})
+    expected = hf_logits(hf, seq).numpy()
+    with hf.disable_adapter():
+        assert np.abs(expected - hf_logits(hf, seq).numpy()).max() > 1e-2
+    np.testing.assert_allclose(np.concatenate(got), expected, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match=r"qkv_proj.lora_B.weight is \[\d+, 4\]; this model's "
+                       r"qkv_proj wants \[\d+, r\]"):  # fmt: skip
+        read_peft_adapter(path, dataclasses.replace(config, num_key_value_heads=1))
 
 
 def test_what_it_cannot_apply_is_named(base_and_adapters, tmp_path):
