@@ -104,8 +104,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     ignore_eos: keep generating after the EOS token.
     max_tokens: tokens to generate at most; None means until max_model_len.
     min_tokens: EOS and stop_token_ids cannot end generation before this many tokens.
-    logprobs: number of top logprobs to return per generated token (plus the sampled one).
-    prompt_logprobs: number of top logprobs to return per prompt token.
+    logprobs: number of top logprobs to return per generated token (plus the sampled one);
+        -1: the whole vocabulary's (as vLLM; the engine's max_logprobs must allow it).
+    prompt_logprobs: number of top logprobs to return per prompt token (-1 as above).
     logit_bias: token id -> additive bias on the logit.
     include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens,
     detokenize: detokenization options used by the front end.
@@ -226,9 +227,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _require(
-                value is None or (isinstance(value, int) and value >= 0),
+                value is None or (isinstance(value, int) and value >= -1),
                 name,
-                "must be an int >= 0 or None",
+                "must be an int >= 0, -1 (the whole vocabulary) or None",
                 value,
             )
         if self.logit_bias is not None:

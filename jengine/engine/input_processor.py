@@ -166,9 +166,10 @@ class InputProcessor:
     def validate_params(self, params: SamplingParams) -> None:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
-            if value is not None and value > self.max_logprobs:
+            if value is not None and self._num_logprobs(value) > self.max_logprobs:
+                asked = f" (the whole vocabulary, {self.vocab_size})" if value == -1 else ""
                 raise ValueError(
-                    f"{name}={value} exceeds the maximum of {self.max_logprobs} "
+                    f"{name}={value}{asked} exceeds the maximum of {self.max_logprobs} "
                     "(the engine's max_logprobs)"
                 )
         bias = params.logit_bias or {}
@@ -182,6 +183,10 @@ class InputProcessor:
             raise ValueError(f"allowed_token_ids {bad_allowed[:5]} are out of vocabulary")
         if params.bad_words:
             params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+
+    def _num_logprobs(self, value: int) -> int:
+        """A request's logprob count: -1 is the whole vocabulary."""
+        return self.vocab_size if value == -1 else value
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word's tokens as it starts the text and, where that spells it with other
@@ -257,6 +262,11 @@ class InputProcessor:
         if missing and not params.ignore_eos:
             params = params.clone()
             params.stop_token_ids = [*params.stop_token_ids, *missing]
+        if -1 in (params.logprobs, params.prompt_logprobs):  # the engine counts them
+            params = params.clone()
+            for name in ("logprobs", "prompt_logprobs"):
+                if getattr(params, name) is not None:
+                    setattr(params, name, self._num_logprobs(getattr(params, name)))
         return text, EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,

@@ -22,7 +22,7 @@ from tests.models.checkpoints import VOCAB
         (dict(max_tokens=0), "max_tokens"),
         (dict(presence_penalty=3.0), "presence_penalty"),
         (dict(repetition_penalty=0.0), "repetition_penalty"),
-        (dict(logprobs=-1), "logprobs"),
+        (dict(logprobs=-2), "logprobs"),
         (dict(min_tokens=5, max_tokens=2), "min_tokens"),
     ],
 )

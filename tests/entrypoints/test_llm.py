@@ -155,7 +155,8 @@ def test_logprobs_match_transformers_log_softmax(llm, checkpoint):
 
 def test_max_logprobs_sets_how_many_a_request_may_ask_for(checkpoint):
     """vLLM's max_logprobs: -1 lets a request see the whole vocabulary's logprobs (against
-    transformers), a number caps what a request may ask for; warmup compiles the width."""
+    transformers; asked as -1 or as its size), a number caps what a request may ask for;
+    warmup compiles the width."""
     from jengine import LLM
     from tests.models.checkpoints import VOCAB
 
@@ -163,7 +164,7 @@ def test_max_logprobs_sets_how_many_a_request_may_ask_for(checkpoint):
     prompt = random_prompts(1, seed=9, low=6, high=7)[0]
     request = [{"prompt_token_ids": prompt}]
     every = LLM(path, dtype="float32", max_model_len=32, max_num_seqs=2, max_logprobs=-1)
-    params = SamplingParams(temperature=0, max_tokens=2, logprobs=VOCAB, prompt_logprobs=VOCAB)
+    params = SamplingParams(temperature=0, max_tokens=2, logprobs=-1, prompt_logprobs=VOCAB)
     output = every.generate(request, params)[0]
     completion = output.outputs[0]
     with torch.no_grad():
@@ -182,6 +183,8 @@ def test_max_logprobs_sets_how_many_a_request_may_ask_for(checkpoint):
                  warmup=False)  # fmt: skip
     with pytest.raises(ValueError, match="prompt_logprobs=4 exceeds the maximum of 3"):
         capped.generate(request, SamplingParams(max_tokens=1, prompt_logprobs=4))
+    with pytest.raises(ValueError, match=rf"logprobs=-1 \(the whole vocabulary, {VOCAB}\) exc"):
+        capped.generate(request, SamplingParams(max_tokens=1, logprobs=-1))
     row = capped.generate(request, SamplingParams(max_tokens=1, logprobs=3))[0].outputs[0]
     assert set(np.argsort(-expected[len(prompt) - 1])[:3].tolist()) <= set(row.logprobs[0])
 

@@ -322,13 +322,19 @@ def test_reasoning_content(tiny_model):
         assert refused.value.body["param"] == "include"
 
 
+def _vocab_size(model_path: str) -> int:
+    with open(f"{model_path}/config.json") as f:
+        return json.load(f)["vocab_size"]
+
+
 def test_a_constraint_starts_where_the_answer_does(tiny_model):
     """qwen3: a reply to a prompt without `<think>` is all answer, so the constraint holds
     from its first token (it once waited for a `</think>` that never came: free noise, and
     a required tool call with no call). Where it waits: test_tool_parsers.py."""
-    # vLLM flags beside: a role of its own, and one whose purpose jengine meets anyway.
+    # vLLM flags beside: a role of its own, one whose purpose jengine meets anyway, and
+    # logprobs over the whole vocabulary.
     args = [*SERVER_ARGS, "--reasoning-parser", "qwen3", "--response-role", "model",
-            "--trust-remote-code", "--max-logprobs", "30"]  # fmt: skip
+            "--trust-remote-code", "--max-logprobs", "-1"]  # fmt: skip
     with RemoteServer(tiny_model, args) as server:
         assert "--trust-remote-code changes nothing" in server.log_text()
         client = openai.OpenAI(base_url=server.url_for("v1"), api_key="none", max_retries=0)
@@ -337,10 +343,16 @@ def test_a_constraint_starts_where_the_answer_does(tiny_model):
         message = client.chat.completions.create(**kwargs, response_format=schema)
         jsonschema.validate(json.loads(message.choices[0].message.content), PERSON)
         assert message.choices[0].message.role == "model"
-        top = client.chat.completions.create(**kwargs, logprobs=True, top_logprobs=30)
-        assert len(top.choices[0].logprobs.content[0].top_logprobs) == 30
-        with pytest.raises(openai.BadRequestError, match="logprobs=31 exceeds the maximum of 30"):
-            client.chat.completions.create(**kwargs, logprobs=True, top_logprobs=31)
+        # --max-logprobs -1: a request may ask for the whole vocabulary's (-1, as vLLM's).
+        vocab = _vocab_size(tiny_model)
+        short = {**kwargs, "max_tokens": 2}
+        every = client.chat.completions.create(**short, logprobs=True, top_logprobs=-1)
+        assert len(every.choices[0].logprobs.content[0].top_logprobs) == vocab > 20
+        echoed = client.completions.create(
+            model=MODEL_NAME, prompt="a b c", max_tokens=1, echo=True, logprobs=-1,
+            extra_body={"return_tokens_as_token_ids": True},  # distinct keys for the dicts
+        ).choices[0].logprobs  # fmt: skip
+        assert {len(row) for row in echoed.top_logprobs[1:]} == {vocab}
         called = (
             client.chat.completions.create(**kwargs, tools=[WEATHER_TOOL], tool_choice="required")
             .choices[0]

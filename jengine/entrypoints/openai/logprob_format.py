@@ -44,7 +44,7 @@ class LogprobFormat:
     def prompt_logprobs(self, output: RequestOutput, num: int | None) -> PromptLogprobs | None:
         """vLLM's `prompt_logprobs` field of a response asking for `num` of them: each
         prompt position's own token and its `num` most likely (the engine may hold more
-        when echo asked for more logprobs)."""
+        when echo asked for more logprobs; -1: all it holds, the whole vocabulary)."""
         if num is None or output.prompt_logprobs is None:
             return None
 
@@ -56,7 +56,7 @@ class LogprobFormat:
                     decoded_token=self.token_str(token_id, entry),
                 )
                 for token_id, entry in row.items()
-                if token_id == own or (entry.rank is not None and entry.rank <= num)
+                if token_id == own or num == -1 or (entry.rank is not None and entry.rank <= num)
             }
 
         rows = zip(output.prompt_token_ids, output.prompt_logprobs, strict=True)
@@ -78,9 +78,9 @@ class LogprobFormat:
 
 def top_k_of(row: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     """The k most likely candidates of one position (rank order; the chosen token appears
-    only if it is among them)."""
+    only if it is among them); k = -1: the whole vocabulary's."""
     ranked = sorted(row.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
-    return ranked[:k]
+    return ranked if k == -1 else ranked[:k]
 
 
 def clamp_logprob(value: float) -> float:

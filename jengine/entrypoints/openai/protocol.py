@@ -178,7 +178,7 @@ class SamplingRequest(RequestModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    prompt_logprobs: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None  # -1: all
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None
     priority: Annotated[int, Field(**_INT64)] = 0
     request_id: str | None = None
@@ -219,7 +219,7 @@ TokenId = Annotated[int, Field(**_INT64)]
 class CompletionRequest(SamplingRequest):
     prompt: list[TokenId] | list[list[TokenId]] | str | list[str]
     max_tokens: Annotated[int, Field(**_INT64)] | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
+    logprobs: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None  # -1: all
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     suffix: str | None = None
     add_special_tokens: bool = True

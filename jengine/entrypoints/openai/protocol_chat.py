@@ -68,7 +68,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: Annotated[int, Field(**_INT64)] | None = None  # deprecated by OpenAI
     max_completion_tokens: Annotated[int, Field(**_INT64)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = 0
+    top_logprobs: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = 0  # -1: all (vLLM's)
     tools: list[ChatCompletionToolParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True

@@ -52,7 +52,8 @@ class OpenAIServingCompletion(OpenAIServing):
             max_tokens = self.max_tokens_for(request.max_tokens, len(token_ids), "prompt")
             prompt_logprobs = request.prompt_logprobs
             if request.echo and request.logprobs is not None:
-                prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
+                counts = (prompt_logprobs or 0, request.logprobs)  # -1: the whole vocabulary
+                prompt_logprobs = -1 if -1 in counts else max(counts)
             params = self.sampling_params(
                 request,
                 max_tokens=max_tokens,
