@@ -306,18 +306,18 @@ class OutputProcessor:
                 )
             ):
                 text_token_ids = new_token_ids[:-1]
-        if state.finish_reason is None:
-            num_before = state.detokenizer.num_output_tokens
-            stop = state.detokenizer.update(new_token_ids)
-            if stop is not None:
-                state.finish_reason, state.stop_reason = "stop", stop
+        num_before = state.detokenizer.num_output_tokens
+        stop = state.detokenizer.update(text_token_ids)
+        if stop is not None:
+            # A stop string wins over the core's reason, as in vLLM: one that the last
+            # token a request may have completes is "stop", not "length".
+            if finish_reason is None:
                 reqs_to_abort.append(state.request_id)
-                # Several tokens at once (multi-step decoding, accepted drafts) may go on
-                # past the one that completed the stop string: as with one token a step,
-                # the output ends with that one.
-                new_token_ids = new_token_ids[: state.detokenizer.num_output_tokens - num_before]
-        else:
-            state.detokenizer.update(text_token_ids)
+            state.finish_reason, state.stop_reason = "stop", stop
+            # Several tokens at once (multi-step decoding, accepted drafts) may go on past
+            # the one that completed the stop string: as with one token a step, the output
+            # ends with that one.
+            new_token_ids = new_token_ids[: state.detokenizer.num_output_tokens - num_before]
         state.output_token_ids.extend(new_token_ids)
         if output.new_logprobs is not None and state.logprobs is not None:
             num = len(new_token_ids)

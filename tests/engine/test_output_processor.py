@@ -72,6 +72,26 @@ def test_stop_string_cuts_text_and_aborts(tokenizer, include):
     assert outputs[-1].outputs[0].stop_reason == "summer"
 
 
+@pytest.mark.parametrize("step", [1, 4])
+def test_a_stop_string_the_last_token_completes_is_a_stop(tokenizer, step):
+    """The core ends a request for its length on the token that completes a stop string
+    (alone, or among several a step brings): as vLLM, the reason is the stop string,
+    the text is cut there, and nothing goes back to the core to abort."""
+    ids = tokenizer.encode(TEXT)
+    full = tokenizer.decode(ids)
+    completing = next(n for n in range(1, len(ids) + 1) if "summer" in tokenizer.decode(ids[:n]))
+    params = SamplingParams(stop=["summer"], max_tokens=completing + step - 1)
+    length = (completing + step - 1) // step * step  # the core's last step ends there
+    final, aborted, _ = _run(
+        tokenizer, params, RequestOutputKind.FINAL_ONLY, ids[:length], finish=FinishReason.LENGTH,
+        step=step,
+    )  # fmt: skip
+    completion = final[0].outputs[0]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", "summer")
+    assert completion.text == full[: full.index("summer")]
+    assert completion.token_ids == ids[:completing] and not aborted
+
+
 def test_stream_never_shows_a_stop_string_it_takes_back(tokenizer):
     ids = tokenizer.encode(TEXT)
     params = SamplingParams(stop=["glorious summer"])
