@@ -35,6 +35,7 @@ from jengine.models.calibration import own_input_grams
 from jengine.models.checkpoint import gguf_file, holds_base_model, read_hf_config
 from jengine.models.gptq import gptq_fp8
 from jengine.models.llama import LINEAR_WEIGHTS
+from jengine.models.param_tree import fitted_leaves, flatten, unflatten
 from jengine.models.quantize import METHODS, method_format, quantize
 from jengine.models.registry import resolve_architecture
 
@@ -219,21 +220,11 @@ def model_from_params(model_cls, config, params: dict, dtype) -> nnx.Module:
     """
     model = nnx.eval_shape(lambda: model_cls(config, dtype=dtype, rngs=nnx.Rngs(0)))
     state = nnx.state(model, nnx.Param)
-    flat_expected = dict(_flatten(nnx.to_pure_dict(state)))
-    flat_given = dict(_flatten(params))
-    missing = sorted(set(flat_expected) - set(flat_given))
-    extra = sorted(set(flat_given) - set(flat_expected))
-    if missing or extra:
-        raise ValueError(f"params do not fit the model: missing {missing}, unexpected {extra}")
-    for key, spec in flat_expected.items():
-        if tuple(flat_given[key].shape) != tuple(spec.shape):
-            raise ValueError(
-                f"param {key} has shape {tuple(flat_given[key].shape)}, "
-                f"expected {tuple(spec.shape)}"
-            )
+    flat_expected = dict(flatten(nnx.to_pure_dict(state)))
+    flat_given = fitted_leaves(flat_expected, params, "params")
     # Each array in the dtype the model holds it in: `dtype` for float weights, the
     # quantized formats' own for packed values and scales.
-    filled = _unflatten(
+    filled = unflatten(
         {k: jnp.asarray(v, dtype=flat_expected[k].dtype) for k, v in flat_given.items()}
     )
     nnx.replace_by_pure_dict(state, filled)
@@ -356,23 +347,3 @@ def quantized_params(params: dict, config, quantization: str | None, hf_config=N
         elapsed = time.perf_counter() - started
         logger.info("fp8: GPTQ rounding, calibrated on the model's own samples, %.1f s", elapsed)
     return params, dataclasses.replace(config, quantization=tuple(formats))
-
-
-def _flatten(tree: dict, prefix: str = ""):
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            yield from _flatten(value, name + ".")
-        else:
-            yield name, value
-
-
-def _unflatten(flat: dict) -> dict:
-    tree: dict = {}
-    for name, value in flat.items():
-        *parents, leaf = name.split(".")
-        node = tree
-        for parent in parents:
-            node = node.setdefault(parent, {})
-        node[leaf] = value
-    return tree

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import fields
 
+import jax
 from flax import nnx
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
@@ -320,6 +321,12 @@ def _module_from_params(path: str, params, dtype, quantization: str | None) -> n
     model_cls, config_cls = resolve_architecture(hf_config)
     if isinstance(params, nnx.State):
         params = nnx.to_pure_dict(params)
+    # The engine's own copy, on the caller's devices: a train step that donates the
+    # caller's arrays next must not delete the engine's weights.
+    params = jax.tree.map(
+        lambda x: jax.device_put(x, x.sharding, may_alias=False) if isinstance(x, jax.Array) else x,
+        params,
+    )
     config = config_cls.from_hf(hf_config)
     params, config = quantized_params(params, config, quantization, hf_config)
     return model_from_params(model_cls, config, params, resolve_dtype(dtype))

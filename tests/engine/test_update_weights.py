@@ -47,3 +47,49 @@ def test_compile_counter_sees_unwarmed_shapes(checkpoint):
         SchedulerOutput([NewRequestData("r", [5, 6, 7], params, [1], 0)], [], {"r": 3}, 3)
     )
     assert runner.compiles_after_warmup > 0
+
+
+def test_bad_params_are_named_and_the_engine_shares_no_buffer(checkpoint):
+    """update_weights and LLM(params=) name a missing leaf, one of another shape, one that
+    is no array and an integer one where the model holds floats (a missing leaf was once
+    kept at its old value, silently); the engine keeps its own copy of the arrays handed
+    over, so deleting them (what a train step that donates them does) changes nothing."""
+    import jax
+    import jax.numpy as jnp
+    import pytest
+
+    from jengine import LLM
+
+    path, hf_model = checkpoint
+    params = nnx.to_pure_dict(nnx.state(load_model(path, "float32"), nnx.Param))
+    on_device = jax.tree.map(jnp.array, params)
+    llm = LLM(path, params=on_device, dtype="float32", max_model_len=32, max_num_seqs=2)
+    jax.tree.map(lambda x: x.delete(), on_device)
+    prompt = random_prompts(1, seed=22, low=8, high=9)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+
+    def run():
+        return llm.generate([{"prompt_token_ids": prompt}], greedy)[0].outputs[0].token_ids
+
+    expected = hf_greedy(hf_model, prompt, 6)
+    assert run() == expected
+    without_norm = {k: v for k, v in params.items() if k != "norm"}
+    narrow = {**params, "layers": {**params["layers"], "k_proj": params["layers"]["k_proj"][:, :8]}}
+    integer = {**params, "norm": params["norm"].astype("int32")}
+    bad = [
+        (without_norm, r"params do not fit the model: missing \['norm'\], unexpected \[\]"),
+        (narrow, r"param layers.k_proj has shape \(3, 8, \d+\), expected"),
+        (integer, "param norm is int32, the model holds float32"),
+        ({**params, "norm": None}, "param norm is a NoneType, not an array"),
+        (None, "params must be a dict of arrays"),
+    ]  # fmt: skip
+    for tree, message in bad:
+        with pytest.raises(ValueError, match=f"update_weights: {message}"):
+            llm.update_weights(tree)
+        assert run() == expected  # nothing changed
+    with pytest.raises(ValueError, match="params: param norm is a NoneType, not an array"):
+        LLM(path, params={**params, "norm": None}, dtype="float32", max_model_len=32)
+    again = jax.tree.map(jnp.array, params)
+    llm.update_weights(again)
+    jax.tree.map(lambda x: x.delete(), again)
+    assert run() == expected

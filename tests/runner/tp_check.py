@@ -129,7 +129,8 @@ def on_a_training_mesh(path: str) -> dict:
     """Params laid out on a 2 x 2 ("data", "model") mesh, as a training step leaves them:
     `LLM(params=, mesh=)` runs TP=4 on that mesh's devices; `update_weights` with other
     weights on the mesh reshards them with no host transfer (a transfer guard would raise)
-    and compiles nothing; weights already in the engine's layout are taken as they are."""
+    and compiles nothing; weights already in the engine's layout are copied on the
+    devices (the engine never shares the caller's buffers, which a train step may donate)."""
     mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
 
     def training_layout(x) -> NamedSharding:
@@ -179,7 +180,7 @@ def on_a_training_mesh(path: str) -> dict:
         first=first,
         second=second,
         other_reference=other_tokens,
-        taken_as_is=buffers(runner.params) == buffers(engine_layout),
+        shares_no_buffer=not set(buffers(runner.params)) & set(buffers(engine_layout)),
         compiles_after_warmup=llm.engine_core.compiles_after_warmup(),
     )
 
