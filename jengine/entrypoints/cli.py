@@ -192,14 +192,15 @@ def _stream(llm, prompt, params) -> str:
     return "".join(pieces)
 
 
-def _sampling_params(llm, args: argparse.Namespace):
-    """The flags given, over the model's recommended sampling (`LLM.generate`'s default)."""
+def _sampling_params(args: argparse.Namespace, recommended: dict | None = None):
+    """The flags given, over the model's `recommended` sampling (`LLM.generate`'s default);
+    without it, over SamplingParams' defaults: a check of the flags before the model loads."""
     from jengine import SamplingParams
     from jengine.generation_config import given_over
 
     given = {name: getattr(args, name) for name in ("temperature", "top_p", "top_k")}
     return SamplingParams(
-        **given_over(llm.llm_engine.sampling_defaults, given),
+        **given_over(recommended or {}, given),
         max_tokens=args.max_tokens,
         seed=args.seed,
     )
@@ -219,8 +220,9 @@ def _text_or_stdin(text: str | None, what: str) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     prompt = _text_or_stdin(args.prompt, "prompt")
+    _sampling_params(args)  # a bad flag fails before the model loads
     llm = _one_shot_llm(args)
-    params = _sampling_params(llm, args)
+    params = _sampling_params(args, llm.llm_engine.sampling_defaults)
     if not args.stream:
         print(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].text)
         return
@@ -241,9 +243,10 @@ def cmd_chat(args: argparse.Namespace) -> None:
     template = load_chat_template(args.chat_template)  # a bad name fails before loading
     conversation = args.interactive or (args.message is None and sys.stdin.isatty())
     message = None if conversation else _text_or_stdin(args.message, "message")
+    _sampling_params(args)  # a bad flag fails before the model loads
     llm = _one_shot_llm(args)
     system = [] if args.system is None else [{"role": "system", "content": args.system}]
-    params = _sampling_params(llm, args)
+    params = _sampling_params(args, llm.llm_engine.sampling_defaults)
 
     def reply(messages: list[dict]) -> str:
         render = llm.llm_engine.input_processor.render_chat

@@ -13,10 +13,12 @@ entry in a batch never leaves work half-done in the engine.
 
 import itertools
 import logging
+import numbers
 from collections.abc import Sequence
 from dataclasses import fields
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
@@ -153,8 +155,10 @@ class LLM:
 
     def _run_prompts(self, prompts, params, use_tqdm, priority, lora_request) -> list:
         """Validate every prompt, then send and run them all (see `generate`)."""
+        if isinstance(prompts, np.ndarray):  # token ids as research code holds them
+            prompts = prompts.tolist()
         if isinstance(prompts, str | dict) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], numbers.Integral)
         ):
             prompts = [prompts]
         if not isinstance(prompts, list | tuple):
@@ -162,7 +166,7 @@ class LLM:
                 "prompts must be a string, a list of token ids, a prompt dict or a list of "
                 f"those, got {type(prompts).__name__}"
             )
-        prompts = list(prompts)
+        prompts = [_token_ids_as_ints(prompt) for prompt in prompts]
         if isinstance(params, SamplingParams | PoolingParams):
             params = [params] * len(prompts)
         elif not isinstance(params, list | tuple) or not all(
@@ -314,6 +318,15 @@ class LLM:
     def shutdown(self) -> None:
         """Stop the engine processes, if any (data parallelism); idempotent."""
         self.llm_engine.shutdown()
+
+
+def _token_ids_as_ints(prompt):
+    """A prompt of numpy token ids (an array, numpy integers) as a list of ints."""
+    if isinstance(prompt, np.ndarray):
+        prompt = prompt.tolist()
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], numbers.Integral):
+        return [int(t) if isinstance(t, numbers.Integral) else t for t in prompt]
+    return prompt
 
 
 def _module_from_params(path: str, params, dtype, quantization: str | None) -> nnx.Module:

@@ -27,6 +27,11 @@ def test_generate_streamed_and_not(tiny_model):
     assert plain.stdout == streamed.stdout and plain.stdout.strip()
     empty = run(["generate", *flags], stdin="")
     assert empty.returncode != 0 and "error: the prompt is empty" in empty.stderr
+    # A bad sampling flag fails before the model loads (it once loaded it first).
+    for command in ("generate", "chat"):
+        bad = run([command, "Hi", *flags, "--top-p", "0"])
+        assert bad.returncode != 0 and "error: top_p must be" in bad.stderr, bad.stderr[-2000:]
+        assert "engine ready" not in bad.stderr
 
 
 def test_chat_as_a_conversation(tiny_model):

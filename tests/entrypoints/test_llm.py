@@ -189,6 +189,20 @@ def test_max_logprobs_sets_how_many_a_request_may_ask_for(checkpoint):
     assert set(np.argsort(-expected[len(prompt) - 1])[:3].tolist()) <= set(row.logprobs[0])
 
 
+def test_numpy_token_ids_are_prompts(llm):
+    """Token ids as research code holds them: an array, a 2-D array, numpy integers."""
+    prompts = random_prompts(2, seed=10, low=7, high=8)
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+
+    def tokens(prompts_in):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts_in, greedy)]
+
+    expected = tokens([{"prompt_token_ids": p} for p in prompts])
+    assert tokens(np.array(prompts)) == expected
+    assert tokens(np.array(prompts[0])) == expected[:1]
+    assert tokens([np.int64(t) for t in prompts[0]]) == expected[:1]
+
+
 def test_seeded_sampling_is_batch_independent(llm):
     prompt = {"prompt_token_ids": random_prompts(1, seed=6)[0]}
     seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12)
