@@ -343,6 +343,11 @@ def test_a_constraint_starts_where_the_answer_does(tiny_model):
         message = client.chat.completions.create(**kwargs, response_format=schema)
         jsonschema.validate(json.loads(message.choices[0].message.content), PERSON)
         assert message.choices[0].message.role == "model"
+        # A truncated prompt, which loses its text, is read from its tokens (it was a 500).
+        kept = client.chat.completions.create(
+            **kwargs, response_format=schema, extra_body={"truncate_prompt_tokens": 12}
+        )
+        jsonschema.validate(json.loads(kept.choices[0].message.content), PERSON)
         # --max-logprobs -1: a request may ask for the whole vocabulary's (-1, as vLLM's).
         vocab = _vocab_size(tiny_model)
         short = {**kwargs, "max_tokens": 2}

@@ -157,8 +157,7 @@ class OpenAIServingChat(OpenAIServing):
                     param="tool_choice",
                 )
             params.structured_outputs = tool_constraint
-        reasoning = self.reasoning_parser
-        if params.structured_outputs is not None and reasoning and reasoning.starts_thinking(text):
+        if params.structured_outputs is not None and self.starts_thinking(text, token_ids):
             params.structured_outputs.reasoning_end = REASONING_END  # enforce on the answer
         try:
             self.validate_prompt(
@@ -225,7 +224,7 @@ class OpenAIServingChat(OpenAIServing):
             model=prepared.model,
             choices=[
                 self.response_choice(
-                    request, seq, role, echo, num_logprobs, self.starts_thinking(prepared)
+                    request, seq, role, echo, num_logprobs, self.prompt_starts_thinking(prepared)
                 )
                 for seq in final.outputs
             ],
@@ -275,11 +274,18 @@ class OpenAIServingChat(OpenAIServing):
             token_ids=list(seq.token_ids) if request.return_token_ids else None,
         )
 
-    def starts_thinking(self, prepared: PreparedRequest) -> bool | None:
-        """Whether the reply starts inside a think block, read from its prompt (None
-        without --reasoning-parser)."""
-        parser = self.reasoning_parser
-        return parser.starts_thinking(prepared.prompts[0].text) if parser else None
+    def starts_thinking(self, text: str | None, token_ids: list[int]) -> bool | None:
+        """Whether the reply to a prompt starts inside a think block, read from its text
+        (decoded where truncation dropped it); None without --reasoning-parser."""
+        if self.reasoning_parser is None:
+            return None
+        if text is None:
+            text = self.tokenizer.decode(token_ids)
+        return self.reasoning_parser.starts_thinking(text)
+
+    def prompt_starts_thinking(self, prepared: PreparedRequest) -> bool | None:
+        """`starts_thinking` of the prepared request's prompt."""
+        return self.starts_thinking(prepared.prompts[0].text, prepared.prompts[0].token_ids)
 
     def tool_parser_for(self, request: ChatCompletionRequest) -> ToolParser | None:
         """How this request's reply turns into tool calls (None: it is all content)."""
@@ -306,7 +312,7 @@ class OpenAIServingChat(OpenAIServing):
             if echo:
                 yield self._chunk(prepared, index, DeltaMessage(content=echo))
         tool_parser = self.tool_parser_for(request)
-        thinking = self.starts_thinking(prepared)
+        thinking = self.prompt_starts_thinking(prepared)
         streams = [
             ReplyStream(self.reasoning_parser, tool_parser, thinking) for _ in range(request.n)
         ]
