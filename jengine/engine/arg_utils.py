@@ -262,7 +262,12 @@ class EngineArgs:
         )
         add("--block-size", type=int, help="tokens per KV-cache block")
         add("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
-        add("--num-gpu-blocks-override", type=int)
+        add(
+            "--num-gpu-blocks-override",
+            type=int,
+            help="KV-cache blocks to allocate, one of them the null block padding writes to "
+            "(N - 1 hold tokens)",
+        )
         add("--kv-cache-memory-bytes", type=int, help="KV-cache budget (default on CPU: 1 GiB)")
         add("--gpu-memory-utilization", type=float)
         add(

@@ -216,7 +216,10 @@ class EngineCore:
         if self.runner.lora is None:
             return False
         if any(r.lora_id == lora_int_id for r in self.scheduler.requests.values()):
-            raise ValueError(f"LoRA adapter {lora_int_id} is in use by a request")
+            raise ValueError(
+                f"the adapter (id {lora_int_id}) is in use by a request: remove it once "
+                "its requests finish"
+            )
         return self.runner.lora.remove(lora_int_id)
 
     def abort_requests(self, request_ids: list[str]) -> None:

@@ -134,6 +134,17 @@ def test_an_adapter_in_memory_is_served_replaced_and_removed(llm, hf, base_and_a
     _assert_equals_peft(hf, prompts, ["attn-r4", "attn-r4"], tokens, logprobs)
     with pytest.raises(ValueError, match="not registered"):
         _generate(llm, prompts, [trained, None])
+    # Not while a request uses it (the message names why, and the request goes on).
+    engine = llm.llm_engine
+    _, request = engine.input_processor.process(
+        "busy", {"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=4), 0,
+        lora_request=replaced,
+    )  # fmt: skip
+    engine.add_processed_request(request, None)
+    with pytest.raises(ValueError, match=r"the adapter \(id \d+\) is in use by a request"):
+        llm.remove_lora("trained")
+    while engine.has_unfinished_requests():
+        engine.step()
     assert llm.remove_lora("trained")
     assert not llm.remove_lora("trained")
     assert llm.engine_core.compiles_after_warmup() == 0

@@ -110,7 +110,9 @@ class ServingModels:
         try:
             await engine.remove_lora(lora.lora_int_id)
         except Exception as e:
-            raise OpenAIError(f"Unloading LoRA adapter {name!r} failed: {_reason(e)}") from None
+            raise OpenAIError(
+                f"Unloading LoRA adapter {name!r} failed: {_reason(e)}", param="lora_name"
+            ) from None
         del self.loras[name]
 
 
