@@ -155,10 +155,9 @@ class LLM:
 
     def _run_prompts(self, prompts, params, use_tqdm, priority, lora_request) -> list:
         """Validate every prompt, then send and run them all (see `generate`)."""
-        if isinstance(prompts, np.ndarray):  # token ids as research code holds them
-            prompts = prompts.tolist()
+        prompts = _token_ids_as_ints(prompts)  # numpy token ids, as research code holds them
         if isinstance(prompts, str | dict) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], numbers.Integral)
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
         if not isinstance(prompts, list | tuple):

@@ -185,7 +185,8 @@ class ModelRunner:
         self._forward_fn = StaticJit(forward_step, *bound, donate_argnums=(1,))
         # The sampling programs' static arguments: how they skip work, and how many top
         # logprobs they compute (a request slices what it asked for).
-        sampling = (select, min(max_logprobs, self.config.vocab_size))
+        num_logprobs = min(max_logprobs, self.config.vocab_size)
+        sampling = (select, num_logprobs)
         self._decode_fn = StaticJit(decode_step, *bound, *sampling, donate_argnums=(1, 3))
         self.num_decode_steps = num_decode_steps
         multi = (*bound, *sampling, block_size, num_decode_steps)
@@ -194,7 +195,9 @@ class ModelRunner:
         self._sample_fn = StaticJit(
             sample_step, self.graphdef, mesh, *sampling, donate_argnums=(0,)
         )
-        self._prompt_logprobs_fn = StaticJit(prompt_logprobs_step, self.graphdef, mesh, sampling[1])
+        self._prompt_logprobs_fn = StaticJit(
+            prompt_logprobs_step, self.graphdef, mesh, num_logprobs
+        )
         self._write_history = jax.jit(write_slot_history, donate_argnums=0)
         self._compile_counter = CompileCounter()
         self.draft = None

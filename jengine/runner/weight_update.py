@@ -35,12 +35,11 @@ def updated_params(current, params, tensor_parallel, config):
     old_leaves = dict(flatten(nnx.to_pure_dict(current)))
     changes_layout = bool(tensor_parallel and tensor_parallel.changes_layout)
     optional = frozenset(filter(_adapter_slot, old_leaves))
-    fitted_leaves(
-        old_leaves, params, "update_weights", optional=optional, shapes=not changes_layout
-    )
     if changes_layout:
         # The caller's weights have the checkpoint's KV heads and vocabulary; the engine
-        # repeats the one and pads the other.
+        # repeats the one and pads the other (their names are checked first, their shapes
+        # after).
+        fitted_leaves(old_leaves, params, "update_weights", optional=optional, shapes=False)
         params = tensor_parallel.fit_params(params, config)
     new_leaves = fitted_leaves(old_leaves, params, "update_weights", optional=optional)
     placed = {}

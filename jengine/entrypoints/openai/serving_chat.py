@@ -157,7 +157,8 @@ class OpenAIServingChat(OpenAIServing):
                     param="tool_choice",
                 )
             params.structured_outputs = tool_constraint
-        if params.structured_outputs is not None and self.starts_thinking(text, token_ids):
+        thinking = self.starts_thinking(text, token_ids)
+        if params.structured_outputs is not None and thinking:
             params.structured_outputs.reasoning_end = REASONING_END  # enforce on the answer
         try:
             self.validate_prompt(
@@ -169,7 +170,9 @@ class OpenAIServingChat(OpenAIServing):
             raise
         request_id = self.response_id(request)
         prompt = EnginePrompt(text, token_ids, params, request_id)
-        return self.prepared(request, request_id, [prompt], messages)
+        prepared = self.prepared(request, request_id, [prompt], messages)
+        prepared.thinking = thinking
+        return prepared
 
     # -- the template ---------------------------------------------------------------------
 
@@ -223,9 +226,7 @@ class OpenAIServingChat(OpenAIServing):
             id=prepared.request_id,
             model=prepared.model,
             choices=[
-                self.response_choice(
-                    request, seq, role, echo, num_logprobs, self.prompt_starts_thinking(prepared)
-                )
+                self.response_choice(request, seq, role, echo, num_logprobs, prepared.thinking)
                 for seq in final.outputs
             ],
             usage=self.usage_of(finals),
@@ -283,10 +284,6 @@ class OpenAIServingChat(OpenAIServing):
             text = self.tokenizer.decode(token_ids)
         return self.reasoning_parser.starts_thinking(text)
 
-    def prompt_starts_thinking(self, prepared: PreparedRequest) -> bool | None:
-        """`starts_thinking` of the prepared request's prompt."""
-        return self.starts_thinking(prepared.prompts[0].text, prepared.prompts[0].token_ids)
-
     def tool_parser_for(self, request: ChatCompletionRequest) -> ToolParser | None:
         """How this request's reply turns into tool calls (None: it is all content)."""
         if not request.tools:
@@ -312,9 +309,9 @@ class OpenAIServingChat(OpenAIServing):
             if echo:
                 yield self._chunk(prepared, index, DeltaMessage(content=echo))
         tool_parser = self.tool_parser_for(request)
-        thinking = self.prompt_starts_thinking(prepared)
         streams = [
-            ReplyStream(self.reasoning_parser, tool_parser, thinking) for _ in range(request.n)
+            ReplyStream(self.reasoning_parser, tool_parser, prepared.thinking)
+            for _ in range(request.n)
         ]
         async for _, output in self.generate(request, prepared, RequestOutputKind.DELTA):
             counts.cached_tokens[0] = output.num_cached_tokens

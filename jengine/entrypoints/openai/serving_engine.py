@@ -68,6 +68,8 @@ class PreparedRequest:
     messages: list[dict] | None = None  # chat: the conversation, as the template got it
     model: str = ""  # the response's `model`: the adapter's name, or the served model's
     lora_request: LoRARequest | None = None
+    # chat with --reasoning-parser: whether the reply starts inside a think block
+    thinking: bool | None = None
 
 
 @dataclass

@@ -191,7 +191,7 @@ class OpenAIServingResponses(OpenAIServing):
         return parser.num_reasoning_tokens(
             token_ids,
             lambda ids: self.tokenizer.decode(ids, skip_special_tokens=skip),
-            self.chat.prompt_starts_thinking(prepared),
+            prepared.thinking,
         )
 
     def response_object(
