@@ -56,12 +56,26 @@ OTHERS = {
          [("get_time", {}), ("get_weather", WEATHER)]),
         ("It is sunny in Paris.", "It is sunny in Paris.", []),
         ('{"name": "get_weather", "parameters": {', '{"name": "get_weather", "parameters": {', []),
+        # A `;` inside a string is part of it; one may end the list.
+        ('{"name": "sql", "parameters": {"query": "SELECT 1; SELECT 2"}};', None,
+         [("sql", {"query": "SELECT 1; SELECT 2"})]),
+        ('{"name": "get_time", "parameters": {}} and more',
+         '{"name": "get_time", "parameters": {}} and more', []),
     ],
     "mistral": [
         ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
          '"celsius"}}]', None, [("get_weather", WEATHER)]),
         ("Sunny.", "Sunny.", []),
         ("[TOOL_CALLS] [{oops}]", "[TOOL_CALLS] [{oops}]", []),
+        ('Let me look. [TOOL_CALLS][{"name": "get_time", "arguments": {}}]', "Let me look. ",
+         [("get_time", {})]),
+        # Tokenizers v11 and later: a name, then its arguments, after each marker.
+        ('[TOOL_CALLS]get_weather{"city": "Paris", "unit": "celsius"}[TOOL_CALLS]get_time{}',
+         None, [("get_weather", WEATHER), ("get_time", {})]),
+        ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}', None,
+         [("get_weather", WEATHER)]),
+        ('[TOOL_CALLS]get_weather[ARGS]{"city": Paris}',
+         '[TOOL_CALLS]get_weather[ARGS]{"city": Paris}', []),
     ],
 }  # fmt: skip
 

@@ -150,6 +150,9 @@ class OpenAIServingChat(OpenAIServing):
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
             prompt_logprobs=request.prompt_logprobs,
         )
+        tool_parser = self.tool_parser_for(request)
+        if tool_parser is not None and tool_parser.keeps_special_tokens:
+            params.skip_special_tokens = False  # the call markers may be special tokens
         if tool_constraint is not None:
             if params.structured_outputs is not None:
                 raise OpenAIError(

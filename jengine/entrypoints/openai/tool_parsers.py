@@ -15,7 +15,12 @@ across stream deltas is held back until it is whole. Jax-free.
   any number, after optional content.
 - `llama3_json` (Llama 3.1+): the whole reply is `{"name": ..., "parameters": {...}}`
   (optionally after `<|python_tag|>`), several separated by `;`.
-- `mistral`: `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}`.
+- `mistral`: `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}`
+  (tokenizers before v11), or `[TOOL_CALLS]name{...}` / `[TOOL_CALLS]name[ARGS]{...}` for
+  each call (v11 and later).
+
+`hermes` and `mistral` read the reply with its special tokens, as vLLM's do: some
+checkpoints make `<tool_call>` or `[TOOL_CALLS]` one, and decoding would drop the marker.
 """
 
 from __future__ import annotations
@@ -69,6 +74,30 @@ def _parse_call(text: str) -> ParsedCall | None:
         return None
 
 
+_DECODER = json.JSONDecoder()
+
+
+def _json_values(text: str, separator: str) -> list | None:
+    """The JSON values `text` holds one after another, `separator` between them (a
+    separator inside a JSON string is part of it); None unless that is all it holds."""
+    values, at = [], 0
+    while True:
+        at = len(text) - len(text[at:].lstrip())
+        if at == len(text) and values:
+            return values  # a separator may end the list
+        try:
+            value, at = _DECODER.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return None
+        values.append(value)
+        rest = text[at:].lstrip()
+        if not rest:
+            return values
+        if not rest.startswith(separator):
+            return None
+        at = len(text) - len(rest) + len(separator)
+
+
 def _held_back(text: str, marker: str) -> int:
     """How many trailing characters of `text` could be the start of `marker`."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -79,6 +108,9 @@ def _held_back(text: str, marker: str) -> int:
 
 class ToolParser:
     name = ""
+    # Whether the reply must be decoded with its special tokens, the parser's markers
+    # being special tokens in some checkpoints.
+    keeps_special_tokens = False
 
     def split(self, text: str, finished: bool) -> tuple[str, list[ParsedCall]]:
         """(the content so far, the complete calls so far). Both only grow as `text` grows
@@ -96,6 +128,7 @@ class ToolParser:
 
 class HermesToolParser(ToolParser):
     name = "hermes"
+    keeps_special_tokens = True
     START, END = "<tool_call>", "</tool_call>"
     _BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 
@@ -137,18 +170,19 @@ class Llama3JsonToolParser(ToolParser):
             return text, []
         if not finished:
             return "", []  # a call list is known only once the reply is complete
-        calls = []
-        for piece in body.split(";"):
-            call = _parse_call(piece)
-            if call is None:
-                return text, []
-            calls.append(call)
-        return "", calls
+        calls = [_call_from(value) for value in _json_values(body, ";") or [None]]
+        return ("", calls) if None not in calls else (text, [])
 
 
 class MistralToolParser(ToolParser):
     name = "mistral"
+    keeps_special_tokens = True
     MARKER = "[TOOL_CALLS]"
+    # v11 and later: one call after each marker, its name then its arguments object.
+    _CALL = re.compile(
+        r"\s*(?P<name>[\w.-]+)\s*(?:\[CALL_ID\]\s*\w+\s*)?(?:\[ARGS\])?(?P<arguments>.*)",
+        re.DOTALL,
+    )
 
     def split(self, text: str, finished: bool) -> tuple[str, list[ParsedCall]]:
         at = text.find(self.MARKER)
@@ -157,15 +191,28 @@ class MistralToolParser(ToolParser):
             return text[:cut], []
         if not finished:
             return text[:at], []
-        try:
-            items = json.loads(text[at + len(self.MARKER) :])
-        except json.JSONDecodeError:
+        calls = self._calls(text[at + len(self.MARKER) :].split(self.MARKER))
+        if not calls or None in calls:
             return text, []
-        items = items if isinstance(items, list) else [items]
-        calls = [_call_from(item) for item in items]
-        if not calls or any(c is None for c in calls):
-            return text, []
-        return text[:at].strip(), calls
+        return text[:at], calls
+
+    def _calls(self, pieces: list[str]) -> list[ParsedCall | None]:
+        if pieces[0].lstrip().startswith(("[", "{")):  # before v11: a JSON array of calls
+            if len(pieces) > 1:
+                return [None]
+            try:
+                items = json.loads(pieces[0])
+            except json.JSONDecodeError:
+                return [None]
+            return [_call_from(item) for item in (items if isinstance(items, list) else [items])]
+        calls = []
+        for piece in pieces:
+            match = self._CALL.fullmatch(piece)
+            arguments = match and match.group("arguments").strip()
+            calls.append(
+                match and _call_from({"name": match.group("name"), "arguments": arguments})
+            )
+        return calls
 
 
 class RequiredToolCallParser(ToolParser):
