@@ -13,8 +13,9 @@ Promises:
   time); a prompt context that ends mid-character keeps the Python method, whose text
   the stream would not reproduce exactly;
 - stop strings are searched only in the newly added text (plus the tail that could start
-  a match), after `min_tokens`; on a match the text is cut before the stop string (or
-  after it with `include_stop_str_in_output`);
+  a match), once past the first `min_tokens` tokens (as vLLM's: a stop string the
+  min_tokens-th token completes does not count); on a match the text is cut before the
+  stop string (or after it with `include_stop_str_in_output`);
 - `text_delta(finished)` holds back the last len(longest stop) - 1 characters of a
   stream, so a client never sees a stop string it must then take back.
 """
@@ -91,7 +92,8 @@ class IncrementalDetokenizer:
         return None
 
     def _check_stop(self, num_added: int) -> str | None:
-        if not self.stops or self.num_output_tokens < self.params.min_tokens:
+        # As vLLM's: only a token past the first min_tokens may complete a stop string.
+        if not self.stops or self.num_output_tokens <= self.params.min_tokens:
             return None
         for stop in self.stops:
             # A match must end inside the new text; it may start up to len(stop)-1 before.

@@ -120,12 +120,16 @@ def test_stop_token_text_excluded_but_id_kept(tokenizer):
 
 
 def test_min_tokens_delays_stop_strings(tokenizer):
+    """As vLLM's: a stop string counts only when a token past the first min_tokens
+    completes it (its text is cut, so an earlier one would leave fewer)."""
     ids = tokenizer.encode(TEXT)
-    params = SamplingParams(stop=["is"], min_tokens=len(ids) - 1, max_tokens=len(ids))
-    final, aborted, _ = _run(
-        tokenizer, params, RequestOutputKind.FINAL_ONLY, ids, finish=FinishReason.LENGTH
-    )
-    assert not aborted and final[0].outputs[0].finish_reason == "length"
+    ends = next(k for k in range(1, len(ids)) if "winter" in tokenizer.decode(ids[:k]))
+    for min_tokens, finish_reason in ((ends - 1, "stop"), (ends, "length")):
+        params = SamplingParams(stop=["winter"], min_tokens=min_tokens, max_tokens=len(ids))
+        final, _, _ = _run(
+            tokenizer, params, RequestOutputKind.FINAL_ONLY, ids, finish=FinishReason.LENGTH
+        )
+        assert final[0].outputs[0].finish_reason == finish_reason, min_tokens
 
 
 def test_n_children_gathered_in_order(tokenizer):
