@@ -26,6 +26,9 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 # The most top logprobs a request may ask for unless the engine was given another
 # `max_logprobs` (vLLM's default; `ModelConfig.max_logprobs`).
 MAX_LOGPROBS = 20
+# How many ids min_tokens can keep from ending a request (EOS and stop_token_ids): the
+# on-device sampler masks a fixed-width row of them.
+MAX_SUPPRESSED_IDS = 16
 
 
 def _require(ok: bool, field: str, msg: str, value: object) -> None:
@@ -274,6 +277,14 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    def min_tokens_suppressed_ids(self, eos_token_id: int | None) -> list[int]:
+        """The ids masked while the output is short of min_tokens: EOS (unless ignored)
+        and the stop token ids, each once."""
+        if not self.min_tokens:
+            return []
+        eos = [] if eos_token_id is None or self.ignore_eos else [eos_token_id]
+        return list(dict.fromkeys([*eos, *self.stop_token_ids]))
 
     def clone(self) -> SamplingParams:
         """A deep copy (the lists and dict are not shared), e.g. one per n-way child."""

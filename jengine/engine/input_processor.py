@@ -19,7 +19,12 @@ from jengine.engine.tokenizer import eos_token_ids_of
 from jengine.lora_request import LoRARequest
 from jengine.pooling import PoolerConfig, PoolingParams
 from jengine.protocol import EngineCoreRequest
-from jengine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from jengine.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_SUPPRESSED_IDS,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 PromptType = str | list[int] | dict
 # An embedding request's sampling: the one token that ends its prompt's step, never shown.
@@ -262,6 +267,13 @@ class InputProcessor:
         if missing and not params.ignore_eos:
             params = params.clone()
             params.stop_token_ids = [*params.stop_token_ids, *missing]
+        suppressed = params.min_tokens_suppressed_ids(self.eos_token_id)
+        if len(suppressed) > MAX_SUPPRESSED_IDS:
+            raise ValueError(
+                f"min_tokens holds back at most {MAX_SUPPRESSED_IDS} token ids from ending "
+                f"a request (EOS, the model's other EOS ids and stop_token_ids); this one "
+                f"has {len(suppressed)}: give fewer stop_token_ids, or no min_tokens"
+            )
         if -1 in (params.logprobs, params.prompt_logprobs):  # the engine counts them
             params = params.clone()
             for name in ("logprobs", "prompt_logprobs"):

@@ -37,9 +37,9 @@ from jengine.core.kv_cache_utils import cdiv
 from jengine.core.sched_output import NewRequestData, SchedulerOutput
 from jengine.runner.buckets import BucketSpec
 from jengine.runner.prepared_step import PreparedStep, neutral_sampling_arrays, padded
-from jengine.runner.sampler import MAX_SUPPRESSED_IDS, fold_seed
+from jengine.runner.sampler import fold_seed
 from jengine.runner.spec_decode import verification_rows
-from jengine.sampling_params import SamplingParams
+from jengine.sampling_params import MAX_SUPPRESSED_IDS, SamplingParams
 
 
 @dataclass(slots=True)
@@ -129,16 +129,13 @@ class InputBatch:
 
     def _add(self, new: NewRequestData) -> CachedRequestState:
         params = new.sampling_params
-        suppressed = [] if params.min_tokens == 0 else list(params.stop_token_ids or [])
-        if params.min_tokens and new.eos_token_id is not None and not params.ignore_eos:
-            suppressed.append(new.eos_token_id)
         state = CachedRequestState(
             req_id=new.req_id,
             num_prompt_tokens=len(new.prompt_token_ids),
             sampling_params=params,
             slot=self.free_slots.pop(),
             seed=self._seed_for(new.req_id, params.seed, new.arrival_number),
-            suppressed_ids=suppressed[:MAX_SUPPRESSED_IDS],
+            suppressed_ids=params.min_tokens_suppressed_ids(new.eos_token_id),
             lora_id=0 if new.lora_request is None else new.lora_request.lora_int_id,
         )
         self.requests[new.req_id] = state

@@ -3,7 +3,7 @@
 
 Where it sits: `InputBatch.prepare` builds a `PreparedStep`; `step.ForwardInputs`,
 `grammar_mask`, the draft model and `step_outputs` read it. It holds numpy arrays only and
-imports nothing of the runner but the bucket shape and the sampler's suppressed-id width.
+imports nothing of the runner but the bucket shape.
 
 Axis letters: T tokens, R requests, P pages per request, S sampling rows (S <= R, their
 own bucket: `BucketSpec.sample_rows`).
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jengine.runner.buckets import StepShape
-from jengine.runner.sampler import MAX_SUPPRESSED_IDS
+from jengine.sampling_params import MAX_SUPPRESSED_IDS
 
 
 @dataclass(slots=True)

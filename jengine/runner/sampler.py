@@ -34,8 +34,6 @@ from jengine.runner.branches import branch
 from jengine.runner.truncation import truncate
 from jengine.sampling_params import GREEDY_TEMPERATURE_EPS
 
-MAX_SUPPRESSED_IDS = 16  # EOS + stop token ids masked before min_tokens
-
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)

@@ -50,6 +50,16 @@ def test_bad_prompts_raise_and_engine_carries_on(llm, checkpoint):
         llm.generate({"prompt_token_ids": good}, SamplingParams(logprobs=50))
     with pytest.raises(ValueError, match="sampling params"):
         llm.generate([{"prompt_token_ids": good}] * 2, [SamplingParams()] * 3)
+    # min_tokens holds back a fixed number of ids (EOS among them): more is refused, not cut.
+    stop_ids = list(range(10, 25))  # 15: with EOS, the most it holds back
+    held = SamplingParams(temperature=0, min_tokens=4, max_tokens=8, stop_token_ids=stop_ids)
+    held.logit_bias = {stop_ids[-1]: 100.0}
+    [output] = llm.generate({"prompt_token_ids": good}, held)
+    assert output.outputs[0].token_ids[-1] == stop_ids[-1]
+    assert len(output.outputs[0].token_ids) == 5
+    held.stop_token_ids = [*stop_ids, 25, 26]
+    with pytest.raises(ValueError, match="min_tokens holds back at most 16 token ids"):
+        llm.generate({"prompt_token_ids": good}, held)
     # First come, first served (the default) has no use for a priority: refused, as in vLLM.
     with pytest.raises(ValueError, match="priority 1 needs priority scheduling"):
         llm.generate([{"prompt_token_ids": good}] * 2, priority=[0, 1])

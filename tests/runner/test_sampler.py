@@ -9,7 +9,8 @@ import pytest
 
 from jengine.runner import sampler, truncation
 from jengine.runner.prepared_step import neutral_sampling_arrays
-from jengine.runner.sampler import MAX_SUPPRESSED_IDS, SamplingMetadata, SamplingState
+from jengine.runner.sampler import SamplingMetadata, SamplingState
+from jengine.sampling_params import MAX_SUPPRESSED_IDS
 
 # Jitted as in the runner: op-by-op dispatch would be slow and test a different program.
 sample = jax.jit(sampler.sample, static_argnames="select")
