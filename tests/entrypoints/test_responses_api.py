@@ -2,7 +2,8 @@
 `openai` client's `responses.create`: a plain answer equal to the chat route's, a streamed
 one whose events come in order and whose deltas join to the full text, a function tool
 round trip (the call, then its output sent back as an input item), a JSON-schema text
-format, logprobs equal to the chat route's (whole and streamed), cached input tokens
+format, logprobs equal to the chat route's (whole and streamed), vLLM's extra fields as
+the chat route takes them, cached input tokens
 counted as the chat and completion routes count them (--enable-prompt-tokens-details), and
 the clear 400s for what jengine does not keep (stored responses)."""
 
@@ -48,6 +49,19 @@ def test_a_plain_response_is_the_chat_answer(client):
     assert response.usage.output_tokens_details.reasoning_tokens == 0  # no reasoning parser
     salted = respond(client, input=QUESTION, max_output_tokens=32, extra_body={"cache_salt": "s"})
     assert salted.output_text == response.output_text
+
+
+def test_vllms_extra_fields_apply_as_on_the_chat_route(client):
+    template = "{% for m in messages %}Q: {{ m['content'] }}\n{% endfor %}A:"
+    extra = {"chat_template": template, "top_k": 1, "repetition_penalty": 1.3}
+    response = respond(client, input=QUESTION, max_output_tokens=12, temperature=1.0,
+                       extra_body=extra)  # fmt: skip
+    chat = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": QUESTION}], max_tokens=12,
+        temperature=0, extra_body={"chat_template": template, "repetition_penalty": 1.3},
+    )  # fmt: skip
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.output_text == chat.choices[0].message.content  # top_k 1 is greedy
 
 
 def test_instructions_and_message_items_are_the_chat_messages(client):
@@ -250,6 +264,10 @@ def test_a_json_schema_text_format_validates(client):
             "text.format",
         ),
         (dict(input=QUESTION, max_output_tokens=10**6), "max_output_tokens"),
+        # Chat fields a response has no place for, and what no route serves.
+        (dict(input=QUESTION, extra_body={"n": 2}), "n"),
+        (dict(input=QUESTION, extra_body={"max_tokens": 5}), "max_tokens"),
+        (dict(input=QUESTION, extra_body={"use_beam_search": True}), "use_beam_search"),
     ],
 )
 def test_what_is_not_served_is_a_400_naming_it(client, kwargs, param):

@@ -19,6 +19,10 @@ response.function_call_arguments.delta), their .done events and response.output_
 last response.completed (or response.incomplete). An error mid-stream is an "error" event
 naming the cause.
 
+vLLM's extra fields (`extra_body`: top_k, repetition_penalty, seed, stop, chat_template, ...)
+reach the chat request as on the chat route; a chat field a response has no place for (n,
+echo, messages, max_tokens, ...) is a 400 naming it.
+
 Decided: jengine keeps no responses, so `store: true`, `previous_response_id`,
 `conversation` and `background: true` are 400s naming the field (a client sends the
 conversation as input items instead, as with `store: false`). Logprobs
@@ -63,6 +67,14 @@ _FIELDS_AS_CHAT = {
     "max_tokens": "max_output_tokens",
     "max_completion_tokens": "max_output_tokens",
 }
+
+
+# Chat fields a response has no place for: sent as extras, each is a 400 (others, vLLM's
+# sampling and template extras, reach the chat request as they would on the chat route).
+_CHAT_ONLY_FIELDS = (
+    "messages", "n", "echo", "logprobs", "prompt_logprobs", "stream_options",
+    "return_token_ids", "return_tokens_as_token_ids", *_FIELDS_AS_CHAT,
+)  # fmt: skip
 
 
 def responses_field(chat_field: str | None) -> str | None:
@@ -129,6 +141,15 @@ class OpenAIServingResponses(OpenAIServing):
                 "type": "json_schema",
                 "json_schema": {**schema, "schema": fmt.schema_},
             }
+        extra = request.model_extra or {}
+        for name in _CHAT_ONLY_FIELDS:
+            if name in extra:
+                instead = responses_field(name)
+                raise OpenAIError(
+                    f"{name} is a chat completions field, not one of /v1/responses"
+                    + (f": use {instead}" if instead != name else ""),
+                    param=name,
+                )
         tool_choice = request.tool_choice
         if tool_choice is not None and not isinstance(tool_choice, str):
             tool_choice = {"type": "function", "function": {"name": tool_choice.name}}
@@ -160,7 +181,7 @@ class OpenAIServingResponses(OpenAIServing):
             return_token_ids=self.chat.reasoning_parser is not None,
         )
         try:
-            return ChatCompletionRequest.model_validate(body)
+            return ChatCompletionRequest.model_validate({**extra, **body})
         except pydantic.ValidationError as e:
             error = e.errors()[0]
             where = ".".join(str(part) for part in error.get("loc", ()))
