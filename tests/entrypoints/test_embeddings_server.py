@@ -1,10 +1,11 @@
-"""`/v1/embeddings` with the official `openai` client against `jengine serve --runner
-pooling` on the tiny model: one and many inputs (strings and token ids) equal `LLM.embed`'s
-embeddings of the same prompts, base64 equal to float, `dimensions` refused on a model that
-is not matryoshka, and the 400s: an empty or too-long input, embeddings asked of a
-generating server, generation asked of an embedding server. An embedding engine runs
-prompts only, so it is a server of its own: the two servers run side by side here, a
-generation stream on one while the other embeds, and neither compiles after warmup."""
+"""`/v1/embeddings` with the official `openai` client against `jengine serve --runner pooling`
+on the tiny model: one and many inputs (strings and token ids, whole or cut by
+`truncate_prompt_tokens`) equal `LLM.embed`'s embeddings of the same prompts, base64 equal
+to float, `dimensions` refused on a model that is not matryoshka, and the 400s: an empty or
+too-long input, embeddings asked of a generating server, generation asked of an embedding
+server. An embedding engine runs prompts only, so it is a server of its own: the two
+servers run side by side here, a generation stream on one while the other embeds, and
+neither compiles after warmup."""
 
 import base64
 import threading
@@ -65,6 +66,15 @@ def test_embeddings_of_one_and_many_inputs(servers, expected):
         np.testing.assert_allclose(data.embedding, vector, atol=1e-6)
     single_ids = client.embeddings.create(model=MODEL_NAME, input=token_ids[1])
     np.testing.assert_allclose(single_ids.data[0].embedding, vectors[1], atol=1e-6)
+    # vLLM's truncate_prompt_tokens: each input's last k tokens.
+    k = len(token_ids[1])
+    longer = [token_ids[0] + token_ids[1], token_ids[1]]
+    cut = client.embeddings.create(
+        model=MODEL_NAME, input=longer, extra_body={"truncate_prompt_tokens": k}
+    )
+    for data in cut.data:
+        np.testing.assert_allclose(data.embedding, vectors[1], atol=1e-6)
+    assert cut.usage.prompt_tokens == 2 * k
 
 
 def test_base64_is_the_float32_bytes_of_the_floats(servers):
@@ -104,6 +114,8 @@ def test_base64_encodes_the_float32_values_exactly():
         ({"input": [10**6]}, "input", "out of vocabulary"),
         ({"input": "hi", "dimensions": 8}, "dimensions", "matryoshka"),
         ({"input": "hi", "model": "nope"}, "model", "does not exist"),
+        ({"input": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "-1 or from 1"),
+        ({"input": "hi", "use_beam_search": True}, "use_beam_search", "not supported"),
     ],
 )
 def test_bad_embedding_requests_are_400s_naming_the_field(servers, body, param, words):

@@ -22,6 +22,7 @@ class EmbeddingRequest(RequestModel):
     user: str | None = None
     # vLLM's extras
     add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None  # each input's last k tokens (-1: max_model_len)
     normalize: bool | None = None
     request_id: str | None = None
     priority: Annotated[int, Field(**_INT64)] = 0

@@ -5,9 +5,10 @@ pooling` (jengine/pooling.py), and each input goes to `AsyncLLM.encode` as its o
 request, all at once. It shares the opening checks and the run's error handling with the
 generation layers (serving_engine.py); there is no stream.
 
-Promises: every problem with a request (an input that is empty, too long or outside the
-vocabulary, `dimensions` the model does not allow, a server that does not embed) is a 400
-naming the field before anything reaches the engine; `encoding_format="base64"` is the
+Promises: vLLM's `truncate_prompt_tokens` keeps each input's last k tokens; every problem
+with a request (an input that is empty, too long or outside the vocabulary, `dimensions`
+the model does not allow, a server that does not embed) is a 400 naming the field before
+anything reaches the engine; `encoding_format="base64"` is the
 little-endian float32 bytes of the same floats `"float"` gives (what the `openai` client
 decodes).
 """
@@ -26,6 +27,7 @@ from jengine.entrypoints.openai.protocol_embeddings import (
     EmbeddingResponse,
     EmbeddingUsage,
 )
+from jengine.entrypoints.openai.sampling_request import truncated
 from jengine.entrypoints.openai.serving_engine import OpenAIServing
 from jengine.outputs import EmbeddingRequestOutput
 from jengine.pooling import PoolingParams
@@ -41,6 +43,8 @@ class OpenAIServingEmbedding(OpenAIServing):
         """The checked token ids of every input and the request's PoolingParams."""
         self.check_model(request.model)
         self.check_engine()
+        self.check_extra_fields(request)
+        self.check_truncation(request.truncate_prompt_tokens)
         pooler = self.engine.input_processor.pooler
         if pooler is None:
             raise OpenAIError(
@@ -59,10 +63,13 @@ class OpenAIServingEmbedding(OpenAIServing):
         if any(isinstance(item, str) for item in inputs):
             self.require_tokenizer()
         prompts = [
-            self.tokenizer.encode(item, add_special_tokens=request.add_special_tokens)
-            if isinstance(item, str)
-            else list(item)
-            for item in inputs
+            truncated(request, None, token_ids, self.max_model_len)[1]
+            for token_ids in (
+                self.tokenizer.encode(item, add_special_tokens=request.add_special_tokens)
+                if isinstance(item, str)
+                else list(item)
+                for item in inputs
+            )
         ]
         for token_ids in prompts:
             try:

@@ -138,19 +138,8 @@ class OpenAIServing:
             request.return_tokens_as_token_ids = self.return_tokens_as_token_ids
         if request.stream_options is not None and not request.stream:
             raise OpenAIError("stream_options needs stream=true", param="stream_options")
-        extra = request.model_extra or {}
-        for name in UNSUPPORTED_FIELDS:
-            if extra.get(name) not in (None, False, [], {}):
-                raise OpenAIError(f"{name} is not supported", param=name)
-        if extra:  # as vLLM does: accepted, and the log says so
-            logger.warning("request fields ignored: %s", ", ".join(sorted(extra)))
-        truncate = request.truncate_prompt_tokens
-        if truncate is not None and not (truncate == -1 or 1 <= truncate <= self.max_model_len):
-            raise OpenAIError(
-                f"truncate_prompt_tokens must be -1 or from 1 to max_model_len "
-                f"({self.max_model_len}), got {truncate}",
-                param="truncate_prompt_tokens",
-            )
+        self.check_extra_fields(request)
+        self.check_truncation(request.truncate_prompt_tokens)
         if request.stream and request.prompt_logprobs is not None:
             # vLLM refuses them above 0 and streams none at 0: nothing silently dropped here.
             raise OpenAIError(
@@ -165,6 +154,24 @@ class OpenAIServing:
         if any(len(stop) > MAX_STOP_CHARS for stop in stops):
             raise OpenAIError(
                 f"stop strings may be at most {MAX_STOP_CHARS} characters long", param="stop"
+            )
+
+    def check_extra_fields(self, request) -> None:
+        """Fields the request model does not know: vLLM's unsupported ones are a 400, the
+        rest are accepted and logged, as vLLM does."""
+        extra = request.model_extra or {}
+        for name in UNSUPPORTED_FIELDS:
+            if extra.get(name) not in (None, False, [], {}):
+                raise OpenAIError(f"{name} is not supported", param=name)
+        if extra:
+            logger.warning("request fields ignored: %s", ", ".join(sorted(extra)))
+
+    def check_truncation(self, truncate: int | None) -> None:
+        if truncate is not None and not (truncate == -1 or 1 <= truncate <= self.max_model_len):
+            raise OpenAIError(
+                f"truncate_prompt_tokens must be -1 or from 1 to max_model_len "
+                f"({self.max_model_len}), got {truncate}",
+                param="truncate_prompt_tokens",
             )
 
     def check_model(self, model: str | None) -> None:
