@@ -129,6 +129,20 @@ def test_n3_and_batched_prompts(client):
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     assert out.usage.prompt_tokens == 6 and out.usage.completion_tokens == 16
     assert out.choices[0].text == out.choices[1].text  # greedy: both sequences agree
+    # Streamed with continuous_usage_stats, a chunk's usage is its choice's, as vLLM's: that
+    # prompt's tokens and the choice's tokens so far; the last chunk has the whole usage.
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    ids_too = {"return_token_ids": True}
+    chunks = list(complete(client, prompt=ids, max_tokens=4, n=2, stream=True,
+                           stream_options=options, extra_body=ids_too))  # fmt: skip
+    so_far = [0] * 4
+    for chunk in chunks[:-1]:
+        [choice] = chunk.choices
+        so_far[choice.index] += len(choice.model_extra.get("token_ids") or [])
+        assert chunk.usage.prompt_tokens == len(ids[choice.index // 2])
+        assert chunk.usage.completion_tokens == so_far[choice.index]
+    assert so_far == [4] * 4
+    assert chunks[-1].usage == out.usage
 
     sampled = complete(client, prompt=PROMPT, max_tokens=12, n=3, temperature=1.0, seed=7)
     assert sorted(c.index for c in sampled.choices) == [0, 1, 2]

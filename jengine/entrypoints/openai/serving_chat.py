@@ -319,7 +319,7 @@ class OpenAIServingChat(OpenAIServing):
         async for _, output in self.generate(request, prepared, RequestOutputKind.DELTA):
             counts.cached_tokens[0] = output.num_cached_tokens
             for seq in output.outputs:
-                counts.completion_tokens += len(seq.token_ids)
+                counts.add(seq.index, len(seq.token_ids))
                 # Logprobs and token ids come with every token, text or not yet.
                 wants_per_token = seq.token_ids and (
                     num_logprobs is not None or request.return_token_ids

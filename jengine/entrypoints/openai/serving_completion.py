@@ -147,7 +147,7 @@ class OpenAIServingCompletion(OpenAIServing):
             for seq in output.outputs:
                 i = prompt_index * n + seq.index
                 body, ids, rows = seq.text, list(seq.token_ids), list(seq.logprobs or [])
-                counts.completion_tokens += len(ids)
+                counts.add(i, len(ids))
                 if request.echo and not echoed[i] and (ids or seq.finish_reason):
                     echoed[i] = True
                     body = self._prompt_text(prompt) + body

@@ -12,7 +12,8 @@ Promises: every problem with a request surfaces as an `OpenAIError` (400/404/503
 never produces a 500. A stream always ends with `data: [DONE]`; an error after it started
 comes as one OpenAI-shaped error event just before that; with
 `stream_options.include_usage` a chunk with no choices and the request's usage comes last
-(and every chunk carries the usage so far with `continuous_usage_stats`).
+(and with `continuous_usage_stats` every chunk carries its choice's usage so far, as vLLM's:
+its prompt's tokens and its own completion tokens).
 """
 
 import logging
@@ -74,21 +75,35 @@ class PreparedRequest:
 
 @dataclass
 class StreamUsage:
-    """Token counts of a stream so far; `stream_chunks` adds completion tokens and notes
-    each prompt's cached tokens (by prompt index)."""
+    """Token counts of a stream so far; `stream_chunks` adds each choice's completion
+    tokens (`add`) and notes each prompt's cached tokens (by prompt index)."""
 
     prompt_tokens: int
     completion_tokens: int = 0
     cached_tokens: dict[int, int] = field(default_factory=dict)
     with_details: bool = False  # --enable-prompt-tokens-details
+    prompt_lengths: list[int] = field(default_factory=list)  # of each prompt, for `of_choice`
+    n: int = 1  # choices per prompt: choice i answers prompt i // n
+    choice_tokens: dict[int, int] = field(default_factory=dict)
 
     @property
     def num_cached_tokens(self) -> int:
         return sum(self.cached_tokens.values())
 
+    def add(self, choice: int, num_tokens: int) -> None:
+        self.completion_tokens += num_tokens
+        self.choice_tokens[choice] = self.choice_tokens.get(choice, 0) + num_tokens
+
     def info(self) -> UsageInfo:
         cached = self.num_cached_tokens if self.with_details else None
         return usage(self.prompt_tokens, self.completion_tokens, cached)
+
+    def of_choice(self, choice: int) -> UsageInfo:
+        """One choice's usage so far (continuous_usage_stats, as vLLM's): its prompt's
+        tokens and its own completion tokens."""
+        prompt = choice // self.n
+        cached = self.cached_tokens.get(prompt, 0) if self.with_details else None
+        return usage(self.prompt_lengths[prompt], self.choice_tokens.get(choice, 0), cached)
 
 
 class OpenAIServing:
@@ -322,9 +337,12 @@ class OpenAIServing:
         options = request.stream_options
         include_usage = bool(options and options.include_usage)
         continuous_usage = include_usage and bool(options.continuous_usage_stats)
+        lengths = [len(prompt.token_ids) for prompt in prepared.prompts]
         counts = StreamUsage(
-            sum(len(prompt.token_ids) for prompt in prepared.prompts),
+            sum(lengths),
             with_details=self.enable_prompt_tokens_details,
+            prompt_lengths=lengths,
+            n=request.n,
         )
         try:
             async with aclosing(self.stream_chunks(request, prepared, counts)) as chunks:
@@ -332,7 +350,8 @@ class OpenAIServing:
                     if self.faults is not None:
                         self.faults.check("format", prepared.request_id)
                     if continuous_usage:
-                        chunk.usage = counts.info()
+                        choice = chunk.choices[0].index if chunk.choices else None
+                        chunk.usage = counts.info() if choice is None else counts.of_choice(choice)
                     yield sse(chunk.model_dump_json())
             if include_usage:
                 final = self.chunk_type(
