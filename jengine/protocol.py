@@ -91,13 +91,15 @@ UTILITY_METHODS = frozenset(
 
 
 class EngineCoreReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """The engine process's first message: warmup is done and these are its numbers."""
+    """The engine process's first message: warmup is done and these are its numbers, or
+    (`error`) it could not start because of its configuration."""
 
     pid: int
     vocab_size: int
     num_blocks: int
     capacity_report: str = ""
     startup_seconds: float = 0.0
+    error: str = ""
 
 
 # The front end stops an engine-core process with this signal once its requests are

@@ -222,7 +222,9 @@ class MPClient:
 
         The constructor only starts the processes, so the owner can do its own start-up
         (the tokenizer, the server's imports) on one core while the engines import jax,
-        load weights and warm up on the other. Stops the processes if the wait fails."""
+        load weights and warm up on the other. Stops the processes if the wait fails: a
+        ValueError with the engine's words when what it was given is wrong (a checkpoint, a
+        size that does not fit the model), a RuntimeError when it died."""
         if self.ready is not None:
             return self.ready
         try:
@@ -257,7 +259,10 @@ class MPClient:
                     raise TimeoutError(f"the engine core was not ready after {timeout:.0f}s")
                 continue
             identity, payload = self.input_socket.recv_multipart()
-            by_identity[identity].ready = msgspec.msgpack.decode(payload, type=EngineCoreReady)
+            ready = msgspec.msgpack.decode(payload, type=EngineCoreReady)
+            if ready.error:
+                raise ValueError(ready.error)
+            by_identity[identity].ready = ready
 
     def _watch_engine(self, replica: EngineReplica) -> None:
         multiprocessing.connection.wait([replica.proc.sentinel])

@@ -215,7 +215,16 @@ class EngineCoreProc(EngineCore):
         signal.signal(signal.SIGTERM, on_sigterm)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            engine = EngineCoreProc(config, input_address, output_address, identity, engine_index)
+            try:
+                engine = EngineCoreProc(
+                    config, input_address, output_address, identity, engine_index
+                )
+            except ValueError as e:  # the configuration: the front end says why, in one line
+                logger.error("engine core could not start: %s", e)
+                _report_start_failure(input_address, identity, str(e))
+                if config.parallel.multi_host:
+                    distributed.exit_now(1)  # the other hosts wait for this one: end them too
+                raise SystemExit(1) from None
             # Everything built so far lives for the whole process: keep it out of GC scans.
             gc.collect()
             gc.freeze()
@@ -223,10 +232,25 @@ class EngineCoreProc(EngineCore):
                 engine.run_busy_loop()
             finally:
                 engine.shutdown()
-        except SystemExit:
+        except SystemExit as e:
             logger.debug("engine core exits")
+            if e.code:
+                raise
         except BaseException:
             logger.exception("engine core failed")
             if config.parallel.multi_host:
                 distributed.exit_now(1)  # the other hosts wait for this one: end them too
             raise
+
+
+def _report_start_failure(input_address: str, identity: bytes, error: str) -> None:
+    """Tell the front end waiting for this engine why it will not be ready."""
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.setsockopt(zmq.LINGER, 5000)  # delivered before the process exits
+    sock.connect(input_address)
+    failed = EngineCoreReady(pid=os.getpid(), vocab_size=0, num_blocks=0, error=error)
+    sock.send(msgspec.msgpack.encode(failed))
+    sock.close()
+    context.term()

@@ -76,7 +76,14 @@ def test_a_conversation_keeps_its_history(monkeypatch, capsys):
     assert "error: prompt has 9000 tokens" in capsys.readouterr().err
 
 
-def test_serve_fails_fast_and_clearly():
+def test_serve_fails_fast_and_clearly(tiny_model):
+    result = run(["serve", "/no/such/model", "--port", "99999"], 60)
+    assert result.returncode != 0 and "a port is 0-65535, got 99999" in result.stderr
+    # A configuration the engine process finds wrong: its words, in one line.
+    result = run(["serve", tiny_model, *ENGINE_FLAGS, "--port", "0", "--tensor-parallel-size", "3"])
+    assert result.returncode != 0
+    assert "error: tensor_parallel_size=3 does not divide the 4 attention heads" in result.stderr
+    assert "Traceback" not in result.stderr
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -25,6 +25,13 @@ MET_BY_CONSTRUCTION = {
 }
 
 
+def port(value: str) -> int:
+    port = int(value)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {port}")
+    return port
+
+
 def add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "model_tag",
@@ -33,7 +40,7 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         help="an HF checkpoint folder, a .gguf file, or smollm2 / shakespeare",
     )
     serve.add_argument("--host", default=None, help="address to bind (default: all)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=port, default=8000)
     serve.add_argument(
         "--served-model-name",
         nargs="+",
