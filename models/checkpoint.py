@@ -94,10 +94,28 @@ def gguf_file(path: str) -> str | None:
     return os.path.join(path, found[0]) if found else None
 
 
+# The causal LMs jengine runs (models/registry.py names each one's classes; it needs jax,
+# this module does not).
+CAUSAL_LM_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+    "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+)  # fmt: skip
+
+
+def causal_lm_of_base_model(architecture: str) -> str | None:
+    """The causal LM whose decoder a base model is (`LlamaModel`: `LlamaForCausalLM`), for
+    the families jengine runs; base models are how embedding checkpoints are saved: their
+    tensors lack the "model." prefix and the head. None for anything else (GPT-2's
+    `GPT2LMHeadModel` included)."""
+    if not architecture.endswith("Model"):
+        return None
+    causal_lm = architecture[: -len("Model")] + "ForCausalLM"
+    return causal_lm if causal_lm in CAUSAL_LM_ARCHITECTURES else None
+
+
 def is_base_model(architecture: str) -> bool:
-    """A family's decoder without an LM head (`LlamaModel`), as embedding checkpoints are
-    saved: its tensors lack the "model." prefix and the head."""
-    return architecture.endswith("Model") and not architecture.endswith("PreTrainedModel")
+    return causal_lm_of_base_model(architecture) is not None
 
 
 def holds_base_model(hf_config: dict) -> bool:

@@ -60,7 +60,8 @@ class LLM:
         mesh: Mesh | None = None,
         **engine_kwargs,
     ):
-        """`model`: an HF folder (default: the bundled model) or a Flax module; `params`:
+        """`model`: an HF folder, a .gguf, `smollm2`, `shakespeare` (default: `smollm2` when
+        it is installed, else `shakespeare`) or a Flax module; `params`:
         weights (a params State or nested dict) to use instead of the folder's, host
         arrays or jax arrays in any layout; `mesh`: the `jax.sharding.Mesh` to run on
         (e.g. the training mesh `params` live on): the model is split tensor-parallel over

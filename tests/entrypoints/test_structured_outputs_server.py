@@ -236,8 +236,8 @@ def test_tool_choice_none_still_shows_the_template_its_tools(client):
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [
-        ({"extra_body": {"guided_json": {"type": "objekt"}}}, "structured_outputs"),
-        ({"extra_body": {"guided_regex": "[a-"}}, "structured_outputs"),
+        ({"extra_body": {"guided_json": {"type": "objekt"}}}, "guided_json"),
+        ({"extra_body": {"guided_regex": "[a-"}}, "guided_regex"),
         ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["a"]}}},
          "structured_outputs"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},

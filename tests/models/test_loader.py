@@ -76,6 +76,18 @@ def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="unsupported model architecture.*GPT2LMHeadModel"):
         load_model(str(tmp_path))
+    # Nor is it taken for a base model ("GPT2LMHeadModel" ends in "Model"), which would send
+    # its user to --runner pooling.
+    from jengine.engine.arg_utils import EngineArgs
+
+    EngineArgs(model=str(tmp_path)).create_engine_config()
+
+
+def test_the_architectures_named_without_jax_are_the_registrys():
+    from jengine.models.checkpoint import CAUSAL_LM_ARCHITECTURES
+    from jengine.models.registry import supported_architectures
+
+    assert sorted(CAUSAL_LM_ARCHITECTURES) == supported_architectures()
 
 
 def test_malformed_folders(tmp_path):

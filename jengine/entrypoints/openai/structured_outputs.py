@@ -59,7 +59,10 @@ def constraint_field(request: SamplingRequest) -> str:
     """The field a request's output constraint came from: what an error about the
     constraint (a schema the grammar compiler refused) names."""
     fmt = request.response_format
-    return "response_format" if fmt is not None and fmt.type != "text" else "structured_outputs"
+    if fmt is not None and fmt.type != "text":
+        return "response_format"
+    guided = (name for name in _GUIDED if getattr(request, name) is not None)
+    return next(guided, "structured_outputs")
 
 
 def _params(field: str, values: dict) -> StructuredOutputsParams:
