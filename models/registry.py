@@ -4,7 +4,7 @@ Where it sits: `models/loader.py` asks it which class builds a checkpoint. Promi
 clear ValueError naming the architecture and the supported list for anything else.
 """
 
-from jengine.models.checkpoint import causal_lm_of_base_model, is_base_model
+from jengine.models.checkpoint import causal_lm_of_base_model
 from jengine.models.gemma import GemmaConfig, GemmaForCausalLM
 from jengine.models.llama import LlamaConfig, LlamaForCausalLM
 from jengine.models.mixtral import MixtralConfig, MixtralForCausalLM
@@ -39,8 +39,9 @@ def resolve_architecture(hf_config: dict):
     for name in names:
         if name in _ARCHITECTURES:
             return _ARCHITECTURES[name]
-        if is_base_model(name):
-            return _ARCHITECTURES[causal_lm_of_base_model(name)]
+        causal_lm = causal_lm_of_base_model(name)
+        if causal_lm is not None:
+            return _ARCHITECTURES[causal_lm]
     raise ValueError(
         f"unsupported model architecture {names or '(none given in config.json)'}; "
         f"jengine supports {', '.join(supported_architectures())}"

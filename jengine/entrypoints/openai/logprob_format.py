@@ -2,14 +2,19 @@
 candidates of a position, vLLM's prompt_logprobs entries, and -inf clamped for JSON.
 
 Where it sits: each serving layer (serving_engine.py's `OpenAIServing.logprob_format`)
-hands it the `Logprob` rows of a `RequestOutput`; the completion and chat routes shape
-what it returns into their own logprob objects.
+hands it the `Logprob` rows of a `RequestOutput`; the chat route's logprobs object is built
+here (`chat`), the completion route shapes what it returns into its own.
 """
 
 import math
 
 from jengine.engine.token_bytes import byte_decoder, piece_bytes
 from jengine.entrypoints.openai.protocol import PromptLogprob, PromptLogprobs
+from jengine.entrypoints.openai.protocol_chat import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+)
 from jengine.outputs import Logprob, RequestOutput
 
 
@@ -74,6 +79,36 @@ class LogprobFormat:
             )
             for candidate_id, candidate in top_k_of(row, num)
         ]
+
+    def chat(
+        self,
+        token_ids: list[int],
+        rows: list[dict[int, Logprob]] | None,
+        num: int,
+        as_ids: bool = False,
+    ) -> ChatCompletionLogProbs:
+        """The chat route's logprobs of `token_ids`: each token's own, its bytes and its
+        `num` top candidates."""
+        content = []
+        for token_id, row in zip(token_ids, rows or [], strict=False):
+            chosen = row.get(token_id)
+            token = self.token_str(token_id, chosen, as_ids)
+            content.append(
+                ChatCompletionLogProbsContent(
+                    token=token,
+                    logprob=clamp_logprob(chosen.logprob) if chosen else -9999.0,
+                    bytes=self.token_bytes(token_id, token),
+                    top_logprobs=[
+                        ChatCompletionLogProb(
+                            token=candidate,
+                            logprob=logprob,
+                            bytes=self.token_bytes(candidate_id, candidate),
+                        )
+                        for candidate_id, candidate, logprob in self.top_logprobs(row, num, as_ids)
+                    ],
+                )
+            )
+        return ChatCompletionLogProbs(content=content)
 
 
 def top_k_of(row: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:

@@ -26,12 +26,9 @@ from collections.abc import AsyncIterator
 from jengine.engine.output_processor import RequestOutputKind
 from jengine.entrypoints.openai.chat_messages import template_messages
 from jengine.entrypoints.openai.errors import param_of, to_openai_error
-from jengine.entrypoints.openai.logprob_format import clamp_logprob
 from jengine.entrypoints.openai.protocol import OpenAIError
 from jengine.entrypoints.openai.protocol_chat import (
-    ChatCompletionLogProb,
     ChatCompletionLogProbs,
-    ChatCompletionLogProbsContent,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -64,7 +61,7 @@ from jengine.entrypoints.openai.tool_parsers import (
     ToolParser,
     get_tool_parser,
 )
-from jengine.outputs import CompletionOutput, Logprob, RequestOutput
+from jengine.outputs import CompletionOutput, RequestOutput
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -268,7 +265,7 @@ class OpenAIServingChat(OpenAIServing):
                 reasoning_content=reasoning,
                 tool_calls=tool_calls,
             ),
-            logprobs=self._logprobs(
+            logprobs=self.logprob_format.chat(
                 seq.token_ids, seq.logprobs, num_logprobs, request.return_tokens_as_token_ids
             )
             if num_logprobs is not None
@@ -333,7 +330,7 @@ class OpenAIServingChat(OpenAIServing):
                     continue
                 logprobs = None
                 if num_logprobs is not None:
-                    logprobs = self._logprobs(
+                    logprobs = self.logprob_format.chat(
                         seq.token_ids, seq.logprobs, num_logprobs,
                         request.return_tokens_as_token_ids,
                     )  # fmt: skip
@@ -375,38 +372,6 @@ class OpenAIServingChat(OpenAIServing):
                 )
             ],
         )
-
-    # -- logprobs -------------------------------------------------------------------------
-
-    def _logprobs(
-        self,
-        token_ids: list[int],
-        rows: list[dict[int, Logprob]] | None,
-        num: int,
-        as_ids: bool = False,
-    ) -> ChatCompletionLogProbs:
-        content = []
-        for token_id, row in zip(token_ids, rows or [], strict=False):
-            chosen = row.get(token_id)
-            token = self.logprob_format.token_str(token_id, chosen, as_ids)
-            content.append(
-                ChatCompletionLogProbsContent(
-                    token=token,
-                    logprob=clamp_logprob(chosen.logprob) if chosen else -9999.0,
-                    bytes=self.logprob_format.token_bytes(token_id, token),
-                    top_logprobs=[
-                        ChatCompletionLogProb(
-                            token=candidate,
-                            logprob=logprob,
-                            bytes=self.logprob_format.token_bytes(candidate_id, candidate),
-                        )
-                        for candidate_id, candidate, logprob in self.logprob_format.top_logprobs(
-                            row, num, as_ids
-                        )
-                    ],
-                )
-            )
-        return ChatCompletionLogProbs(content=content)
 
 
 def _prompt_ids_if_asked(request: ChatCompletionRequest, prepared: PreparedRequest):
