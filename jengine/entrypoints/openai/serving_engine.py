@@ -78,13 +78,16 @@ class StreamUsage:
     """Token counts of a stream so far; `stream_chunks` adds each choice's completion
     tokens (`add`) and notes each prompt's cached tokens (by prompt index)."""
 
-    prompt_tokens: int
+    prompt_lengths: list[int]  # each prompt's tokens
     completion_tokens: int = 0
     cached_tokens: dict[int, int] = field(default_factory=dict)
     with_details: bool = False  # --enable-prompt-tokens-details
-    prompt_lengths: list[int] = field(default_factory=list)  # of each prompt, for `of_choice`
     n: int = 1  # choices per prompt: choice i answers prompt i // n
     choice_tokens: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self.prompt_lengths)
 
     @property
     def num_cached_tokens(self) -> int:
@@ -337,11 +340,9 @@ class OpenAIServing:
         options = request.stream_options
         include_usage = bool(options and options.include_usage)
         continuous_usage = include_usage and bool(options.continuous_usage_stats)
-        lengths = [len(prompt.token_ids) for prompt in prepared.prompts]
         counts = StreamUsage(
-            sum(lengths),
+            [len(prompt.token_ids) for prompt in prepared.prompts],
             with_details=self.enable_prompt_tokens_details,
-            prompt_lengths=lengths,
             n=request.n,
         )
         try:

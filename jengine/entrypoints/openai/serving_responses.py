@@ -196,7 +196,9 @@ class OpenAIServingResponses(OpenAIServing):
         [choice] = chat.choices
         output = output_items(choice.message, choice.logprobs, choice.finish_reason == "length")
         counts = StreamUsage(
-            chat.usage.prompt_tokens, chat.usage.completion_tokens, {0: finals[0].num_cached_tokens}
+            [chat.usage.prompt_tokens],
+            chat.usage.completion_tokens,
+            {0: finals[0].num_cached_tokens},
         )
         reasoning_tokens = self.reasoning_tokens(prepared, finals[0].outputs[0].token_ids)
         return self.response_object(
@@ -265,7 +267,7 @@ class OpenAIServingResponses(OpenAIServing):
         self, request: ResponsesRequest, prepared: PreparedResponse
     ) -> AsyncIterator[str]:
         events = Events()
-        counts = StreamUsage(len(prepared.prompts[0].token_ids))
+        counts = StreamUsage([len(prepared.prompts[0].token_ids)])
         started = self.response_object(request, prepared, [], None, counts)
         yield events("response.created", response=started)
         yield events("response.in_progress", response=started)
