@@ -1,7 +1,7 @@
 """The Responses API's items without a server: a reply with reasoning, text and tool calls
 becomes items in the order the model wrote them, whole and streamed (the streamed events
-numbered, each item opened before its deltas and closed once, the final items equal to the
-whole reply's); input items become the chat messages the template gets."""
+numbered, each item opened before its deltas and closed once before the next opens, the
+final items equal to the whole reply's); input items become the chat messages the template gets."""
 
 import json
 
@@ -56,12 +56,12 @@ def test_a_reply_with_reasoning_text_and_calls_streams_into_the_same_items():
         "response.output_item.added",  # reasoning
         "response.reasoning_text.delta",
         "response.reasoning_text.delta",
+        "response.reasoning_text.done",  # closed before the next item opens, as OpenAI's
+        "response.output_item.done",
         "response.output_item.added",  # message
         "response.content_part.added",
         "response.output_text.delta",
         "response.output_text.delta",
-        "response.reasoning_text.done",
-        "response.output_item.done",
         "response.output_text.done",
         "response.content_part.done",
         "response.output_item.done",

@@ -106,7 +106,8 @@ class Events:
 class StreamedItems:
     """The output items of a stream as its deltas arrive: reasoning, then the message
     text, then the function calls (whose arguments arrive whole from the chat stream's
-    parsers at the end of each call, and are sent when the reply is done)."""
+    parsers at the end of each call, and are sent when the reply is done). Items follow
+    one another: an item's done events come before the next one's `output_item.added`."""
 
     events: Events
     output: list[dict] = field(default_factory=list)
@@ -114,17 +115,22 @@ class StreamedItems:
     calls: dict[int, dict] = field(default_factory=dict)
     logprobs: list[dict] = field(default_factory=list)  # every token's, in order
     unsent_logprobs: list[dict] = field(default_factory=list)  # since the last text delta
+    open_item: dict | None = None  # the text item deltas go to, closed when the next opens
 
-    def _open(self, item: dict) -> str:
+    def _open(self, item: dict) -> list[str]:
+        """The events that close the open item (if any) and open `item`."""
+        events = self._close() if self.open_item is not None else []
         self.output.append(item)
         self.texts[item["id"]] = []
-        return self.events(
-            "response.output_item.added", output_index=len(self.output) - 1, item=item
+        self.open_item = item if item["type"] != "function_call" else None
+        events.append(
+            self.events("response.output_item.added", output_index=len(self.output) - 1, item=item)
         )
+        return events
 
     def _current(self, item_type: str) -> dict | None:
-        last = self.output[-1] if self.output else None
-        return last if last is not None and last["type"] == item_type else None
+        item = self.open_item
+        return item if item is not None and item["type"] == item_type else None
 
     def feed(
         self,
@@ -142,7 +148,7 @@ class StreamedItems:
             item = self._current("reasoning")
             if item is None:
                 item = _reasoning_item(None, status="in_progress")
-                events.append(self._open(item))
+                events += self._open(item)
             self.texts[item["id"]].append(reasoning)
             events.append(
                 self._content_event("response.reasoning_text.delta", item, delta=reasoning)
@@ -151,7 +157,7 @@ class StreamedItems:
             item = self._current("message")
             if item is None:
                 item = _message_item(None, status="in_progress")
-                events.append(self._open(item))
+                events += self._open(item)
                 events.append(
                     self._content_event("response.content_part.added", item, part=_output_text(""))
                 )
@@ -171,38 +177,44 @@ class StreamedItems:
             entry["name"] += call.function.name or ""
             entry["arguments"] += call.function.arguments or ""
 
+    def _close(self, status: str = "completed") -> list[str]:
+        """The done events of the open text item, which takes `status`."""
+        item, self.open_item = self.open_item, None
+        text = "".join(self.texts[item["id"]])
+        item["status"] = status
+        events = []
+        if item["type"] == "reasoning":
+            item["content"] = [{"type": "reasoning_text", "text": text}]
+            events.append(self._content_event("response.reasoning_text.done", item, text=text))
+        else:
+            if self.unsent_logprobs:  # tokens with no text of their own, as EOS
+                events.append(
+                    self._content_event(
+                        "response.output_text.delta", item, delta="", logprobs=self.unsent_logprobs
+                    )
+                )
+                self.unsent_logprobs = []
+            part = _output_text(text, self.logprobs)
+            item["content"] = [part]
+            events.append(
+                self._content_event(
+                    "response.output_text.done", item, text=text, logprobs=self.logprobs
+                )
+            )
+            events.append(self._content_event("response.content_part.done", item, part=part))
+        events.append(self._done(item))
+        return events
+
     def finish(self, cut_short: bool = False) -> list[str]:
         """The done events; `cut_short` as in `output_items`."""
         events = []
-        for item in list(self.output):
-            text = "".join(self.texts[item["id"]])
-            item["status"] = "incomplete" if cut_short and item is self.output[-1] else "completed"
-            if item["type"] == "reasoning":
-                item["content"] = [{"type": "reasoning_text", "text": text}]
-                events.append(self._content_event("response.reasoning_text.done", item, text=text))
-            else:
-                if self.unsent_logprobs:  # tokens with no text of their own, as EOS
-                    events.append(
-                        self._content_event(
-                            "response.output_text.delta", item, delta="",
-                            logprobs=self.unsent_logprobs,
-                        )
-                    )  # fmt: skip
-                    self.unsent_logprobs = []
-                part = _output_text(text, self.logprobs)
-                item["content"] = [part]
-                events.append(
-                    self._content_event(
-                        "response.output_text.done", item, text=text, logprobs=self.logprobs
-                    )
-                )
-                events.append(self._content_event("response.content_part.done", item, part=part))
-            events.append(self._done(item))
+        if self.open_item is not None:
+            events += self._close("incomplete" if cut_short else "completed")
         for _, call in sorted(self.calls.items()):
             item = _function_call_item(
                 call["id"] or random_id("call"), call["name"], "", "in_progress"
             )
-            events.append(self._open(item))
+            events += self._open(item)
             index = len(self.output) - 1
             for event_type, key in (("delta", "delta"), ("done", "arguments")):
                 events.append(
