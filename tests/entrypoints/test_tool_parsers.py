@@ -301,6 +301,15 @@ def test_reasoning_tokens_end_with_the_one_that_completes_the_end_marker(
         # Thinking off: the template closed the block (after an earlier turn's, too).
         ("qwen3", "<think>a</think>b<|im_start|>assistant\n<think>\n\n</think>\n\n", False),
         ("deepseek_r1", "<|Assistant|><think>\n\n</think>\n\n", False),
+        # Only the prompt's end tells: markers in a user's message or an earlier turn say
+        # nothing of this reply (they once decided it).
+        (
+            "qwen3",
+            "<|im_start|>user\nWhat is a <think> tag?<|im_end|>\n<|im_start|>assistant\n",
+            False,
+        ),
+        ("deepseek_r1", "<|User|>What does </think> mean?<|Assistant|>", True),
+        ("deepseek_r1", "<|Assistant|><think>a</think>b<|User|>Hi<|Assistant|>", True),
     ],
 )
 def test_whether_a_reply_starts_thinking(name, prompt, thinking):

@@ -9,10 +9,10 @@ when the reply starts thinking (`starts_thinking`), else from its first token.
 what each delta adds, and the pieces join into the full response; `ReplyStream` chains it
 with a tool-call stream for one streamed chat choice. Jax-free.
 
-Whether a reply starts inside a think block is read from its prompt (`starts_thinking`):
-a template that opens `<think>` (DeepSeek-R1, Qwen3-2507's thinking models) makes the reply
-reasoning up to `</think>`; one that closed the block (thinking turned off) makes it all
-answer. With neither marker in the prompt the parsers differ:
+Whether a reply starts inside a think block is read from its prompt's end
+(`starts_thinking`): a template that opens `<think>` for the reply (DeepSeek-R1, Qwen3-2507's
+thinking models) makes it reasoning up to `</think>`; one that closed the block (thinking
+turned off) makes it all answer. With neither marker there the parsers differ:
 
 - `deepseek_r1`: the model thinks anyway, so the reply is reasoning up to `</think>` (an
   opening `<think>` is dropped); with no `</think>`, it is all reasoning.
@@ -36,14 +36,19 @@ class ReasoningParser:
 
     def starts_thinking(self, prompt: str) -> bool:
         """Whether a reply to `prompt` starts inside a think block, so that an output
-        constraint waits for `</think>`: the prompt opened one it did not close (a
-        reasoning model's template); not if it closed it (Qwen3 with thinking off); with
-        neither, deepseek_r1's model thinks anyway, and qwen3's reply is answer unless the
-        model opens `<think>` itself, which a constraint from the first token forbids
-        (a constraint waiting for a `</think>` that never comes would be none at all)."""
-        opened, closed = prompt.rfind(START), prompt.rfind(END)
-        if opened != closed:  # one of them is there: the later one tells
-            return opened > closed
+        constraint waits for `</think>`. Only the prompt's end tells, where the template
+        writes the reply's start: `<think>` there (a reasoning model's template) opens the
+        block; `</think>` (Qwen3 with thinking off) closed it. A marker anywhere else, as
+        a user's message naming the tag or an earlier turn's reasoning, says nothing of
+        this reply. With neither at the end, deepseek_r1's model thinks anyway, and qwen3's
+        reply is answer unless the model opens `<think>` itself, which a constraint from
+        the first token forbids (a constraint waiting for a `</think>` that never comes
+        would be none at all)."""
+        end = prompt.rstrip()
+        if end.endswith(START):
+            return True
+        if end.endswith(END):
+            return False
         return self.reasoning_without_start
 
     def split(self, text: str, finished: bool, thinking: bool | None = None) -> tuple[str, str]:
