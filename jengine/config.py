@@ -391,8 +391,8 @@ class LoRAConfig:
 
     max_loras: adapters on the device at once, so the most in one step.
     max_lora_rank: the slots' rank; an adapter of a lower rank is zero-padded (exact).
-    max_cpu_loras: adapters kept read on the host (None: max_loras); more are read again
-        from their folder when next needed.
+    max_cpu_loras: adapters kept read on the host (None: max_loras), more while
+        unfinished requests use them; one dropped is read again when a request names it.
     """
 
     max_loras: int = 1

@@ -209,7 +209,12 @@ class EngineCore:
             raise ValueError(
                 "this engine does not serve LoRA adapters (start it with --enable-lora)"
             )
-        return self.runner.lora.add(lora_request, adapter)
+        return self.runner.lora.add(lora_request, adapter, self._adapters_in_use())
+
+    def _adapters_in_use(self) -> frozenset[int]:
+        """The adapters of unfinished requests, which stay read on the host."""
+        requests = [*self.scheduler.requests.values(), *self._held]
+        return frozenset(r.lora_id for r in requests)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter; a ValueError while a request still uses it."""

@@ -19,8 +19,10 @@ Promises:
   adapters than `max_loras` among running requests), and an adapter a step uses is never
   evicted for another the same step needs;
 - adapters read from a folder are kept on the host up to `max_cpu_loras` (least recently
-  used dropped first, read again when next needed); adapters handed over in memory stay
-  until removed (there is nothing to read them from again);
+  used dropped first), beyond it while requests still use them; one dropped is read again
+  when a request next names it (`add`), so a folder that can no longer be read fails that
+  request, never a step; adapters handed over in memory stay until removed (there is
+  nothing to read them from again);
 - one id means one adapter: a second folder under a registered id is a ValueError, and
   an in-memory adapter added again under its id replaces it (its slot is rewritten).
 """
@@ -55,10 +57,16 @@ class LoRASlots:
 
     # -- registry ------------------------------------------------------------------------
 
-    def add(self, request: LoRARequest, adapter: LoRAAdapter | None = None) -> bool:
-        """Register an adapter: read from `request.lora_path` unless `adapter` is given.
-        Returns False when a folder adapter is registered already. ValueError for what
-        cannot be served (its reason named)."""
+    def add(
+        self,
+        request: LoRARequest,
+        adapter: LoRAAdapter | None = None,
+        in_use: frozenset[int] = frozenset(),
+    ) -> bool:
+        """Register an adapter: read from `request.lora_path` unless `adapter` is given
+        (read again if it was dropped from the host). Returns False when a folder adapter
+        is registered already. `in_use`: the adapters unfinished requests use, kept on the
+        host. ValueError for what cannot be served (its reason named)."""
         lora_id = request.lora_int_id
         known = self.requests.get(lora_id)
         if adapter is None:
@@ -68,20 +76,22 @@ class LoRASlots:
                         f"LoRA id {lora_id} is adapter {known.lora_name!r} "
                         f"({known.lora_path or 'in memory'}), not {request.lora_path!r}"
                     )
+                if lora_id not in self.adapters:  # dropped from the host: read again
+                    self._keep(lora_id, self._read(known), in_use)
                 return False
             if not request.lora_path:
                 raise ValueError(
                     f"LoRA adapter {request.lora_name!r} (id {lora_id}) is not registered "
                     "and has no path to read it from"
                 )
-            adapter = read_peft_adapter(request.lora_path, self.model_config, request.lora_name)
+            adapter = self._read(request)
         self._check(adapter)
         if lora_id in self.slot_of:  # replaced: its slot must be written again
             self.free_slots.append(self.slot_of.pop(lora_id))
         self.requests[lora_id] = request
         if not request.lora_path:
             self.in_memory.add(lora_id)
-        self._keep(lora_id, adapter)
+        self._keep(lora_id, adapter, in_use)
         return True
 
     def remove(self, lora_id: int) -> bool:
@@ -117,22 +127,17 @@ class LoRASlots:
                     f"[{layers}, {out}, r]"
                 )
 
-    def _keep(self, lora_id: int, adapter: LoRAAdapter) -> None:
+    def _read(self, request: LoRARequest) -> LoRAAdapter:
+        return read_peft_adapter(request.lora_path, self.model_config, request.lora_name)
+
+    def _keep(self, lora_id: int, adapter: LoRAAdapter, in_use: frozenset[int]) -> None:
         self.adapters[lora_id] = adapter
         self.adapters.move_to_end(lora_id)
-        droppable = [i for i in self.adapters if i not in self.in_memory]
-        while len(droppable) > self.num_cpu_loras:
-            del self.adapters[droppable.pop(0)]
-
-    def _adapter(self, lora_id: int) -> LoRAAdapter:
-        adapter = self.adapters.get(lora_id)
-        if adapter is None:  # dropped from the host: read again
-            request = self.requests[lora_id]
-            adapter = read_peft_adapter(request.lora_path, self.model_config, request.lora_name)
-            self._keep(lora_id, adapter)
-        else:
-            self.adapters.move_to_end(lora_id)
-        return adapter
+        read = [i for i in self.adapters if i not in self.in_memory]  # LRU first
+        excess = len(read) - self.num_cpu_loras
+        # Those of waiting and running requests stay: a step never reads a folder.
+        for victim in [i for i in read if i not in in_use and i != lora_id][: max(0, excess)]:
+            del self.adapters[victim]
 
     # -- slots ---------------------------------------------------------------------------
 
@@ -151,7 +156,8 @@ class LoRASlots:
                 victim = next(i for i in self.slot_of if i not in lora_ids)
                 self.free_slots.append(self.slot_of.pop(victim))
             slot = self.free_slots.pop()
-            params = self.write(params, slot, self._adapter(lora_id))
+            self.adapters.move_to_end(lora_id)  # on the host since its request was added
+            params = self.write(params, slot, self.adapters[lora_id])
             self.slot_of[lora_id] = slot
             self.num_loads += 1
         return params

@@ -11,6 +11,8 @@ transformers + PEFT on the random-weight adapters of tests/models/lora_files.py:
   removed without a recompile;
 - what cannot be served is a ValueError naming it, and leaves the engine serving."""
 
+import shutil
+
 import numpy as np
 import pytest
 
@@ -172,6 +174,21 @@ def test_what_cannot_be_served_is_named(llm, base_and_adapters, tmp_path):
     _generate(small, prompt, [loras["mlp-r8"]])
     assert list(small.engine_core.runner.lora.adapters) == [loras["mlp-r8"].lora_int_id]
     assert _generate(small, prompt, [loras["attn-r4"]])[0] == first
+    # Requests in flight keep their adapters read beyond max_cpu_loras: a step never reads
+    # a folder, so one that is gone fails the request that names it, not the engine (a
+    # step read it and the engine core died).
+    gone = tmp_path / "gone"
+    shutil.copytree(paths["attn-r4"], gone)
+    both = [LoRARequest("gone", 7, str(gone)), loras["mlp-r8"]]
+    second = _generate(small, prompt, both[1:])[0]
+    assert _generate(small, prompt * 2, both)[0] == first + second
+    assert len(small.engine_core.runner.lora.adapters) == 2
+    shutil.rmtree(gone)
+    assert _generate(small, prompt, [loras["attn-r4"]])[0] == first  # the others dropped
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        _generate(small, prompt, both[:1])
+    assert _generate(small, prompt, both[1:])[0] == second
+    assert not small.engine_core.has_unfinished_requests()
     plain = LLM(base, **{k: v for k, v in ENGINE.items() if "lora" not in k})
     with pytest.raises(ValueError, match="does not serve LoRA adapters"):
         _generate(plain, prompt, [loras["attn-r4"]])
