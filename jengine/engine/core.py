@@ -220,7 +220,7 @@ class EngineCore:
         """Forget an adapter; a ValueError while a request still uses it."""
         if self.runner.lora is None:
             return False
-        if any(r.lora_id == lora_int_id for r in self.scheduler.requests.values()):
+        if lora_int_id in self._adapters_in_use():
             raise ValueError(
                 f"the adapter (id {lora_int_id}) is in use by a request: remove it once "
                 "its requests finish"
