@@ -90,6 +90,13 @@ class GemmaConfig(DecoderConfig):
         head_dim = sizes_from_hf(hf)["head_dim"]
         if hf.get("attention_bias"):
             raise ValueError("Gemma with attention_bias=true is not supported")
+        if model_type != "gemma2" and hf.get("use_bidirectional_attention"):
+            # EmbeddingGemma's: the prompt attends both ways, which a causal decoder's
+            # KV cache cannot give (transformers' Gemma 2 ignores the field, as jengine).
+            raise ValueError(
+                "Gemma 3 with use_bidirectional_attention=true (EmbeddingGemma's) is not "
+                "supported: jengine runs causal attention only"
+            )
         rope, local_rope = _ropes(hf, head_dim)
         sliding_window, local_layers = sliding_windows_from_hf(
             {**hf, "layer_types": _layer_types(hf)}

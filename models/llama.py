@@ -44,7 +44,9 @@ class LlamaConfig(DecoderConfig):
             rope=RopeConfig.from_hf(hf, sizes["head_dim"]),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or (model_type != "mistral" and attention_bias),
+            # Qwen2 always has them; Qwen2-MoE says so in `qkv_bias` (True by default).
+            qkv_bias=(model_type == "qwen2" and bool(hf.get("qkv_bias", True)))
+            or (model_type != "mistral" and attention_bias),
             o_bias=model_type in ("llama", "qwen3") and attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",

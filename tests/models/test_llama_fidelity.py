@@ -115,3 +115,23 @@ def test_float32_models_ask_for_float32_matmuls(tmp_path, dtype):
     assert dots
     highest = [d for d in dots if "precision = [HIGHEST, HIGHEST]" in d]
     assert len(highest) == (len(dots) if dtype == "float32" else 0), dots
+
+
+def test_qwen2_moe_without_qkv_biases(tmp_path):
+    """Qwen2-MoE's `qkv_bias=False` (its config's own switch; Qwen2's always has them)
+    loads without the biases and equals transformers (it was refused as a checkpoint
+    missing q/k/v biases)."""
+    hf_model = make_checkpoint("qwen2-moe", str(tmp_path), config_overrides={"qkv_bias": False})
+    model = load_model(str(tmp_path), dtype="float32")
+    seq = _sequences(5, [17])[0]
+    logits = PagedSequences(model, [seq]).step({0: 17})[0]
+    np.testing.assert_allclose(logits, hf_logits(hf_model, seq).numpy(), atol=ATOL, rtol=0)
+
+
+def test_gemma3_bidirectional_attention_is_refused(tmp_path):
+    """EmbeddingGemma's bidirectional prompt attention cannot come from a causal KV cache:
+    refused by name (it ran causally, other tokens than transformers' and no error)."""
+    overrides = {"use_bidirectional_attention": True}
+    make_checkpoint("gemma3", str(tmp_path), config_overrides=overrides)
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        load_model(str(tmp_path), dtype="float32")
