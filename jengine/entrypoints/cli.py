@@ -16,6 +16,7 @@ import contextlib
 import importlib
 import logging
 import os
+import select
 import socket
 import sys
 from dataclasses import fields
@@ -269,7 +270,7 @@ def _converse(reply, system: list[dict], first: str | None) -> None:
     history: list[dict] = []
     with contextlib.suppress(EOFError, KeyboardInterrupt):
         while True:  # piped turns: the replies alone, a line each
-            line = first if first is not None else input("> " if at_terminal else "")
+            line = first if first is not None else _read_turn(at_terminal)
             first = None
             if line.strip() == "/exit":
                 return
@@ -285,6 +286,22 @@ def _converse(reply, system: list[dict], first: str | None) -> None:
                 print(f"error: {e}", file=sys.stderr)
                 continue
             history += [turn, {"role": "assistant", "content": answer}]
+
+
+def _read_turn(at_terminal: bool) -> str:
+    """The next line of input (EOFError at its end). At a terminal the wait is in Python,
+    polled: Ctrl-C's SIGINT may land on any of the engine's threads, and only the main
+    thread running Python raises KeyboardInterrupt (`input()`'s read went on to Enter)."""
+    if not at_terminal:
+        return input("")
+    sys.stderr.write("> ")  # where input() writes it: standard output holds replies only
+    sys.stderr.flush()
+    while not select.select([sys.stdin], [], [], 0.1)[0]:
+        pass
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError
+    return line.removesuffix("\n")
 
 
 def cmd_bench(args: argparse.Namespace) -> None:

@@ -1,9 +1,15 @@
 """`jengine generate`, `jengine chat` and `jengine serve` as a user runs them (subprocesses)."""
 
+import ctypes
+import os
+import platform
 import re
+import select
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 from jengine.entrypoints.cli import _converse
 from tests.entrypoints.remote_server import ENGINE_FLAGS
@@ -74,6 +80,40 @@ def test_a_conversation_keeps_its_history(monkeypatch, capsys):
         [*system, user("third")],
     ]
     assert "error: prompt has 9000 tokens" in capsys.readouterr().err
+
+
+def test_ctrl_c_at_the_prompt_ends_the_conversation(tiny_model):
+    """Ctrl-C at `jengine chat`'s `> ` prompt ends it at once, whichever thread the
+    kernel hands the SIGINT to: here one of the engine's own (under load a thread of
+    XLA's took it, and the prompt waited for Enter)."""
+    terminal, chat_side = os.openpty()
+    chat = subprocess.Popen(
+        [*CLI, "chat", "--model", tiny_model, *ENGINE_FLAGS],
+        stdin=chat_side, stdout=chat_side, stderr=chat_side,
+    )  # fmt: skip
+    os.close(chat_side)
+    try:
+        shown, deadline = b"", time.monotonic() + 120
+        while not shown.endswith(b"> ") and time.monotonic() < deadline:
+            if select.select([terminal], [], [], 1)[0]:
+                shown += os.read(terminal, 4096)
+        assert shown.endswith(b"> "), shown[-2000:]
+        _interrupt_a_thread_other_than_the_main_one(chat.pid)
+        assert chat.wait(timeout=20) == 0
+    finally:
+        chat.kill()
+        os.close(terminal)
+
+
+def _interrupt_a_thread_other_than_the_main_one(pid: int) -> None:
+    for tid in sorted(int(t) for t in os.listdir(f"/proc/{pid}/task")):
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            blocked = next(line for line in f if line.startswith("SigBlk:")).split()[1]
+        if tid != pid and not int(blocked, 16) & (1 << (signal.SIGINT - 1)):
+            tgkill = {"x86_64": 234, "aarch64": 131}[platform.machine()]
+            assert ctypes.CDLL(None, use_errno=True).syscall(tgkill, pid, tid, signal.SIGINT) == 0
+            return
+    raise AssertionError("every other thread blocks SIGINT")
 
 
 def test_serve_fails_fast_and_clearly(tiny_model):
