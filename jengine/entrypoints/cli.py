@@ -84,9 +84,9 @@ def make_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt (default: the template's)")
     _add_chat_template_arg(chat)
     chat.add_argument("--max-tokens", type=int, default=256)
-    chat.add_argument("--temperature", type=float, default=0.0)
-    chat.add_argument("--top-p", type=float, default=1.0)
-    chat.add_argument("--top-k", type=int, default=0)
+    chat.add_argument("--temperature", type=float, help=recommended % "0 (greedy)")
+    chat.add_argument("--top-p", type=float, help=recommended % "1")
+    chat.add_argument("--top-k", type=int, help=recommended % "0 (off)")
     EngineArgs.add_cli_args(chat)
     chat.set_defaults(max_num_seqs=1, warmup=False)
 
@@ -247,7 +247,9 @@ def cmd_chat(args: argparse.Namespace) -> None:
     _sampling_params(args)  # a bad flag fails before the model loads
     llm = _one_shot_llm(args)
     system = [] if args.system is None else [{"role": "system", "content": args.system}]
-    params = _sampling_params(args, llm.llm_engine.sampling_defaults)
+    # Unlike `generate`, a reply is greedy unless the model recommends a temperature: the
+    # same question gets the same answer.
+    params = _sampling_params(args, {"temperature": 0.0, **llm.llm_engine.sampling_defaults})
 
     def reply(messages: list[dict]) -> str:
         render = llm.llm_engine.input_processor.render_chat

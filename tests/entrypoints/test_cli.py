@@ -55,6 +55,19 @@ def test_chat_as_a_conversation(tiny_model):
     assert len(talk.stdout) > 2 * len(reply)
 
 
+def test_chat_samples_as_the_model_recommends(tiny_model, tmp_path):
+    """`jengine chat` is greedy unless the model recommends sampling: `--generation-config`
+    (or the checkpoint's generation_config.json) is taken, as by `generate` (chat's own
+    defaults of 0 once overrode it)."""
+    (tmp_path / "generation_config.json").write_text('{"temperature": 5.0}')
+    flags = ["Hello there", "--model", tiny_model, "--max-tokens", "12", *ENGINE_FLAGS]
+    recommended = ["--generation-config", str(tmp_path)]
+    replies = {run(["chat", *flags, *recommended, "--seed", seed]).stdout for seed in "12"}
+    assert len(replies) == 2
+    greedy = {run(["chat", *flags, "--seed", seed]).stdout for seed in "12"}
+    assert len(greedy) == 1
+
+
 def test_a_conversation_keeps_its_history(monkeypatch, capsys):
     """What each turn is answered with: the system prompt, every earlier turn and reply,
     then the new turn; a refused turn (too long) says why and leaves no trace; `/clear`
