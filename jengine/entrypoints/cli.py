@@ -216,6 +216,20 @@ def _text_or_stdin(text: str | None, what: str) -> str:
         text = sys.stdin.read().strip()
     if not text:
         raise SystemExit(f"error: the {what} is empty")
+    return _utf8(text, what)
+
+
+def _utf8(text: str, what: str) -> str:
+    """`text` from the command line or standard input, which Python decodes leaving bytes
+    that are not UTF-8 as lone surrogates: a ValueError naming the first such byte."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raw = text.encode("utf-8", "surrogateescape")
+        offset = len(text[: e.start].encode("utf-8", "surrogateescape"))
+        raise ValueError(
+            f"the {what} is not valid UTF-8: byte 0x{raw[offset]:02x} at byte {offset}"
+        ) from None
     return text
 
 
@@ -281,8 +295,8 @@ def _converse(reply, system: list[dict], first: str | None) -> None:
                 continue
             if not line.strip():
                 continue
-            turn = {"role": "user", "content": line}
             try:
+                turn = {"role": "user", "content": _utf8(line, "line")}
                 answer = reply([*system, *history, turn])
             except ValueError as e:
                 print(f"error: {e}", file=sys.stderr)

@@ -40,6 +40,18 @@ def test_generate_streamed_and_not(tiny_model):
         assert "engine ready" not in bad.stderr
 
 
+def test_input_that_is_not_utf8_is_named(tiny_model):
+    """Bytes that are not UTF-8 on standard input: the first one named, before the model
+    loads (it was "a lone UTF-16 surrogate at character 7", which no user typed)."""
+    for command in ("generate", "chat"):
+        result = subprocess.run(
+            [*CLI, command, "--model", tiny_model], input=b"ROMEO: \xff\xfe caf\xe9\n",
+            capture_output=True, timeout=120, env={**os.environ, "LC_ALL": "C.UTF-8"},
+        )  # fmt: skip
+        assert result.returncode != 0
+        assert "is not valid UTF-8: byte 0xff at byte 7" in result.stderr.decode()
+
+
 def test_chat_as_a_conversation(tiny_model):
     """`jengine chat -i`: each line is a turn; `/clear` starts over, so the last turn's
     reply is the one-shot reply to the same message (greedy), and the turns between held
