@@ -11,7 +11,9 @@ import subprocess
 import sys
 import time
 
-from jengine.entrypoints.cli import _converse
+import pytest
+
+from jengine.entrypoints.cli import _converse, make_parser
 from tests.entrypoints.remote_server import ENGINE_FLAGS
 
 CLI = [sys.executable, "-m", "jengine.entrypoints.cli"]
@@ -162,6 +164,27 @@ def test_serve_fails_fast_and_clearly(tiny_model):
     for flag in ("--served-model-name", "--max-model-len", "--max-num-seqs",
                  "--max-num-batched-tokens", "--block-size", "--dtype", "--api-key"):  # fmt: skip
         assert flag in help_text
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "error"),
+    [
+        # Each was taken: 413 for every request, /health included; 429 with room for
+        # "-1 queued"; "waiting up to -1s"; stats silently off; origins matched as
+        # substrings of one string.
+        ("--max-request-body-bytes", "-1", "must be above 0, got -1"),
+        ("--max-queued-requests", "-1", "must be at least 0, got -1"),
+        ("--shutdown-timeout", "-1", "must be at least 0, got -1"),
+        ("--log-stats-interval", "0", "must be above 0, got 0"),
+        ("--allowed-origins", '"https://app.example"', "a JSON list of strings"),
+        ("--allowed-origins", "https://app.example", "a JSON list of strings"),
+        ("--max-queued-requests", "many", "invalid int value: 'many'"),
+    ],
+)
+def test_serve_flags_out_of_range_are_refused(capsys, flag, value, error):
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["serve", flag, value])
+    assert error in capsys.readouterr().err
 
 
 def test_generate_logs_only_what_a_user_needs(tiny_model):

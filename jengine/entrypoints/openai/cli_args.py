@@ -32,6 +32,34 @@ def port(value: str) -> int:
     return port
 
 
+def _number(kind: type, above: float | None = None, at_least: float | None = None):
+    """An argparse type: a `kind` number above `above` or at least `at_least`."""
+
+    def parse(value: str):
+        number = kind(value)
+        if (above is not None and not number > above) or (
+            at_least is not None and not number >= at_least
+        ):
+            bound = f"above {above}" if above is not None else f"at least {at_least}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return number
+
+    parse.__name__ = kind.__name__  # argparse's "invalid int value: 'x'"
+    return parse
+
+
+def _json_strings(value: str) -> list[str]:
+    """The CORS flags: a JSON list of strings (a bare string once matched origins by
+    substring)."""
+    try:
+        items = json.loads(value)
+    except json.JSONDecodeError:
+        items = None
+    if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+        raise argparse.ArgumentTypeError(f"a JSON list of strings, e.g. '[\"*\"]', got {value}")
+    return items
+
+
 def add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "model_tag",
@@ -55,30 +83,30 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--allowed-origins",
-        type=json.loads,
+        type=_json_strings,
         default=[],
         help="CORS: origins allowed to call the server from a browser, as JSON ('[\"*\"]' for "
         'any); default none (no CORS headers, unlike vLLM\'s "*")',
     )
-    serve.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS, JSON list")
-    serve.add_argument("--allowed-headers", type=json.loads, default=["*"], help="CORS, JSON list")
+    for flag in ("--allowed-methods", "--allowed-headers"):
+        serve.add_argument(flag, type=_json_strings, default=["*"], help="CORS, JSON list")
     serve.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     serve.add_argument(
         "--max-queued-requests",
-        type=int,
+        type=_number(int, at_least=0),
         default=None,
         help="answer 429 (with Retry-After) to requests beyond max_num_seqs running plus this "
         "many queued sequences (default: queue without bound)",
     )
     serve.add_argument(
         "--max-request-body-bytes",
-        type=int,
+        type=_number(int, above=0),
         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
         help="answer 413 to larger request bodies",
     )
     serve.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=_number(float, at_least=0),
         default=DEFAULT_SHUTDOWN_TIMEOUT,
         help="on SIGTERM/SIGINT, seconds running requests may take to finish before they "
         "end with an error",
@@ -91,7 +119,10 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--disable-uvicorn-access-log", action="store_true")
     serve.add_argument("--disable-log-stats", action="store_true")
     serve.add_argument(
-        "--log-stats-interval", type=float, default=10.0, help="seconds between stats lines"
+        "--log-stats-interval",
+        type=_number(float, above=0),
+        default=10.0,
+        help="seconds between stats lines (--disable-log-stats: none)",
     )
     serve.add_argument(
         "--enable-auto-tool-choice",
