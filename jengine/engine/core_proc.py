@@ -179,7 +179,10 @@ class EngineCoreProc(EngineCore):
         try:
             return UtilityOutput(call.call_id, result=getattr(self, call.method)(*call.args))
         except Exception as e:
-            logger.exception("utility %s failed", call.method)
+            if isinstance(e, ValueError):  # what the caller asked for cannot be done
+                logger.warning("utility %s refused: %s", call.method, e)
+            else:
+                logger.exception("utility %s failed", call.method)
             return UtilityOutput(call.call_id, failure_message=f"{type(e).__name__}: {e}")
 
     # -- process entry point --------------------------------------------------------------
@@ -197,10 +200,12 @@ class EngineCoreProc(EngineCore):
         jengine/engine/client.py, which watches `parent_pid`, the front end's): build the
         engine, hand-shake, run until told to stop."""
 
-        def on_stop(signum, frame):
-            # Once: a second signal must not interrupt the exit (atexit's jax clean-up).
+        def ignore_stops():
             for stop in (ENGINE_STOP_SIGNAL, signal.SIGTERM):
                 signal.signal(stop, signal.SIG_IGN)
+
+        def on_stop(signum, frame):
+            ignore_stops()  # once: a second must not interrupt the exit (jax's clean-up)
             raise SystemExit(0)
 
         def on_sigterm(signum, frame):
@@ -221,6 +226,9 @@ class EngineCoreProc(EngineCore):
                 )
             except ValueError as e:  # the configuration: the front end says why, in one line
                 logger.error("engine core could not start: %s", e)
+                # Told, the front end stops this engine: a stop raised in the exit's
+                # clean-up printed a traceback or a C++ abort under the one line.
+                ignore_stops()
                 _report_start_failure(input_address, identity, str(e))
                 if config.parallel.multi_host:
                     distributed.exit_now(1)  # the other hosts wait for this one: end them too

@@ -118,6 +118,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: {e}") from None
     if (args.lora_modules or args.allow_runtime_lora_updating) and not args.enable_lora:
         raise SystemExit("error: LoRA adapters need --enable-lora")
+    for name, path in args.lora_modules.items():  # the rest is checked once the engine reads it
+        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+            raise SystemExit(f"error: --lora-modules {name}: {path!r} has no adapter_config.json")
     if args.host_rank > 0:
         # Not a server: this host runs host 0's steps on its devices (it imports jax).
         from jengine.engine.core import EngineCore

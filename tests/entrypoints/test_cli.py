@@ -159,6 +159,12 @@ def test_serve_fails_fast_and_clearly(tiny_model):
         assert result.returncode != 0 and "cannot listen" in result.stderr
     result = run(["serve", "/no/such/model", "--port", "0"], 60)
     assert result.returncode != 0 and "is not a directory" in result.stderr
+    # An adapter folder without its config: before the engine starts (it was after warmup,
+    # under the engine's traceback).
+    lora = ["--enable-lora", "--lora-modules", f"x={tiny_model}/none"]
+    result = run(["serve", tiny_model, *ENGINE_FLAGS, "--port", "0", *lora], 60)
+    assert result.returncode != 0 and "x: " in result.stderr
+    assert "has no adapter_config.json" in result.stderr and "engine" not in result.stderr
     assert "Traceback" not in result.stderr
     help_text = run(["serve", "--help"], 60).stdout
     for flag in ("--served-model-name", "--max-model-len", "--max-num-seqs",
