@@ -93,7 +93,10 @@ class AsyncLLM:
 
     @property
     def num_unfinished_requests(self) -> int:
-        """Sequences sent to the engine and not yet finished."""
+        """Sequences sent to the engine and not yet finished (none once it died: each has
+        had its error)."""
+        if self.errored:
+            return 0
         return self.output_processor.get_num_unfinished_requests()
 
     def request_id_in_use(self, request_id: str) -> bool:

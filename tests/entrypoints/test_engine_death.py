@@ -3,6 +3,7 @@ answer 503 in OpenAI's error shape, promptly, and a stream in flight ends instea
 hanging. Its own server, since the test kills the engine."""
 
 import os
+import re
 import signal
 import threading
 import time
@@ -67,3 +68,8 @@ def test_dead_engine_answers_503(server):
         assert http.get("/v1/models").status_code == 200
         assert http.post("/tokenize", json={"prompt": "Hello"}).status_code == 200
         assert http.get("/metrics").status_code == 200
+    # Stopped, it waits for none of them: each has had its error (the log once counted
+    # every request the engine held when it died as still running).
+    server.proc.send_signal(signal.SIGTERM)
+    server.proc.wait(30)
+    assert re.search(r"waiting up to \d+s for 0 running", server.log_text())
