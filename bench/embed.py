@@ -41,7 +41,9 @@ def transformers_embeddings(model, prompts: list[list[int]]) -> np.ndarray:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="jengine bench embed", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="jengine bench embed", description=__doc__.split("\n\n")[0]
+    )
     add_common_args(parser, "embed")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)

@@ -131,7 +131,7 @@ def llama_cpp_latency(args, peer, prompt_len: int, max_tokens: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="jengine bench latency", description=__doc__.split("\n")[0]
+        prog="jengine bench latency", description=__doc__.split("\n\n")[0]
     )
     add_common_args(parser, "latency")
     add_llama_cpp_args(parser)

@@ -252,7 +252,7 @@ def _back_to_back_ms(runner, step, calls: int = 10) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="jengine bench overhead", description=__doc__.split("\n")[0]
+        prog="jengine bench overhead", description=__doc__.split("\n\n")[0]
     )
     add_common_args(parser, "overhead")
     parser.add_argument("--num-running", default="1,64,256")

@@ -128,7 +128,7 @@ def paper_step(config: dict, batch: int, activation_bytes: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="jengine bench parallel", description=__doc__.splitlines()[0]
+        prog="jengine bench parallel", description=__doc__.split("\n\n")[0]
     )
     add_common_args(parser, "parallel")
     add_scheduler_steps_arg(parser)

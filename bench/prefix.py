@@ -22,7 +22,7 @@ MAX_MODEL_LEN = 1280
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="jengine bench prefix", description=__doc__.split("\n")[0]
+        prog="jengine bench prefix", description=__doc__.split("\n\n")[0]
     )
     add_common_args(parser, "prefix")
     parser.add_argument("--num-requests", type=int, default=64)

@@ -151,7 +151,7 @@ def plot() -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--readme", default=str(Path(__file__).resolve().parents[1] / "README.md"))
     args = parser.parse_args(argv)
     update_readme(Path(args.readme))

@@ -130,7 +130,9 @@ class _HttpStreams:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="jengine bench serve", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="jengine bench serve", description=__doc__.split("\n\n")[0]
+    )
     add_common_args(parser, "serve")
     add_llama_cpp_args(parser)
     parser.add_argument("--rates", default="1,2,4,8,16", help="arrival rates (req/s) to sweep")

@@ -101,7 +101,7 @@ def compare(name: str, engines: dict, prompts, params, rounds: int, one_at_a_tim
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="jengine bench spec_decode", description=__doc__.splitlines()[0]
+        prog="jengine bench spec_decode", description=__doc__.split("\n\n")[0]
     )
     add_common_args(parser, "spec_decode")
     parser.add_argument("--rounds", type=int, default=2)

@@ -92,7 +92,7 @@ def time_serve(model: str) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="jengine bench startup", description=__doc__.split("\n")[0]
+        prog="jengine bench startup", description=__doc__.split("\n\n")[0]
     )
     add_common_args(parser, "startup")
     parser.add_argument("--skip-serve", action="store_true")

@@ -96,7 +96,7 @@ def compile_times(llm) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="jengine bench structured", description=__doc__.splitlines()[0]
+        prog="jengine bench structured", description=__doc__.split("\n\n")[0]
     )
     add_common_args(parser, "structured")
     parser.add_argument("--num-requests", type=int, default=128)

@@ -264,7 +264,7 @@ def summarize(engines, passes, roofline_tok_per_s) -> tuple[list, dict]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="jengine bench throughput", description=__doc__.splitlines()[0]
+        prog="jengine bench throughput", description=__doc__.split("\n\n")[0]
     )
     add_common_args(parser, "throughput")
     add_scheduler_steps_arg(parser)

@@ -94,7 +94,8 @@ def make_parser() -> argparse.ArgumentParser:
         "bench",
         help="race jengine against its peers (transformers, llama.cpp); see bench/README.md",
     )
-    bench.add_argument("benchmark", choices=BENCHMARKS)
+    # Optional only to argparse, whose error for a missing one named `options` as missing too.
+    bench.add_argument("benchmark", nargs="?", choices=BENCHMARKS)
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own flags")
     return parser
 
@@ -324,6 +325,8 @@ def _read_turn(at_terminal: bool) -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
+    if args.benchmark is None:
+        raise SystemExit(f"error: name a benchmark: {', '.join(BENCHMARKS)}")
     # The benchmarks ship as jengine.bench (the repository's bench/ folder).
     importlib.import_module(f"jengine.bench.{args.benchmark}").main(args.options)
 

@@ -1,6 +1,7 @@
 """`jengine generate`, `jengine chat` and `jengine serve` as a user runs them (subprocesses)."""
 
 import ctypes
+import importlib
 import os
 import platform
 import re
@@ -13,7 +14,7 @@ import time
 
 import pytest
 
-from jengine.entrypoints.cli import _converse, make_parser
+from jengine.entrypoints.cli import _converse, main, make_parser
 from tests.entrypoints.remote_server import ENGINE_FLAGS
 
 CLI = [sys.executable, "-m", "jengine.entrypoints.cli"]
@@ -191,6 +192,17 @@ def test_serve_flags_out_of_range_are_refused(capsys, flag, value, error):
     with pytest.raises(SystemExit):
         make_parser().parse_args(["serve", flag, value])
     assert error in capsys.readouterr().err
+
+
+def test_bench_names_its_benchmarks_and_describes_each_whole(capsys):
+    with pytest.raises(SystemExit, match="name a benchmark: throughput, latency"):
+        main(["bench"])  # it said `options`, which is optional, was missing too
+    for name in ("latency", "overhead"):
+        with pytest.raises(SystemExit):
+            main(["bench", name, "--help"])
+        module = importlib.import_module(f"jengine.bench.{name}")
+        first_paragraph = " ".join(module.__doc__.split("\n\n")[0].split())
+        assert first_paragraph in " ".join(capsys.readouterr().out.split())  # not its first line
 
 
 def test_generate_logs_only_what_a_user_needs(tiny_model):
