@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 
 import msgspec
 
@@ -29,6 +30,9 @@ MAX_LOGPROBS = 20
 # How many ids min_tokens can keep from ending a request (EOS and stop_token_ids): the
 # on-device sampler masks a fixed-width row of them.
 MAX_SUPPRESSED_IDS = 16
+_FLOAT_FIELDS = (
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p",
+)  # fmt: skip
 
 
 def _require(ok: bool, field: str, msg: str, value: object) -> None:
@@ -162,6 +166,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        for name in _FLOAT_FIELDS:  # a str or None failed in a comparison, not named
+            value = getattr(self, name)
+            _require(
+                isinstance(value, numbers.Real) and not isinstance(value, bool),
+                name,
+                "must be a number",
+                value,
+            )
+            setattr(self, name, float(value))
         self._validate()
         if self.temperature < GREEDY_TEMPERATURE_EPS:
             # Greedy ignores the truncation knobs; neutral values let the runner skip them.
@@ -199,6 +212,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             all(isinstance(s, str) and s for s in self.stop),
             "stop",
             "must contain only non-empty strings",
+            self.stop,
+        )
+        _require(
+            self.detokenize or not self.stop,
+            "stop",
+            "strings are matched on the detokenized text: they need detokenize=True",
             self.stop,
         )
         _require(

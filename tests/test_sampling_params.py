@@ -51,6 +51,13 @@ def test_normalization():
         ({"logit_bias": {-1: 1.0}}, "logit_bias"),
         ({"logit_bias": {1: float("inf")}}, "logit_bias"),
         ({"seed": 1.5}, "seed"),
+        # Wrong types: a TypeError of a comparison once, naming no field.
+        ({"temperature": "0.5"}, "temperature"),
+        ({"top_p": "1"}, "top_p"),
+        ({"presence_penalty": None}, "presence_penalty"),
+        # vLLM's: stop strings are matched on text that detokenize=False never makes
+        # (they were ignored).
+        ({"stop": ["["], "detokenize": False}, "stop"),
     ],
 )
 def test_bad_values_raise_naming_the_field(kwargs, field):

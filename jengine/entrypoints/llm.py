@@ -137,7 +137,8 @@ class LLM:
         `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
         model); an engine made with `enable_lora=True` reads each folder the first time.
         """
-        params = sampling_params or self.get_default_sampling_params()
+        # An empty list is a list of the wrong length, not "none given".
+        params = self.get_default_sampling_params() if sampling_params is None else sampling_params
         return self._run_prompts(prompts, params, use_tqdm, priority, lora_request)
 
     def embed(
@@ -151,7 +152,11 @@ class LLM:
         """Embed one prompt or a list with an embedding engine (`runner="pooling"`); returns
         one EmbeddingRequestOutput per prompt, in order (`.outputs.embedding`)."""
         return self._run_prompts(
-            prompts, pooling_params or PoolingParams(), use_tqdm, None, lora_request
+            prompts,
+            PoolingParams() if pooling_params is None else pooling_params,
+            use_tqdm,
+            None,
+            lora_request,
         )
 
     def _run_prompts(self, prompts, params, use_tqdm, priority, lora_request) -> list:
@@ -177,7 +182,7 @@ class LLM:
                 f"pooling_params: PoolingParams), got {type(params).__name__}"
             )
         if len(params) != len(prompts):
-            kind = "pooling" if isinstance(params[0], PoolingParams) else "sampling"
+            kind = "pooling" if params and isinstance(params[0], PoolingParams) else "sampling"
             raise ValueError(f"got {len(params)} {kind} params for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
@@ -321,7 +326,10 @@ class LLM:
 
 
 def _token_ids_as_ints(prompt):
-    """A prompt of numpy token ids (an array, numpy integers) as a list of ints."""
+    """A prompt of numpy token ids (an array, numpy integers; bare or a dict's
+    `prompt_token_ids`) as a list of ints."""
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        return {**prompt, "prompt_token_ids": _token_ids_as_ints(prompt["prompt_token_ids"])}
     if isinstance(prompt, np.ndarray):
         prompt = prompt.tolist()
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], numbers.Integral):

@@ -2,6 +2,7 @@
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from jengine import SamplingParams
@@ -50,6 +51,9 @@ def test_bad_prompts_raise_and_engine_carries_on(llm, checkpoint):
         llm.generate({"prompt_token_ids": good}, SamplingParams(logprobs=50))
     with pytest.raises(ValueError, match="sampling params"):
         llm.generate([{"prompt_token_ids": good}] * 2, [SamplingParams()] * 3)
+    # An empty list is one of the wrong length too (it was taken as "none": the defaults).
+    with pytest.raises(ValueError, match="got 0 sampling params for 2 prompts"):
+        llm.generate([{"prompt_token_ids": good}] * 2, [])
     # min_tokens holds back a fixed number of ids (EOS among them): more is refused, not cut.
     stop_ids = list(range(10, 25))  # 15: with EOS, the most it holds back
     held = SamplingParams(temperature=0, min_tokens=4, max_tokens=8, stop_token_ids=stop_ids)
@@ -73,6 +77,10 @@ def test_bad_prompts_raise_and_engine_carries_on(llm, checkpoint):
     prioritized = InputProcessor.from_config(config, None, VOCAB)
     prioritized.process("p", {"prompt_token_ids": good}, SamplingParams(), priority=-3)
     out = llm.generate({"prompt_token_ids": good}, SamplingParams(temperature=0, max_tokens=5))
+    assert out[0].outputs[0].token_ids == hf_greedy(checkpoint[1], good, 5)
+    # numpy ids in a prompt dict, as research code holds them (they were "out of vocabulary").
+    greedy = SamplingParams(temperature=0, max_tokens=5)
+    out = llm.generate({"prompt_token_ids": np.asarray(good)}, greedy)
     assert out[0].outputs[0].token_ids == hf_greedy(checkpoint[1], good, 5)
     assert llm.engine_core.num_free_blocks() == llm.engine_core.runner.num_blocks - 1
 
