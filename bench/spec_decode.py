@@ -35,7 +35,13 @@ CHAT_QUESTIONS = [
 
 
 def ngram(k: int, **extra) -> dict:
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3, **extra}
+    return {
+        "method": "ngram",
+        "num_speculative_tokens": k,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3,
+        **extra,
+    }
 
 
 def draft(k: int, **extra) -> dict:

@@ -329,21 +329,43 @@ class SpeculativeConfig:
     """Speculative decoding (vLLM's `--speculative-config` JSON).
 
     method: "ngram" (prompt lookup over the request's own tokens; jengine/core/
-        ngram_proposer.py) or "draft_model" (a smaller model with the same tokenizer).
+        ngram_proposer.py) or "draft_model" (a smaller model with the same tokenizer);
+        None: "draft_model" if a model is named, else "ngram" (as vLLM infers it).
     num_speculative_tokens: drafts proposed per step for each decoding request (k).
-    prompt_lookup_min / prompt_lookup_max: n-gram lengths tried, longest first.
+    prompt_lookup_min / prompt_lookup_max: n-gram lengths tried, longest first (1 to 3
+        when neither is given; one given alone is the other too, as vLLM's).
     model: the draft model's checkpoint (draft_model only).
     disable_by_batch_size: no speculation while more requests than this run (None: always).
     """
 
-    method: str = "ngram"
+    method: str | None = None
     num_speculative_tokens: int = 3
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 3
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
     model: str | None = None
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
+        # A value of the wrong type is named here, not a TypeError of a later step's
+        # arithmetic (`"num_speculative_tokens": 2.5` ended the engine at its first step).
+        for name, kind in _SPECULATIVE_TYPES.items():
+            value = getattr(self, name)
+            _require(
+                value is None
+                and name != "num_speculative_tokens"
+                or isinstance(value, kind)
+                and not isinstance(value, bool),
+                f"speculative_config.{name}",
+                f"must be {'an int' if kind is int else 'a string'}",
+                value,
+            )
+        if self.method is None:
+            object.__setattr__(self, "method", "ngram" if self.model is None else "draft_model")
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low, high = 1, 3
+        object.__setattr__(self, "prompt_lookup_min", high if low is None else low)
+        object.__setattr__(self, "prompt_lookup_max", low if high is None else high)
         _require(
             self.method in ("ngram", "draft_model"),
             "speculative_config.method",
@@ -362,13 +384,12 @@ class SpeculativeConfig:
             f"must be in [1, prompt_lookup_max={self.prompt_lookup_max}]",
             self.prompt_lookup_min,
         )
-        if self.method == "draft_model":
-            _require(
-                self.model is not None,
-                "speculative_config.model",
-                "is needed for method draft_model",
-                self.model,
-            )
+        _require(
+            (self.model is not None) == (self.method == "draft_model"),
+            "speculative_config.model",
+            "is needed for method draft_model, and only for it",
+            self.model,
+        )
 
     @classmethod
     def from_value(cls, value) -> SpeculativeConfig | None:
@@ -380,9 +401,20 @@ class SpeculativeConfig:
                 value = json.loads(value)
             except json.JSONDecodeError as e:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        _require(isinstance(value, dict), "speculative_config", "must be a JSON object", value)
         unknown = set(value) - {f.name for f in fields(cls)}
         _require(not unknown, "speculative_config", "has unknown keys", sorted(unknown))
         return cls(**value)
+
+
+_SPECULATIVE_TYPES = {
+    "method": str,
+    "num_speculative_tokens": int,
+    "prompt_lookup_min": int,
+    "prompt_lookup_max": int,
+    "model": str,
+    "disable_by_batch_size": int,
+}
 
 
 @dataclass(frozen=True)

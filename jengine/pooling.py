@@ -49,12 +49,15 @@ class PoolerConfig:
         trained for truncated embeddings), () allows 1..hidden_size (a matryoshka model),
         else the listed sizes (the config's `matryoshka_dimensions`).
     hidden_size: the embedding's full size.
+    max_seq_length: the most tokens the model embeds (sentence-transformers'; None: no
+        limit of its own), which caps max_model_len.
     """
 
     pooling_type: str = "LAST"
     normalize: bool = True
     dimensions: tuple[int, ...] | None = None
     hidden_size: int | None = None
+    max_seq_length: int | None = None
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
@@ -91,8 +94,13 @@ class PoolerConfig:
                 raise ValueError(f"pooler_config has unknown keys {sorted(unknown)}")
             if "pooling_type" in override:
                 fields["pooling_type"] = str(override["pooling_type"]).upper()
-            if "normalize" in override:
-                fields["normalize"] = bool(override["normalize"])
+            if "normalize" in override:  # "false" once read as True (a non-empty string)
+                normalize = override["normalize"]
+                if not isinstance(normalize, bool):
+                    raise ValueError(
+                        f"pooler_config normalize must be true or false, got {normalize!r}"
+                    )
+                fields["normalize"] = normalize
         return cls(**fields)
 
 
@@ -104,6 +112,7 @@ def _sentence_transformers_pooling(path: str) -> dict:
     with open(modules_path) as f:
         modules = json.load(f)
     fields = {"normalize": False}
+    fields.update(_sentence_bert_config(path))
     for module in modules:
         kind = module.get("type", "").rsplit(".", 1)[-1]
         if kind == "Transformer":
@@ -120,6 +129,21 @@ def _sentence_transformers_pooling(path: str) -> dict:
                 "is not supported (jengine runs Transformer, Pooling and Normalize)"
             )
     return fields
+
+
+def _sentence_bert_config(path: str) -> dict:
+    """The Transformer module's `sentence_bert_config.json`: its max_seq_length (it cuts
+    longer inputs: a longer embedding was another vector, no error); do_lower_case, which
+    jengine does not do, is refused."""
+    config_path = os.path.join(path, "sentence_bert_config.json")
+    if not os.path.isfile(config_path):
+        return {}
+    with open(config_path) as f:
+        config = json.load(f)
+    if config.get("do_lower_case"):
+        raise ValueError(f"{config_path}: do_lower_case (lowercasing every input) is not supported")
+    length = config.get("max_seq_length")
+    return {} if length is None else {"max_seq_length": int(length)}
 
 
 def _pooling_type(pooling: dict, config_path: str) -> str:

@@ -1,6 +1,7 @@
 """Configs validate on construction, are frozen, and hold the engine's only defaults."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -128,3 +129,38 @@ def test_seed_none_draws_a_seed_per_engine(tmp_path):
              for _ in range(3)}  # fmt: skip
     assert len(seeds) == 3 and all(isinstance(seed, int) for seed in seeds)
     assert EngineArgs(model=str(tmp_path)).create_engine_config().model.seed == 0
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        # Types: a TypeError at start, or taken and the engine's first step died (2.5).
+        ('{"num_speculative_tokens": "3"}', "num_speculative_tokens must be an int, got '3'"),
+        ('{"num_speculative_tokens": 2.5}', "num_speculative_tokens must be an int, got 2.5"),
+        ('{"disable_by_batch_size": "2"}', "disable_by_batch_size must be an int"),
+        ("3", "speculative_config must be a JSON object, got 3"),
+        # A model for ngram was ignored without a word.
+        ('{"method": "ngram", "model": "x"}', "model is needed for method draft_model, and only"),
+        ('{"method": "draft_model"}', "model is needed for method draft_model"),
+    ],
+)
+def test_speculative_config_values_of_the_wrong_kind_name_their_field(value, error):
+    from jengine.config import SpeculativeConfig
+
+    with pytest.raises(ValueError, match=re.escape(error)):
+        SpeculativeConfig.from_value(value)
+
+
+def test_speculative_config_is_read_as_vllm_reads_it():
+    """A model named without a method is a draft model (it ran n-gram lookup, the model
+    ignored); one n-gram bound given alone is the other too (min 4 alone was refused)."""
+    from jengine.config import SpeculativeConfig
+
+    read = SpeculativeConfig.from_value
+    assert read('{"model": "draft"}').method == "draft_model"
+    assert read("{}").method == "ngram"
+    assert (read("{}").prompt_lookup_min, read("{}").prompt_lookup_max) == (1, 3)
+    lookup = read('{"prompt_lookup_min": 4}')
+    assert (lookup.prompt_lookup_min, lookup.prompt_lookup_max) == (4, 4)
+    lookup = read('{"prompt_lookup_max": 5}')
+    assert (lookup.prompt_lookup_min, lookup.prompt_lookup_max) == (5, 5)

@@ -125,6 +125,18 @@ class EngineArgs:
                 f"trained. Set {ALLOW_LONG_MAX_MODEL_LEN}=1 to allow it anyway (as vLLM's "
                 "VLLM_ALLOW_LONG_MAX_MODEL_LEN)"
             )
+        speculative = SpeculativeConfig.from_value(self.speculative_config)
+        pooler = self._pooler_config(model, hf_config, speculative)
+        if pooler is not None and pooler.max_seq_length is not None:
+            # sentence-transformers embeds at most max_seq_length tokens (cutting the rest):
+            # longer prompts are refused, or cut by truncate_prompt_tokens (as vLLM's).
+            if self.max_model_len is None:
+                max_model_len = min(max_model_len, pooler.max_seq_length)
+            elif max_model_len > pooler.max_seq_length:
+                raise ValueError(
+                    f"max_model_len={max_model_len} is longer than the embedding model's "
+                    f"max_seq_length ({pooler.max_seq_length}, its sentence_bert_config.json)"
+                )
         # The default budget, raised to max_num_seqs (one token each) and capped at what
         # max_num_seqs requests of max_model_len can use: a larger budget only adds
         # step shapes to compile.
@@ -132,14 +144,12 @@ class EngineArgs:
             self.max_num_seqs,
             min(SchedulerConfig.max_num_batched_tokens, self.max_num_seqs * max_model_len),
         )
-        speculative = SpeculativeConfig.from_value(self.speculative_config)
         if self.num_scheduler_steps > 1 and (speculative is not None or self.runner == "pooling"):
             # Drafts are verified, and pooled vectors taken, one step at a time.
             raise ValueError(
                 "num_scheduler_steps > 1 combines with neither speculative decoding nor the "
                 "pooling runner"
             )
-        pooler = self._pooler_config(model, hf_config, speculative)
         return EngineConfig(
             model=ModelConfig(
                 model=model,

@@ -207,7 +207,12 @@ def test_speculative_decoding_runs_synchronously(tmp_path_factory):
     """n-gram drafts are proposed from the tokens on the host: the engine says so and
     runs every step synchronously."""
     path = make_tiny_model(str(tmp_path_factory.mktemp("tiny_model_spec")))
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3,
+    }
     llm = LLM(path, speculative_config=spec, **TIGHT_ENGINE_ARGS)
     assert not llm.engine_core.async_scheduling
     output = llm.generate("one two one two one two", SamplingParams(temperature=0, max_tokens=8))

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from jengine import LLM, PoolingParams, SamplingParams
+from jengine.engine.arg_utils import EngineArgs
 from jengine.pooling import PoolerConfig
 from tests.engine.engine_helpers import random_prompts
 from tests.models.checkpoints import make_checkpoint
@@ -198,6 +199,9 @@ def test_a_sentence_transformers_config_says_how_to_pool(tmp_path):
         PoolerConfig.from_checkpoint(str(tmp_path), hf_config)
     with pytest.raises(ValueError, match="pooling_type must be one of"):
         PoolerConfig.from_checkpoint(None, hf_config, {"pooling_type": "max"})
+    # A string is no switch ("false" once normalized: a non-empty string is truthy).
+    with pytest.raises(ValueError, match="normalize must be true or false, got 'false'"):
+        PoolerConfig.from_checkpoint(None, hf_config, '{"normalize": "false"}')
 
 
 def test_the_engine_pools_as_the_checkpoint_says(tmp_path):
@@ -208,3 +212,19 @@ def test_the_engine_pools_as_the_checkpoint_says(tmp_path):
     (output,) = llm.embed([prompt], use_tqdm=False)
     want = hf_pooled(hf_model, prompt, "MEAN")
     np.testing.assert_allclose(output.outputs.embedding, want, atol=1e-5, rtol=1e-5)
+
+
+def test_sentence_bert_config_caps_what_is_embedded(tmp_path):
+    """sentence-transformers embeds at most `max_seq_length` tokens: max_model_len is
+    capped there, as vLLM's (a longer input was embedded whole, another vector than
+    sentence-transformers', with no error); lowercasing inputs is refused by name."""
+    make_checkpoint("llama3", str(tmp_path))
+    _sentence_transformers_files(tmp_path, {"pooling_mode_lasttoken": True}, normalize=True)
+    (tmp_path / "sentence_bert_config.json").write_text('{"max_seq_length": 16}')
+    args = dict(model=str(tmp_path), runner="pooling")
+    assert EngineArgs(**args).create_engine_config().model.max_model_len == 16
+    with pytest.raises(ValueError, match="longer than the embedding model's max_seq_length"):
+        EngineArgs(**args, max_model_len=32).create_engine_config()
+    (tmp_path / "sentence_bert_config.json").write_text('{"do_lower_case": true}')
+    with pytest.raises(ValueError, match="do_lower_case"):
+        EngineArgs(**args).create_engine_config()

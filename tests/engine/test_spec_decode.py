@@ -40,7 +40,12 @@ ENGINE = dict(
 
 
 def ngram(k: int) -> dict:
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}
+    return {
+        "method": "ngram",
+        "num_speculative_tokens": k,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3,
+    }
 
 
 def draft(k: int) -> dict:

@@ -116,6 +116,10 @@ def test_base64_encodes_the_float32_values_exactly():
         ({"input": "hi", "model": "nope"}, "model", "does not exist"),
         ({"input": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "-1 or from 1"),
         ({"input": "hi", "use_beam_search": True}, "use_beam_search", "not supported"),
+        # vLLM's chat-style input: "input: Field required" alone, dropped beside an input.
+        ({"messages": [{"role": "user", "content": "hi"}]}, "messages", "not supported"),
+        ({"input": "hi", "messages": []}, "messages", "not supported"),
+        ({}, "input", "input is required"),
     ],
 )
 def test_bad_embedding_requests_are_400s_naming_the_field(servers, body, param, words):

@@ -18,7 +18,8 @@ PROMPTS = ["the cat and the dog and the cat and the", "one two one two one two o
 @pytest.fixture(params=["ngram", "draft_model"])
 def spec(request, tmp_path) -> str:
     if request.param == "ngram":
-        return '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+        ngram = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+        return json.dumps({**ngram, "num_speculative_tokens": 3})
     draft = make_tiny_model(str(tmp_path / "draft"), seed=1)
     return json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": 3})
 

@@ -16,7 +16,9 @@ class EmbeddingRequest(RequestModel):
     """`input`: a string, a list of strings, a list of token ids, or a list of those."""
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[int] | list[list[int]] | None = None  # required: see prepare
+    # vLLM's chat-style embedding input, which jengine refuses by name
+    messages: list | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None

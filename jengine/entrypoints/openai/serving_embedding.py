@@ -51,7 +51,16 @@ class OpenAIServingEmbedding(OpenAIServing):
                 "this model does not serve embeddings: start the server with --runner pooling",
                 param="model",
             )
+        if request.messages is not None:  # it once failed as "input: Field required", or
+            # beside an input was dropped with a log line
+            raise OpenAIError(
+                "messages (vLLM's chat-style embedding input) is not supported: send the "
+                "text as input",
+                param="messages",
+            )
         inputs = request.input
+        if inputs is None:
+            raise OpenAIError("input is required", param="input")
         if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
             inputs = [inputs]
         if not inputs:
