@@ -160,6 +160,7 @@ class StepResults:
                 pooled = runner_output.pooler_output.get(req_id)
                 if pooled is not None:
                     new_token_ids = []
+                    request.status = RequestStatus.FINISHED_STOPPED  # done, not cut short
             if new_token_ids or stopped or new_prompt_logprobs is not None:
                 outputs.append(
                     EngineCoreOutput(

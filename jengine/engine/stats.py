@@ -53,6 +53,8 @@ class StatsTracker:
                 continue
             states.append(state)
             num_new = len(output.new_token_ids)
+            if output.pooled is not None:  # an embedding: its prompt, and no token
+                stats.num_prompt_tokens += len(state.parent.prompt_token_ids)
             if not num_new:
                 continue
             stats.num_generation_tokens += num_new

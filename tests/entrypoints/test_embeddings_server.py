@@ -8,6 +8,7 @@ servers run side by side here, a generation stream on one while the other embeds
 neither compiles after warmup."""
 
 import base64
+import re
 import threading
 
 import httpx2
@@ -75,6 +76,28 @@ def test_embeddings_of_one_and_many_inputs(servers, expected):
     for data in cut.data:
         np.testing.assert_allclose(data.embedding, vectors[1], atol=1e-6)
     assert cut.usage.prompt_tokens == 2 * k
+
+
+def test_embeddings_count_in_the_metrics(servers, expected):
+    """An embedding's prompt tokens are counted, and it ends as "stop" (it was 0 prompt
+    tokens, and every embedding "length")."""
+    embedder, _ = servers
+    token_ids, _ = expected
+
+    def counts():
+        text = httpx2.get(embedder.url_for("metrics")).text
+        ended = {  # a reason's line appears with its first request
+            reason: re.search(rf'request_success_total{{finished_reason="{reason}".*}} (\S+)', text)
+            for reason in ("stop", "length")
+        }
+        return [metric(text, "jengine:prompt_tokens_total")] + [
+            float(m.group(1)) if m else 0.0 for m in ended.values()
+        ]
+
+    before = counts()
+    client_of(embedder).embeddings.create(model=MODEL_NAME, input=token_ids)
+    tokens, stopped, cut = (a - b for a, b in zip(counts(), before, strict=True))
+    assert (tokens, stopped, cut) == (sum(map(len, token_ids)), len(token_ids), 0)
 
 
 def test_base64_is_the_float32_bytes_of_the_floats(servers):
