@@ -15,13 +15,14 @@ the engine.
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Literal
 
+from jengine.config_checks import require as _require
 from jengine.pooling import PoolerConfig
 from jengine.sampling_params import MAX_LOGPROBS
+from jengine.speculative_config import SpeculativeConfig
 
 # vLLM's `--quantization` values jengine takes (None: what the checkpoint holds; the
 # methods are models/quantize.METHODS).
@@ -35,11 +36,6 @@ KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 # The multi-step program's sampled tokens are [K, S]; past a few dozen the host's share
 # of a token is already negligible, and a stop wastes up to K - 1 tokens of compute.
 MAX_SCHEDULER_STEPS = 64
-
-
-def _require(ok: bool, field: str, msg: str, value: object) -> None:
-    if not ok:
-        raise ValueError(f"{field} {msg}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -322,99 +318,6 @@ class ParallelConfig:
     @property
     def multi_host(self) -> bool:
         return self.num_hosts > 1
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative decoding (vLLM's `--speculative-config` JSON).
-
-    method: "ngram" (prompt lookup over the request's own tokens; jengine/core/
-        ngram_proposer.py) or "draft_model" (a smaller model with the same tokenizer);
-        None: "draft_model" if a model is named, else "ngram" (as vLLM infers it).
-    num_speculative_tokens: drafts proposed per step for each decoding request (k).
-    prompt_lookup_min / prompt_lookup_max: n-gram lengths tried, longest first (1 to 3
-        when neither is given; one given alone is the other too, as vLLM's).
-    model: the draft model's checkpoint (draft_model only).
-    disable_by_batch_size: no speculation while more requests than this run (None: always).
-    """
-
-    method: str | None = None
-    num_speculative_tokens: int = 3
-    prompt_lookup_min: int | None = None
-    prompt_lookup_max: int | None = None
-    model: str | None = None
-    disable_by_batch_size: int | None = None
-
-    def __post_init__(self) -> None:
-        # A value of the wrong type is named here, not a TypeError of a later step's
-        # arithmetic (`"num_speculative_tokens": 2.5` ended the engine at its first step).
-        for name, kind in _SPECULATIVE_TYPES.items():
-            value = getattr(self, name)
-            _require(
-                value is None
-                and name != "num_speculative_tokens"
-                or isinstance(value, kind)
-                and not isinstance(value, bool),
-                f"speculative_config.{name}",
-                f"must be {'an int' if kind is int else 'a string'}",
-                value,
-            )
-        if self.method is None:
-            object.__setattr__(self, "method", "ngram" if self.model is None else "draft_model")
-        low, high = self.prompt_lookup_min, self.prompt_lookup_max
-        if low is None and high is None:
-            low, high = 1, 3
-        object.__setattr__(self, "prompt_lookup_min", high if low is None else low)
-        object.__setattr__(self, "prompt_lookup_max", low if high is None else high)
-        _require(
-            self.method in ("ngram", "draft_model"),
-            "speculative_config.method",
-            'must be "ngram" or "draft_model"',
-            self.method,
-        )
-        _require(
-            self.num_speculative_tokens >= 1,
-            "speculative_config.num_speculative_tokens",
-            "must be >= 1",
-            self.num_speculative_tokens,
-        )
-        _require(
-            1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
-            "speculative_config.prompt_lookup_min",
-            f"must be in [1, prompt_lookup_max={self.prompt_lookup_max}]",
-            self.prompt_lookup_min,
-        )
-        _require(
-            (self.model is not None) == (self.method == "draft_model"),
-            "speculative_config.model",
-            "is needed for method draft_model, and only for it",
-            self.model,
-        )
-
-    @classmethod
-    def from_value(cls, value) -> SpeculativeConfig | None:
-        """From a dict, a JSON string (the CLI flag), an instance or None."""
-        if value is None or isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        _require(isinstance(value, dict), "speculative_config", "must be a JSON object", value)
-        unknown = set(value) - {f.name for f in fields(cls)}
-        _require(not unknown, "speculative_config", "has unknown keys", sorted(unknown))
-        return cls(**value)
-
-
-_SPECULATIVE_TYPES = {
-    "method": str,
-    "num_speculative_tokens": int,
-    "prompt_lookup_min": int,
-    "prompt_lookup_max": int,
-    "model": str,
-    "disable_by_batch_size": int,
-}
 
 
 @dataclass(frozen=True)

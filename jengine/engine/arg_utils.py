@@ -10,10 +10,8 @@ folder's config.json or a GGUF's metadata).
 """
 
 import argparse
-import numbers
 import os
 import secrets
-import types
 from dataclasses import dataclass, field, fields
 
 from jengine.config import (
@@ -29,12 +27,11 @@ from jengine.config import (
     SpeculativeConfig,
     default_compilation_cache_dir,
 )
+from jengine.config_checks import check_number_types
 from jengine.models.checkpoint import holds_base_model, read_hf_config, resolve_model
 from jengine.pooling import PoolerConfig
 
 # What a field's annotation admits (a numpy integer is an int; an int is a float).
-_ADMITS = {int: numbers.Integral, float: numbers.Real}
-
 # Set to 1, max_model_len may exceed the checkpoint's max_position_embeddings.
 ALLOW_LONG_MAX_MODEL_LEN = "JENGINE_ALLOW_LONG_MAX_MODEL_LEN"
 
@@ -85,24 +82,10 @@ class EngineArgs:
     # vLLM's --pooler-config: {"pooling_type": ..., "normalize": ...}, or JSON text.
     pooler_config: dict | str | None = None
 
-    def _check_types(self) -> None:
-        """A number of the wrong type is a ValueError naming its field here, not a TypeError
-        from arithmetic somewhere later (`max_model_len="abc"`); the other fields' values
-        are checked against their choices by the config dataclasses."""
-        for f in fields(self):
-            value = getattr(self, f.name)
-            kinds = f.type.__args__ if isinstance(f.type, types.UnionType) else (f.type,)
-            if not set(kinds) & set(_ADMITS):
-                continue
-            admitted = tuple(_ADMITS.get(kind, kind) for kind in kinds)
-            if isinstance(value, bool) and bool not in kinds or not isinstance(value, admitted):
-                names = " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
-                raise ValueError(f"{f.name} must be {names}, got {value!r}")
-
     def create_engine_config(self) -> EngineConfig:
         """Validate and build; `model` may be None only for an in-memory model (then
         `max_model_len` must be given)."""
-        self._check_types()
+        check_number_types(self)
         max_model_len = self.max_model_len
         model = None if self.model is None else resolve_model(self.model)
         hf_config = {}
@@ -116,7 +99,7 @@ class EngineArgs:
             max_model_len = trained_len or SchedulerConfig.max_model_len
         elif (
             trained_len is not None
-            and max_model_len > trained_len  # a number: _check_types saw to it
+            and max_model_len > trained_len  # a number: check_number_types saw to it
             and os.environ.get(ALLOW_LONG_MAX_MODEL_LEN) != "1"
         ):
             raise ValueError(
