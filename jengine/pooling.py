@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
+from jengine.sampling_params import check_truncate_prompt_tokens
+
 # LAST: the last prompt token's hidden state; MEAN: the mean over the prompt; CLS: the
 # first token's (vLLM's names).
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
@@ -172,10 +174,16 @@ class PoolingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     dimensions: keep the first `dimensions` values (matryoshka models only).
     normalize: L2-normalise the embedding (None: the model's default).
+    truncate_prompt_tokens: embed only the prompt's last k tokens (-1: the last
+        max_model_len), as `SamplingParams.truncate_prompt_tokens`.
     """
 
     dimensions: int | None = None
     normalize: bool | None = None
+    truncate_prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
 
     def verified(self, config: PoolerConfig) -> PoolingParams:
         """These params with the engine's defaults filled in; a ValueError for a
@@ -195,7 +203,11 @@ class PoolingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             if self.dimensions < 1 or (largest is not None and self.dimensions > largest):
                 raise ValueError(f"dimensions must be in [1, {largest}], got {self.dimensions}")
         if self.normalize is None:
-            return PoolingParams(dimensions=self.dimensions, normalize=config.normalize)
+            return PoolingParams(
+                dimensions=self.dimensions,
+                normalize=config.normalize,
+                truncate_prompt_tokens=self.truncate_prompt_tokens,
+            )
         return self
 
 

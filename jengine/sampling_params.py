@@ -40,6 +40,19 @@ def _require(ok: bool, field: str, msg: str, value: object) -> None:
         raise ValueError(f"{field} {msg}, got {value!r}")
 
 
+def check_truncate_prompt_tokens(value: object) -> None:
+    """vLLM's `truncate_prompt_tokens`: None, -1 or a count of tokens >= 1 (the bound by
+    max_model_len is the input processor's)."""
+    _require(
+        value is None
+        or (isinstance(value, int) and not isinstance(value, bool) and value >= -1)
+        and value != 0,
+        "truncate_prompt_tokens",
+        "must be -1, an int >= 1 or None",
+        value,
+    )
+
+
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """A constraint on the output (vLLM's names); exactly one kind is set.
 
@@ -123,6 +136,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     bad_words: words the output may not contain: as vLLM, each word's tokens with and
         without a leading space; the last token of one is masked where the output's last
         tokens are the ones before it. The front end fills `bad_words_token_ids`.
+    truncate_prompt_tokens: keep only the prompt's last k tokens (-1: the last
+        max_model_len); None keeps the whole prompt (a longer one than max_model_len is
+        refused). The front end cuts the prompt before anything runs.
     """
 
     n: int = 1
@@ -150,6 +166,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # Normalize first so validation (and everything downstream) sees one shape.
@@ -254,6 +271,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 "must be an int >= 0, -1 (the whole vocabulary) or None",
                 value,
             )
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if self.logit_bias is not None:
             for token_id, bias in self.logit_bias.items():
                 _require(token_id >= 0, "logit_bias", "keys must be token ids >= 0", token_id)

@@ -58,6 +58,10 @@ def test_normalization():
         # vLLM's: stop strings are matched on text that detokenize=False never makes
         # (they were ignored).
         ({"stop": ["["], "detokenize": False}, "stop"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": 2.5}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": True}, "truncate_prompt_tokens"),
     ],
 )
 def test_bad_values_raise_naming_the_field(kwargs, field):

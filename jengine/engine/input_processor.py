@@ -235,6 +235,7 @@ class InputProcessor:
         """`params`: SamplingParams to generate, PoolingParams to embed (an engine runs
         one or the other: `--runner`)."""
         pooling_params = None
+        truncate_prompt_tokens = params.truncate_prompt_tokens
         if isinstance(params, PoolingParams):
             if self.pooler is None:
                 raise ValueError(
@@ -255,6 +256,9 @@ class InputProcessor:
             )
         self.validate_priority(priority)
         text, token_ids = self.tokenize(prompt)
+        kept = last_prompt_tokens(token_ids, truncate_prompt_tokens, self.max_model_len)
+        if len(kept) < len(token_ids):  # the text no longer spells the prompt
+            text, token_ids = None, kept
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if cache_salt is not None:
             if not isinstance(cache_salt, str) or not cache_salt:
@@ -290,6 +294,26 @@ class InputProcessor:
             pooling_params=pooling_params,
             cache_salt=cache_salt,
         )
+
+
+def check_truncation(truncate_prompt_tokens: int | None, max_model_len: int) -> None:
+    """`truncate_prompt_tokens` is None, -1 or from 1 to max_model_len (vLLM's range)."""
+    value = truncate_prompt_tokens
+    if value is not None and not (value == -1 or 1 <= value <= max_model_len):
+        raise ValueError(
+            f"truncate_prompt_tokens must be -1 or from 1 to max_model_len ({max_model_len}), "
+            f"got {value!r}"
+        )
+
+
+def last_prompt_tokens(
+    token_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int
+) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (-1: the last
+    max_model_len; None: all of them)."""
+    check_truncation(truncate_prompt_tokens, max_model_len)
+    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    return token_ids if keep is None else token_ids[-keep:]
 
 
 # A template has at least one of these; a file name, none (vLLM's rule).

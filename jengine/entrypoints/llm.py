@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 
 import jax
+import msgspec
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -146,18 +147,28 @@ class LLM:
         prompts,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         *,
+        truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """Embed one prompt or a list with an embedding engine (`runner="pooling"`); returns
-        one EmbeddingRequestOutput per prompt, in order (`.outputs.embedding`)."""
-        return self._run_prompts(
-            prompts,
-            PoolingParams() if pooling_params is None else pooling_params,
-            use_tqdm,
-            None,
-            lora_request,
-        )
+        one EmbeddingRequestOutput per prompt, in order (`.outputs.embedding`).
+        `truncate_prompt_tokens` (vLLM's): embed each prompt's last k tokens (-1: the last
+        max_model_len), over what the pooling params say."""
+        if pooling_params is None:
+            pooling_params = PoolingParams()
+        if truncate_prompt_tokens is not None:
+
+            def truncating(params: PoolingParams) -> PoolingParams:
+                return msgspec.structs.replace(
+                    params, truncate_prompt_tokens=truncate_prompt_tokens
+                )
+
+            if isinstance(pooling_params, PoolingParams):
+                pooling_params = truncating(pooling_params)
+            else:
+                pooling_params = [truncating(params) for params in pooling_params]
+        return self._run_prompts(prompts, pooling_params, use_tqdm, None, lora_request)
 
     def _run_prompts(self, prompts, params, use_tqdm, priority, lora_request) -> list:
         """Validate every prompt, then send and run them all (see `generate`)."""

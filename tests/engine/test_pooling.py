@@ -103,6 +103,15 @@ def test_an_embedding_engine_generates_nothing_and_a_generating_one_embeds_nothi
     with pytest.raises(ValueError, match="prompt is empty"):
         embedder.embed([[]])
     assert embedder.embed([[1, 2, 3]], use_tqdm=False)[0].outputs.hidden_size == 64
+    # vLLM's truncate_prompt_tokens: the last k tokens are what is embedded.
+    long = random_prompts(1, seed=6, low=120, high=121)[0]  # over max_model_len (96)
+    tail = embedder.embed([long[-9:]], use_tqdm=False)[0].outputs.embedding
+    for cut in (
+        embedder.embed([long], truncate_prompt_tokens=9, use_tqdm=False)[0],
+        embedder.embed([long], PoolingParams(truncate_prompt_tokens=9), use_tqdm=False)[0],
+    ):
+        assert cut.prompt_token_ids == long[-9:]
+        np.testing.assert_allclose(cut.outputs.embedding, tail, atol=1e-6, rtol=0)
     del embedder
     generator = LLM(path, **TIGHT)
     with pytest.raises(ValueError, match="--runner pooling"):

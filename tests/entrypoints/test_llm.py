@@ -203,6 +203,26 @@ def test_numpy_token_ids_are_prompts(llm):
     assert tokens([np.int64(t) for t in prompts[0]]) == expected[:1]
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
+    """vLLM's `SamplingParams.truncate_prompt_tokens`: the last k tokens are the prompt
+    (what runs, what is reported), a prompt longer than max_model_len included; -1 keeps
+    the last max_model_len; a k above max_model_len is refused."""
+    max_model_len = llm.llm_engine.input_processor.max_model_len
+    prompt = random_prompts(1, seed=11, low=max_model_len + 20, high=max_model_len + 21)[0]
+    greedy = dict(temperature=0, max_tokens=4)
+    alone = llm.generate([prompt[-12:]], SamplingParams(**greedy))[0]
+    cut = llm.generate(prompt, SamplingParams(truncate_prompt_tokens=12, **greedy))[0]
+    assert cut.prompt_token_ids == prompt[-12:]
+    assert cut.prompt is None  # the prompt's text, had it one, no longer spells it
+    assert cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    whole = llm.generate(prompt[-40:], SamplingParams(truncate_prompt_tokens=-1, **greedy))[0]
+    assert whole.prompt_token_ids == prompt[-40:]  # shorter than max_model_len: kept whole
+    with pytest.raises(ValueError, match=r"from 1 to max_model_len \(96\), got 97"):
+        llm.generate(prompt, SamplingParams(truncate_prompt_tokens=max_model_len + 1))
+    with pytest.raises(ValueError, match="longer than the maximum model length"):
+        llm.generate(prompt, SamplingParams(**greedy))  # no truncation asked: refused
+
+
 def test_seeded_sampling_is_batch_independent(llm):
     prompt = {"prompt_token_ids": random_prompts(1, seed=6)[0]}
     seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12)

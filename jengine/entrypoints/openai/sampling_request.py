@@ -8,6 +8,7 @@ field is an `OpenAIError` naming it.
 
 import math
 
+from jengine.engine.input_processor import last_prompt_tokens
 from jengine.entrypoints.openai.errors import param_of, to_openai_error
 from jengine.entrypoints.openai.protocol import OpenAIError, SamplingRequest
 from jengine.entrypoints.openai.structured_outputs import structured_outputs_of
@@ -65,14 +66,10 @@ def sampling_params_of(
 def truncated(
     request: SamplingRequest, text: str | None, token_ids: list[int], max_model_len: int
 ) -> tuple[str | None, list[int]]:
-    """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (-1: max_model_len);
-    a prompt that lost tokens loses its text too (echo then decodes what is kept)."""
-    keep = request.truncate_prompt_tokens
-    if keep == -1:
-        keep = max_model_len
-    if keep is None or len(token_ids) <= keep:
-        return text, token_ids
-    return None, token_ids[-keep:]
+    """The prompt `truncate_prompt_tokens` keeps; a prompt that lost tokens loses its text
+    too (echo then decodes what is kept)."""
+    kept = last_prompt_tokens(token_ids, request.truncate_prompt_tokens, max_model_len)
+    return (text, token_ids) if len(kept) == len(token_ids) else (None, kept)
 
 
 def _logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:

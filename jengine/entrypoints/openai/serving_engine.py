@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
+from jengine.engine.input_processor import check_truncation
 from jengine.engine.output_processor import RequestError, RequestOutputKind
 from jengine.entrypoints.openai.async_merge import merge_async_iterators
 from jengine.entrypoints.openai.errors import engine_dead_error, param_of, to_openai_error
@@ -185,12 +186,10 @@ class OpenAIServing:
             logger.warning("request fields ignored: %s", ", ".join(sorted(extra)))
 
     def check_truncation(self, truncate: int | None) -> None:
-        if truncate is not None and not (truncate == -1 or 1 <= truncate <= self.max_model_len):
-            raise OpenAIError(
-                f"truncate_prompt_tokens must be -1 or from 1 to max_model_len "
-                f"({self.max_model_len}), got {truncate}",
-                param="truncate_prompt_tokens",
-            )
+        try:
+            check_truncation(truncate, self.max_model_len)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="truncate_prompt_tokens") from None
 
     def check_model(self, model: str | None) -> None:
         self.models.lora_request(model)  # a 404 for a name neither served nor loaded
