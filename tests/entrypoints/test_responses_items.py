@@ -100,7 +100,8 @@ def test_input_items_become_chat_messages():
         ],
     )
     messages = chat_messages(request)
-    assert [m["role"] for m in messages] == ["system", "system", "user", "assistant", "tool"]
+    roles = [m["role"] for m in messages]
+    assert roles == ["system", "developer", "user", "assistant", "tool"]  # as the chat route
     assert messages[2]["content"] == "Weather?"
     assert [c["id"] for c in messages[3]["tool_calls"]] == ["a", "b"]  # one assistant turn
     assert messages[4] == {"role": "tool", "tool_call_id": "a", "content": "1"}

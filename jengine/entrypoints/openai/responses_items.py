@@ -261,7 +261,7 @@ def chat_messages(request: ResponsesRequest) -> list[dict]:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise OpenAIError(f"unknown message role {role!r}", param=f"{param}.role")
-            role = "system" if role == "developer" else role
+            # "developer" reaches the template as it is, as on the chat route (and vLLM's).
             messages.append(
                 {"role": role, "content": _text(item.get("content"), f"{param}.content")}
             )
