@@ -16,8 +16,11 @@ Two readings differ, and both show with a real model:
   strict mode (vLLM's) and OpenAI's strict schemas allow only the listed keys, so such an
   object is closed here (`"properties": {}`, as a tool without parameters has, allows only
   `{}`). A schema that says `additionalProperties` (or `unevaluatedProperties`) keeps its
-  word; an object schema without `properties` stays any object; and the parts of an
-  `allOf` stay open, since their properties add up.
+  word; an object schema without `properties` stays any object; and what adds properties
+  up stays open: the parts of an `allOf`, a schema beside its `$ref` and the definition
+  it names, a schema beside `anyOf`/`oneOf` branches of their own properties. Such a
+  branch is closed with the schema's own properties counted as its own. A closed object's
+  `required` names count as listed.
 """
 
 from __future__ import annotations
@@ -57,7 +60,9 @@ def closed_objects(schema: dict) -> dict:
     return _closed(schema, merged_refs, in_all_of=False, pointer="#")
 
 
-def _closed(schema, merged_refs: set[str], in_all_of: bool, pointer: str):
+def _closed(schema, merged_refs: set[str], in_all_of: bool, pointer: str, beside=None):
+    """`beside`: the properties of the schema whose `anyOf`/`oneOf` branch this is, which
+    the branch's instances hold too."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
@@ -66,9 +71,11 @@ def _closed(schema, merged_refs: set[str], in_all_of: bool, pointer: str):
             out[key] = _closed(schema[key], merged_refs, False, f"{pointer}/{key}")
     if isinstance(schema.get("items"), list):  # draft 4-7 tuples
         out["items"] = [_closed(s, merged_refs, False, "") for s in schema["items"]]
+    adds_up = _adds_up(schema)
     for key in _LIST:
         if isinstance(schema.get(key), list):
-            out[key] = [_closed(s, merged_refs, False, "") for s in schema[key]]
+            shared = schema.get("properties", {}) if adds_up and key != "prefixItems" else None
+            out[key] = [_closed(s, merged_refs, False, "", shared) for s in schema[key]]
     if isinstance(schema.get("allOf"), list):
         out["allOf"] = [_closed(s, merged_refs, True, "") for s in schema["allOf"]]
     for key in _MAP:
@@ -77,19 +84,43 @@ def _closed(schema, merged_refs: set[str], in_all_of: bool, pointer: str):
                 name: _closed(sub, merged_refs, False, f"{pointer}/{key}/{name}")
                 for name, sub in schema[key].items()
             }
-    lists_properties = "properties" in schema or "patternProperties" in schema
     says_itself = "additionalProperties" in schema or "unevaluatedProperties" in schema
-    merged = in_all_of or "allOf" in schema or pointer in merged_refs
-    if lists_properties and not says_itself and not merged:
+    merged = in_all_of or "allOf" in schema or pointer in merged_refs or adds_up
+    if _lists_properties(schema) and not says_itself and not merged:
+        listed = {**{name: {} for name in beside or ()}, **out.get("properties", {})}
+        for name in schema.get("required") or []:
+            if isinstance(name, str):
+                listed.setdefault(name, {})
+        if listed or "properties" in schema:
+            out["properties"] = listed
         out["additionalProperties"] = False
     return out
 
 
+def _lists_properties(schema: dict) -> bool:
+    return "properties" in schema or "patternProperties" in schema
+
+
+def _adds_up(schema: dict) -> bool:
+    """Whether `schema` lists properties that a `$ref` beside it, or `anyOf`/`oneOf`
+    branches with properties (or `$ref`s) of their own, add to."""
+    if not _lists_properties(schema):
+        return False
+    branches = [b for key in ("anyOf", "oneOf") for b in schema.get(key) or []]
+    return "$ref" in schema or any(
+        isinstance(b, dict) and (_lists_properties(b) or "$ref" in b) for b in branches
+    )
+
+
 def _collect_merged_refs(schema, into: set[str]) -> None:
-    """The `$ref`s that are parts of an `allOf` anywhere in `schema`: the definitions they
-    point at are merged with other parts, so they stay open."""
+    """The `$ref`s whose definitions are merged with other schemas anywhere in `schema`
+    (parts of an `allOf`, a `$ref` beside properties, a `$ref` branch of a schema whose
+    properties add up): those definitions stay open."""
     if isinstance(schema, dict):
-        for part in schema.get("allOf") or []:
+        parts = list(schema.get("allOf") or [])
+        if _adds_up(schema):
+            parts += [schema, *schema.get("anyOf", []), *schema.get("oneOf", [])]
+        for part in parts:
             if isinstance(part, dict) and isinstance(part.get("$ref"), str):
                 into.add(part["$ref"])
         for value in schema.values():

@@ -105,3 +105,41 @@ def test_the_matcher_refuses_keys_a_schema_does_not_list(accepts):
                    '{"x": 1, "y": 2}')  # fmt: skip
     assert accepts(StructuredOutputsParams(json={"type": "object"}), '{"y": 2}')
     assert accepts(StructuredOutputsParams(json_object=True), '{"y": 2}')
+
+
+# What adds properties up (found outside the suite: each was refused as unsatisfiable, the
+# parent closed against properties its `$ref` or its branches bring).
+TAGGED = {
+    "type": "object",
+    "properties": {"kind": {"enum": ["a", "b"]}},
+    "required": ["kind"],
+    "anyOf": [
+        {"properties": {"kind": {"const": "a"}, "x": {"type": "integer"}}, "required": ["x"]},
+        {"properties": {"kind": {"const": "b"}, "y": {"type": "string"}}, "required": ["y"]},
+    ],
+}
+EXTENDED = {
+    "$defs": {"base": POINT},
+    "$ref": "#/$defs/base",
+    "properties": {"name": {"type": "string"}},
+    "required": ["name"],
+}
+REQUIRED_UNLISTED = {"properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}
+
+
+@pytest.mark.parametrize(
+    "schema, text, allowed",
+    [
+        (TAGGED, '{"kind": "a", "x": 1}', True),
+        (TAGGED, '{"kind": "b", "y": "s"}', True),
+        (TAGGED, '{"kind": "a", "y": "s"}', False),  # a's branch lists no y
+        (TAGGED, '{"kind": "a", "x": 1, "z": 0}', False),  # each branch stays closed
+        ({**TAGGED, "oneOf": TAGGED["anyOf"], "anyOf": None}, '{"kind": "b", "y": "s"}', True),
+        (EXTENDED, '{"x": 1, "name": "n"}', True),
+        (REQUIRED_UNLISTED, '{"a": 1, "b": 2}', True),
+        (REQUIRED_UNLISTED, '{"a": 1, "b": 2, "c": 3}', False),
+    ],
+)  # fmt: skip
+def test_properties_that_add_up_are_not_refused(accepts, schema, text, allowed):
+    schema = {k: v for k, v in schema.items() if v is not None}
+    assert accepts(StructuredOutputsParams(json=schema), text) is allowed
