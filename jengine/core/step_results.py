@@ -77,6 +77,11 @@ class StepResults:
         ):
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
+        if grammar_complete:
+            # Nothing but EOS may follow, and min_tokens holds EOS back: no token could
+            # come next, so the request ends here whatever min_tokens said.
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
         if num_output < params.min_tokens:
             return False
         if not params.ignore_eos and last == request.eos_token_id:
@@ -85,9 +90,6 @@ class StepResults:
         if last in params.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = last
-            return True
-        if grammar_complete:
-            request.status = RequestStatus.FINISHED_STOPPED
             return True
         return False
 

@@ -173,6 +173,24 @@ def test_bad_constraints_are_refused_before_anything_runs(llm, constraint, messa
     assert core.num_free_blocks() == core.runner.num_blocks - 1
 
 
+def test_a_finished_constraint_ends_the_request_before_min_tokens(llm):
+    """A grammar that is complete lets nothing but EOS follow, which min_tokens holds back:
+    the request ends with the complete output (it failed, blaming the vocabulary)."""
+    for constraint in (dict(choice=["yes", "no"]), dict(regex="[0-9]{2}")):
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=20,
+            min_tokens=10,
+            structured_outputs=StructuredOutputsParams(**constraint),
+        )
+        output = llm.generate("Answer:", params, use_tqdm=False)[0].outputs[0]
+        assert output.finish_reason == "stop", output
+        assert output.text in ("yes", "no") or re.fullmatch("[0-9]{2}", output.text), output
+        # Ended at once: no token past the grammar's end (forced ones, where the argmax of
+        # nothing allowed happened to be EOS, as on the bundled model).
+        assert len(output.token_ids) < params.min_tokens, output
+
+
 def test_a_constraint_names_exactly_one_kind():
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams(regex="a", choice=["a"])
