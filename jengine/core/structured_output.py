@@ -28,6 +28,7 @@ import concurrent.futures
 import json
 import logging
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,9 @@ if TYPE_CHECKING:
     from jengine.request import Request
 
 logger = logging.getLogger(__name__)
+
+# Compiled grammars kept for requests to come (the least recently used go first).
+MAX_COMPILED = 256
 
 
 class StructuredOutputError(Exception):
@@ -191,7 +195,10 @@ class StructuredOutputManager:
         self._tokenizes_exactly = True
         self._tokenizer_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar")
-        self._compiled: dict[tuple, Future] = {}  # spec -> compiled matcher (a template)
+        # spec -> compiled matcher (a template), the most recently used last: agents send
+        # the same schemas over and over, but every distinct one costs memory (~0.25 MiB
+        # for a small schema), so only the last MAX_COMPILED are kept.
+        self._compiled: OrderedDict[tuple, Future] = OrderedDict()
 
     def add_request(self, request: Request) -> None:
         sampling = request.sampling_params
@@ -203,6 +210,10 @@ class StructuredOutputManager:
             if template is None:
                 template = self._executor.submit(self._compile, params)
                 self._compiled[key] = template
+                if len(self._compiled) > MAX_COMPILED:
+                    self._compiled.popitem(last=False)
+            else:
+                self._compiled.move_to_end(key)
             future = self._executor.submit(self._copy, template)
             reasoning_end = params.reasoning_end
         if sampling.allowed_token_ids is not None:

@@ -8,6 +8,7 @@ import threading
 import numpy as np
 from llguidance import LLTokenizer
 
+from jengine.core import structured_output
 from jengine.core.structured_output import StructuredOutputManager
 from jengine.models.default import BUNDLED_MODEL_PATH
 from jengine.protocol import FinishReason
@@ -90,4 +91,22 @@ def test_abort_while_the_grammar_compiles():
     release.set()
     assert_no_leak(scheduler)
     assert not scheduler.constrained_ids
+    manager.shutdown()
+
+
+def test_compiled_grammars_kept_are_bounded(monkeypatch):
+    """Every distinct schema compiles once and is kept for requests to come, but only the
+    last MAX_COMPILED used: a server sent ever new schemas grew without bound."""
+    monkeypatch.setattr(structured_output, "MAX_COMPILED", 3)
+    release = threading.Event()
+    release.set()
+    manager, _ = slow_manager(release)
+    choices = ("a", "b", "c", "a", "d")  # "a" used again: "b" is the oldest then
+    constraints = {c: StructuredOutputsParams(choice=[c]) for c in choices}
+    for i, choice in enumerate(choices):
+        request = make_request(f"r{i}", 6, structured_outputs=constraints[choice])
+        manager.add_request(request)
+        assert request.structured_output.future.result() is not None
+    kept = [structured_output.spec_key(constraints[c]) for c in ("c", "a", "d")]
+    assert list(manager._compiled) == kept
     manager.shutdown()
