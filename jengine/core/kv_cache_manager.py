@@ -120,7 +120,8 @@ class KVCacheManager:
         return blocks, len(blocks) * self.block_size
 
     def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
-        """Count one admitted lookup for metrics (once per (re)admission, not per retry)."""
+        """Count a request's lookup at its first admission for metrics (not per retry, nor
+        again when a preempted request is admitted back)."""
         if self._may_hit(request):
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hit_tokens

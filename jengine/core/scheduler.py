@@ -335,12 +335,14 @@ class Scheduler(StepResults, Preemption, MultiStep):
             ):
                 break  # head-of-line: later requests wait too, preserving the policy order
             self.waiting.pop()
-            self.kv_cache_manager.record_prefix_lookup(request, num_hit)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
+                # Its first admission. A preempted request's later ones find its own blocks
+                # again: vLLM's prefix-cache metrics leave them out, and so do these.
                 request.num_cached_tokens = num_hit
+                self.kv_cache_manager.record_prefix_lookup(request, num_hit)
             step.new.append(request)
             step.num_scheduled[request.request_id] = n
             step.budget -= n

@@ -123,7 +123,7 @@ def test_preemption_then_resume_gives_identical_outputs(policy):
 
     sched, reqs = _pressure_workload(num_blocks=10, policy=policy)
     runner, results = StubRunner(sched), {}
-    preemptions, resumed = 0, 0
+    preemptions, resumed, queries, hits = 0, 0, 0, 0
     while sched.has_unfinished_requests():
         so = sched.schedule()
         for new in so.scheduled_new_reqs:
@@ -133,8 +133,13 @@ def test_preemption_then_resume_gives_identical_outputs(policy):
                 assert new.num_computed_tokens % 4 == 0
         outputs = sched.update_from_output(so, runner.execute(so))
         preemptions += outputs.scheduler_stats.num_preemptions
+        queries += outputs.scheduler_stats.prefix_cache_queries
+        hits += outputs.scheduler_stats.prefix_cache_hits
         collect(outputs, results)
     assert preemptions > 0 and resumed > 0
+    # The prefix-cache metrics count each prompt's first lookup only (vLLM's): a resumed
+    # request finding its own blocks again is no hit (the prompts share nothing).
+    assert (queries, hits) == (sum(len(r.prompt_token_ids) for r in reqs), 0)
     assert preemptions == sum(r.num_preemptions for r in reqs)
     for r in reqs:
         assert results[r.request_id].token_ids == expected[r.request_id].token_ids
