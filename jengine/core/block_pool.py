@@ -179,10 +179,11 @@ class BlockPool:
             block.block_hash = block_hash
             table[block_hash] = block
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget all cached hashes. Only when no block is in use (e.g. after a weight
-        update, when every cached K/V is stale); returns False otherwise."""
-        if self.get_num_free_blocks() != self.num_blocks - 1:
+    def reset_prefix_cache(self, in_use_too: bool = False) -> bool:
+        """Forget all cached hashes. Only when no block is in use, unless `in_use_too` (a
+        weight update: every cached K/V is stale); returns False when nothing was
+        forgotten."""
+        if not in_use_too and self.get_num_free_blocks() != self.num_blocks - 1:
             return False
         for block in self.blocks:
             block.block_hash = None

@@ -27,6 +27,10 @@ from jengine.core.block_pool import BlockPool, KVCacheBlock
 from jengine.core.kv_cache_utils import cdiv, extend_block_hashes
 from jengine.request import Request
 
+# A request's count of cached blocks that no count of its full blocks passes: it caches no
+# more (its K/V outlived a weight update).
+_NEVER_CACHED = 1 << 62
+
 
 class KVCacheManager:
     def __init__(
@@ -206,5 +210,13 @@ class KVCacheManager:
         self.no_op_limit.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
-    def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
+    def reset_prefix_cache(self, in_use_too: bool = False) -> bool:
+        """Forget every cached prefix; False (nothing forgotten) while a request holds
+        blocks, unless `in_use_too` (a weight update: all K/V computed so far is stale).
+        Then the requests holding blocks cache none of their blocks to come either, whose
+        K/V mixes the old weights' with the new (their blocks forgotten now make them
+        unreachable only until a new request caches the same first blocks again)."""
+        if in_use_too:
+            for request_id in self.req_to_blocks:
+                self.num_cached_blocks[request_id] = _NEVER_CACHED
+        return self.block_pool.reset_prefix_cache(in_use_too)

@@ -403,5 +403,5 @@ class Scheduler(StepResults, Preemption, MultiStep):
             output.structured_output_request_ids = [r.request_id for r in constrained]
             output.grammar_bitmask = self.structured_output_manager.fill_bitmask(constrained)
 
-    def reset_prefix_cache(self) -> bool:
-        return self.kv_cache_manager.reset_prefix_cache()
+    def reset_prefix_cache(self, in_use_too: bool = False) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache(in_use_too)

@@ -309,8 +309,8 @@ class EngineCore:
         if self.broadcaster is not None:
             raise ValueError("update_weights is not supported across hosts")
         self.runner.update_weights(params)
-        # Cached prefixes were computed by the old weights.
-        self.reset_prefix_cache()
+        # Cached prefixes were computed by the old weights, those of running requests too.
+        self.scheduler.reset_prefix_cache(in_use_too=True)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing forgotten) while a request holds blocks."""
