@@ -102,7 +102,9 @@ def adapter_from_weights(name: str, weights, alpha: float | None, config) -> LoR
     for target, pair in weights.items():
         if target not in TARGETS:
             raise ValueError(f"{where}: {target!r} is not a target (one of {sorted(TARGETS)})")
-        a, b = (np.asarray(x, np.float32) for x in pair)
+        # Copies: the adapter is what the weights are now, whatever the caller's training
+        # does to its arrays next (np.asarray would keep a float32 numpy array itself).
+        a, b = (np.array(x, np.float32) for x in pair)
         out, inputs = sizes[target]
         rank = a.shape[1] if a.ndim == 3 else -1
         if a.shape != (layers, rank, inputs) or b.shape != (layers, out, rank):

@@ -40,6 +40,7 @@ from jengine.models import (
 )
 from jengine.models.default import default_model, describe_default
 from jengine.models.lora import adapter_from_weights
+from jengine.models.param_tree import flatten, unflatten
 from jengine.outputs import EmbeddingRequestOutput, RequestOutput
 from jengine.pooling import PoolingParams
 from jengine.sampling_params import SamplingParams
@@ -101,8 +102,8 @@ class LLM:
                 )
         if module is None and params is not None:
             module = _module_from_params(path, params, dtype, engine_kwargs.get("quantization"))
-        elif module is not None and params is not None:
-            nnx.update(module, params)
+        elif module is not None:
+            module = _module_copy(module, params, dtype)
         if module is not None and engine_kwargs.get("max_model_len") is None:
             engine_kwargs["max_model_len"] = module.config.max_position_embeddings
         config = EngineArgs(model=path, **engine_kwargs).create_engine_config()
@@ -353,12 +354,30 @@ def _module_from_params(path: str, params, dtype, quantization: str | None) -> n
     model_cls, config_cls = resolve_architecture(hf_config)
     if isinstance(params, nnx.State):
         params = nnx.to_pure_dict(params)
-    # The engine's own copy, on the caller's devices: a train step that donates the
-    # caller's arrays next must not delete the engine's weights.
-    params = jax.tree.map(
-        lambda x: jax.device_put(x, x.sharding, may_alias=False) if isinstance(x, jax.Array) else x,
-        params,
-    )
     config = config_cls.from_hf(hf_config)
-    params, config = quantized_params(params, config, quantization, hf_config)
+    params, config = quantized_params(_own_copies(params), config, quantization, hf_config)
     return model_from_params(model_cls, config, params, resolve_dtype(dtype))
+
+
+def _module_copy(module: nnx.Module, params, dtype) -> nnx.Module:
+    """The engine's own copy of a caller's module, with `params` (a State or nested dict,
+    whole or in part) over its weights, in `dtype` ("auto": the module's own)."""
+    weights = dict(flatten(nnx.to_pure_dict(nnx.state(module, nnx.Param))))
+    if isinstance(params, nnx.State):
+        params = nnx.to_pure_dict(params)
+    if params is not None:
+        weights.update(flatten(params))
+    dtype = module.dtype if dtype in (None, "auto") else resolve_dtype(dtype)
+    return model_from_params(type(module), module.config, _own_copies(unflatten(weights)), dtype)
+
+
+def _own_copies(params):
+    """The engine's own copy of every array, on the caller's devices: a train step that
+    donates (or edits) the caller's arrays next must not reach the engine's weights."""
+
+    def copy(x):
+        if isinstance(x, jax.Array):
+            return jax.device_put(x, x.sharding, may_alias=False)
+        return np.array(x) if isinstance(x, np.ndarray) else x
+
+    return jax.tree.map(copy, params)

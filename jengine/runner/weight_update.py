@@ -4,13 +4,13 @@ Where it sits: `ModelRunner.update_weights` (what `LLM.update_weights` and RL-st
 research code call) hands the engine's current params and the caller's new ones to
 `updated_params`, which returns params laid out exactly as the current ones.
 
-Promises: host arrays are cast on the host when their dtype differs; jax arrays on the
-engine's devices never leave them (another layout there is resharded by one jitted
-program, the engine's own copied there), and the engine never shares a buffer with the
-caller; every new weight gets its old weight's sharding, so the step never recompiles; a
-missing or unexpected leaf, a leaf that is no array or one of another shape or kind of
-number is a ValueError naming it (`models/param_tree.py`); the engine's LoRA slots are
-kept unless given.
+Promises: host arrays, and jax arrays on other devices than the engine's, are copied (and
+cast) on the host; jax arrays on the engine's devices never leave them (another layout
+there is resharded by one jitted program, the engine's own copied there), and the engine
+never shares a buffer with the caller; every new weight gets its old weight's sharding,
+so the step never recompiles; a missing or unexpected leaf, a leaf that is no array or
+one of another shape or kind of number is a ValueError naming it
+(`models/param_tree.py`); the engine's LoRA slots are kept unless given.
 """
 
 import jax
@@ -56,9 +56,10 @@ def updated_params(current, params, tensor_parallel, config):
         elif on_device and new.sharding.device_set == old.sharding.device_set:
             moves[name] = new  # another layout on the same devices (a training mesh's)
         else:
-            if new.dtype != old.dtype:
-                new = np.asarray(new).astype(old.dtype)  # on the host: nothing compiles
-            placed[name] = jax.device_put(new, old.sharding)
+            # Through the host, as the engine's own copy (cast there: nothing compiles).
+            # device_put alone shares memory: with a host array on a CPU device, and with
+            # the shard of a jax array on a device both sets hold.
+            placed[name] = jax.device_put(np.array(new, dtype=old.dtype), old.sharding)
     if moves:
         # One program moves (and casts) them all with the collectives XLA picks; a
         # device_put would go through the host for most layout changes.

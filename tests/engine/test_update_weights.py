@@ -93,3 +93,62 @@ def test_bad_params_are_named_and_the_engine_shares_no_buffer(checkpoint):
     llm.update_weights(again)
     jax.tree.map(lambda x: x.delete(), again)
     assert run() == expected
+
+
+def test_the_engine_keeps_its_own_weights_whatever_the_caller_does_next(checkpoint):
+    """A module handed to LLM, host arrays handed to update_weights: the engine copies
+    them, so deleting the module's arrays (a donating train step) or editing the arrays in
+    place changes nothing (both reached the engine); `dtype` applies to a module too."""
+    import jax
+    import numpy as np
+
+    from jengine import LLM
+
+    path, hf_model = checkpoint
+    module = load_model(path, "float32")
+    llm = LLM(module, dtype="float32", max_model_len=32, max_num_seqs=2)
+    jax.tree.map(lambda x: x.delete(), nnx.to_pure_dict(nnx.state(module, nnx.Param)))
+    prompt = random_prompts(1, seed=23, low=8, high=9)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+
+    def run():
+        return llm.generate([{"prompt_token_ids": prompt}], greedy)[0].outputs[0].token_ids
+
+    expected = hf_greedy(hf_model, prompt, 6)
+    assert run() == expected
+    on_host = jax.tree.map(np.array, nnx.to_pure_dict(nnx.state(load_model(path), nnx.Param)))
+    llm.update_weights(on_host)
+    for array in jax.tree.leaves(on_host):
+        array *= 0
+    assert run() == expected
+    narrow = LLM(load_model(path, "float32"), dtype="bfloat16", max_model_len=32, warmup=False)
+    assert narrow.engine_core.runner.params["embed_tokens"].value.dtype == "bfloat16"
+
+
+def test_an_update_while_a_request_runs_leaves_no_stale_prefix(checkpoint, tmp_path):
+    """Blocks that hold K/V of the old weights are never a prefix hit after an update,
+    those of a request running through it included (they were, silently: the prefix cache
+    was kept while any block was in use)."""
+    from jengine import LLM
+
+    path, _ = checkpoint
+    hf_b = make_checkpoint("llama3", str(tmp_path), seed=1)
+    params_b = nnx.to_pure_dict(nnx.state(load_model(str(tmp_path), "float32"), nnx.Param))
+    llm = LLM(path, dtype="float32", max_model_len=96, max_num_seqs=4, block_size=16)
+    prompt = random_prompts(1, seed=24, low=40, high=41)[0]
+    engine = llm.llm_engine
+    engine.add_request("running", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=20))
+    for _ in range(3):
+        engine.step()
+    assert engine.has_unfinished_requests()
+    llm.update_weights(params_b)
+    while engine.has_unfinished_requests():
+        engine.step()
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    for tail in ([], [], random_prompts(1, seed=25, low=30, high=31)[0]):
+        # The same prompt (no hit, then a hit on what the new weights computed), then a
+        # longer one past the blocks the running request filled after the update.
+        longer = prompt + tail
+        output = llm.generate([{"prompt_token_ids": longer}], greedy)[0]
+        assert output.outputs[0].token_ids == hf_greedy(hf_b, longer, 6)
+    assert output.num_cached_tokens > 0
