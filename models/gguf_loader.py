@@ -95,19 +95,25 @@ def _gguf_names(layer_params, num_layers: int, tied: bool) -> dict[str, list[str
     return names
 
 
-def load_gguf_model(path: str, dtype, keep_quantized: bool = True) -> nnx.Module:
-    """The model of the GGUF at `path`: weights of the kept types quantized as the file
-    has them (`keep_quantized`), the rest dequantized to `dtype`."""
-    from jengine.models.loader import model_from_params  # loader dispatches here
+@dataclasses.dataclass(frozen=True)
+class GGUFLayout:
+    """What a GGUF loads as, from its metadata alone: the model class and config (the
+    weights kept quantized in `config.quantization`), and which tensors fill what."""
 
-    started = time.perf_counter()
+    model_cls: type
+    config: object
+    gguf: object  # the memory-mapped file (gguf_reader.GGUFFile)
+    wanted: dict[str, list[str]]  # our parameter -> the GGUF tensor(s) that fill it
+    formats: dict[str, object]  # our parameter -> the format it is kept quantized in
+
+
+def gguf_layout(path: str, keep_quantized: bool = True) -> GGUFLayout:
     hf_config = gguf_hf_config(path)
     model_cls, config_cls = resolve_architecture(hf_config)
     config = config_cls.from_hf(hf_config)
     gguf = read_gguf(path)
     tensors = gguf.tensors
-    arch = gguf.metadata.get("general.architecture")
-    abstract = nnx.eval_shape(lambda: model_cls(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: model_cls(config, dtype=np.float32, rngs=nnx.Rngs(0)))
     layer_params = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))["layers"]
     wanted = _gguf_names(layer_params, config.num_hidden_layers, config.tie_word_embeddings)
     used = {name for names in wanted.values() for name in names}
@@ -119,6 +125,28 @@ def load_gguf_model(path: str, dtype, keep_quantized: bool = True) -> nnx.Module
             f"{path}: tensors the {hf_config['architectures'][0]} model has no place for "
             f"{unexpected[:5]}, tensors it lacks {missing[:5]}"
         )
+    formats = {}
+    if keep_quantized:
+        for ours, names in wanted.items():
+            fmt = common_format({tensors[n].type_name for n in names})
+            if fmt is not None:
+                formats[ours] = fmt
+    kept = tuple((ours.removeprefix("layers."), fmt) for ours, fmt in formats.items())
+    config = dataclasses.replace(config, quantization=kept)
+    return GGUFLayout(model_cls, config, gguf, wanted, formats)
+
+
+def load_gguf_model(path: str, dtype, keep_quantized: bool = True) -> nnx.Module:
+    """The model of the GGUF at `path`: weights of the kept types quantized as the file
+    has them (`keep_quantized`), the rest dequantized to `dtype`."""
+    from jengine.models.loader import model_from_params  # loader dispatches here
+
+    started = time.perf_counter()
+    layout = gguf_layout(path, keep_quantized)
+    config, gguf, wanted = layout.config, layout.gguf, layout.wanted
+    tensors = gguf.tensors
+    used = {name for names in wanted.values() for name in names}
+    arch = gguf.metadata.get("general.architecture")
     # Only for llama does llama.cpp's converter permute q/k rows (its rotary layout).
     heads = {}
     if arch == "llama":
@@ -159,16 +187,13 @@ def load_gguf_model(path: str, dtype, keep_quantized: bool = True) -> nnx.Module
     np_dtype = np.dtype(dtype)
     device = jax.devices()[0]
     params: dict = {"layers": {}}
-    quantized = []  # (our name, format)
     # Each parameter goes to the device before the next is read: the host holds one at a time.
     for ours, names in wanted.items():
         types = {tensors[n].type_name for n in names}
-        fmt = common_format(types) if keep_quantized else None
+        fmt = layout.formats.get(ours)
         kept = fmt is not None
         read_one = functools.partial(read_packed, fmt=fmt) if kept else read
-        if kept:
-            quantized.append((ours.removeprefix("layers."), fmt))
-        elif keep_quantized and types - {"F32", "F16", "BF16"}:
+        if not kept and keep_quantized and types - {"F32", "F16", "BF16"}:
             logger.info("%s: %s dequantized to %s", ours, "/".join(sorted(types)), np_dtype.name)
         if ours.startswith("layers."):
             value = stack(names, read_one, None if kept else np_dtype)
@@ -177,8 +202,7 @@ def load_gguf_model(path: str, dtype, keep_quantized: bool = True) -> nnx.Module
             value = read_one(names[0])
             value = value if kept else value.astype(np_dtype)
             params[ours] = jax.device_put(value, device)
-    config = dataclasses.replace(config, quantization=tuple(quantized))
-    model = model_from_params(model_cls, config, params, dtype)
+    model = model_from_params(layout.model_cls, config, params, dtype)
     types = collections.Counter(tensors[n].type_name for n in used)
     peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     logger.info(
@@ -186,7 +210,7 @@ def load_gguf_model(path: str, dtype, keep_quantized: bool = True) -> nnx.Module
         path,
         len(used),
         ", ".join(f"{count} {name}" for name, count in types.most_common()),
-        f"{len(quantized)} weights kept quantized" if quantized else "none kept quantized",
+        f"{len(layout.formats) or 'none'} kept quantized",
         np_dtype.name,
         time.perf_counter() - started,
         peak_gib,

@@ -32,7 +32,7 @@ from flax import nnx
 from jengine.config import QUANTIZATION_CHOICES
 from jengine.models import compressed_tensors
 from jengine.models.calibration import own_input_grams
-from jengine.models.checkpoint import gguf_file, holds_base_model, read_hf_config
+from jengine.models.checkpoint import gguf_file, holds_base_model, read_hf_config, resolve_model
 from jengine.models.gptq import gptq_fp8
 from jengine.models.llama import LINEAR_WEIGHTS
 from jengine.models.param_tree import fitted_leaves, flatten, unflatten
@@ -248,6 +248,7 @@ def load_model(path: str, dtype="auto", quantization: str | None = None) -> nnx.
             f"unknown quantization {quantization!r}; expected one of "
             f"{[q for q in QUANTIZATION_CHOICES if q]}"
         )
+    path = resolve_model(path)  # `smollm2`, `shakespeare`: as LLM reads them
     gguf_path = gguf_file(path)
     if quantization == "gguf" and gguf_path is None:
         raise ValueError(f"--quantization gguf: {path} is not a GGUF file")

@@ -38,7 +38,9 @@ from jengine.models import (
     resolve_dtype,
     resolve_model,
 )
+from jengine.models.checkpoint import gguf_file
 from jengine.models.default import default_model, describe_default
+from jengine.models.gguf_loader import gguf_layout
 from jengine.models.lora import adapter_from_weights
 from jengine.models.param_tree import flatten, unflatten
 from jengine.outputs import EmbeddingRequestOutput, RequestOutput
@@ -350,13 +352,27 @@ def _token_ids_as_ints(prompt):
 
 
 def _module_from_params(path: str, params, dtype, quantization: str | None) -> nnx.Module:
-    hf_config = read_hf_config(resolve_model(path))
-    model_cls, config_cls = resolve_architecture(hf_config)
+    path = resolve_model(path)
     if isinstance(params, nnx.State):
         params = nnx.to_pure_dict(params)
+    params = _own_copies(params)
+    gguf_path = gguf_file(path)
+    if gguf_path is not None and quantization in (None, "gguf") and _holds_packed(params):
+        # What load_model gives for a GGUF: the weights of the kept types still packed.
+        layout = gguf_layout(gguf_path)
+        return model_from_params(layout.model_cls, layout.config, params, resolve_dtype(dtype))
+    hf_config = read_hf_config(path)
+    model_cls, config_cls = resolve_architecture(hf_config)
     config = config_cls.from_hf(hf_config)
-    params, config = quantized_params(_own_copies(params), config, quantization, hf_config)
+    params, config = quantized_params(params, config, quantization, hf_config)
     return model_from_params(model_cls, config, params, resolve_dtype(dtype))
+
+
+def _holds_packed(params: dict) -> bool:
+    """Whether a params tree holds quantized weights (each a dict of packed arrays)."""
+    layers = params.get("layers") if isinstance(params, dict) else None
+    weights = [*params.values(), *(layers.values() if isinstance(layers, dict) else ())]
+    return any(isinstance(w, dict) for w in weights if w is not layers)
 
 
 def _module_copy(module: nnx.Module, params, dtype) -> nnx.Module:

@@ -69,6 +69,14 @@ def test_missing_folder_and_config(tmp_path):
         load_model(str(tmp_path))
 
 
+def test_the_models_llm_names_load_by_name():
+    """`load_model` takes the names `LLM` takes (it called `shakespeare` no directory)."""
+    from jengine.models.default import BUNDLED_MODEL_PATH
+
+    by_name = load_model("shakespeare", "float32")
+    assert by_name.config == load_model(BUNDLED_MODEL_PATH, "float32").config
+
+
 def test_unsupported_architecture(tmp_path):
     make_checkpoint("llama2", str(tmp_path))
     config = json.loads((tmp_path / "config.json").read_text())

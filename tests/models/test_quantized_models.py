@@ -177,3 +177,14 @@ def test_params_quantized_at_hand_over_and_swapped_without_recompiling(hf_folder
     after, _, _ = _generate(llm, prompts)
     assert after != before
     assert llm.engine_core.runner.compiles_after_warmup == 0
+
+
+def test_a_gguf_models_own_params_hand_over_as_they_are(hf_folder, tmp_path):
+    """The README's research recipe on a GGUF: `load_model`'s tree (its weights still
+    packed as the file has them) goes to `LLM(path, params=...)` (it was refused: the
+    engine expected the float tree of the folder's config)."""
+    path = write_llama_gguf(hf_folder, str(tmp_path / "model.gguf"), "Q4_1")
+    params = nnx.state(load_model(path), nnx.Param)
+    prompts = _prompts()
+    given = _generate(LLM(path, params=params, **TIGHT), prompts)[0]
+    assert given == _generate(LLM(path, **TIGHT), prompts)[0]
