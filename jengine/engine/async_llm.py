@@ -289,6 +289,8 @@ class AsyncLLM:
             for collector in self._collectors.values():
                 collector.put(e)
             self._collectors.clear()
+            for stat_logger in self.stat_loggers:
+                stat_logger.record_engine_dead(len(self.output_processor.request_states))
 
     async def _fail_lost_requests(self, lost: LostRequests) -> None:
         """A data-parallel replica died: its requests end with its error (503 over

@@ -124,6 +124,9 @@ class StatLoggerBase:
     def log(self) -> None:  # called periodically
         pass
 
+    def record_engine_dead(self, num_failed: int) -> None:
+        """The engine core died, failing `num_failed` sequences it held."""
+
 
 class LoggingStatLogger(StatLoggerBase):
     """Logs throughput, queue sizes, KV usage and prefix-cache hit rate every interval

@@ -67,7 +67,14 @@ def test_dead_engine_answers_503(server):
         # Routes that need no engine still work; /metrics still renders.
         assert http.get("/v1/models").status_code == 200
         assert http.post("/tokenize", json={"prompt": "Hello"}).status_code == 200
-        assert http.get("/metrics").status_code == 200
+        metrics = http.get("/metrics")
+        assert metrics.status_code == 200
+        # Nothing runs any more, and the stream the engine held counts as failed (its
+        # gauges stayed at their last values, and it was counted nowhere).
+        labels = f'model_name="{MODEL_NAME}"'
+        assert f"jengine:num_requests_running{{{labels}}} 0.0" in metrics.text
+        failed = f'jengine:request_success_total{{finished_reason="error",{labels}}} 1.0'
+        assert failed in metrics.text, metrics.text
     # Stopped, it waits for none of them: each has had its error (the log once counted
     # every request the engine held when it died as still running).
     server.proc.send_signal(signal.SIGTERM)

@@ -35,7 +35,7 @@ E2E_BUCKETS = [
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 ]  # fmt: skip
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 __all__ = ["CONTENT_TYPE_LATEST", "PrometheusStatLogger"]
 
@@ -156,6 +156,14 @@ class PrometheusStatLogger(StatLoggerBase):
                 if counter is not None:
                     counter.inc()
                 self.e2e.observe(finished.e2e_latency)
+
+    def record_engine_dead(self, num_failed: int) -> None:
+        """The engine core died: nothing runs or waits any more, and the requests it held
+        (sequences, as finished ones count) failed."""
+        for gauge in (self.num_running, self.num_waiting, self.kv_usage):
+            gauge.set(0)
+        self.replica_running.clear()
+        self.request_success["error"].inc(num_failed)
 
     def record_engine_stats(self, stats: dict) -> None:
         """Gauges read from the engine core at scrape time (EngineCore.get_stats)."""
