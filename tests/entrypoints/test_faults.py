@@ -122,7 +122,7 @@ def test_a_fault_building_one_output_ends_only_that_request(server, http, site):
     wait_for_free_blocks(http, start)  # the failed requests were aborted in the engine
     assert http.post("/v1/completions", json=BODY).json()["choices"][0]["text"] == expected
     if site == "output":
-        assert "building the output of request fault-output-stream" in server.log_text()
+        assert "building the output of request cmpl-fault-output-stream" in server.log_text()
 
 
 def test_a_slow_reader_stalls_nobody(server, http):

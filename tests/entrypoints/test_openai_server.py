@@ -6,6 +6,7 @@ n > 1, batches, stop strings, lengths, logprobs, echo, usage, fidelity to LLM.ge
 import asyncio
 import json
 import os
+import re
 import time
 
 import httpx2
@@ -33,7 +34,7 @@ def server(tiny_model, tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "tools.jinja"
     template.write_text(TOOL_CHAT_TEMPLATE)
     args = [*SERVER_ARGS, "--api-key", API_KEY, "--log-stats-interval", "1",
-            "--max-request-body-bytes", str(BODY_LIMIT),
+            "--max-request-body-bytes", str(BODY_LIMIT), "--enable-request-id-headers",
             "--chat-template", str(template)]  # fmt: skip
     with RemoteServer(tiny_model, args) as remote:
         yield remote
@@ -587,6 +588,29 @@ def _post(http, path: str, body: dict):
     """`body` as the openai client sends it: json.dumps escapes a lone surrogate (httpx2's
     json= would refuse to encode it)."""
     return http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+
+
+def test_request_ids_as_vllm_reads_them(http):
+    """vLLM's: an X-Request-Id header names the request over the body's request_id, and
+    the response's id is the route's prefix and that id; with --enable-request-id-headers
+    every response carries X-Request-Id (the request's own, else a fresh one). The header
+    was ignored, and a request_id was the bare id."""
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2}
+    traced = http.post("/v1/completions", json=body, headers={"X-Request-Id": "trace-1"})
+    assert traced.json()["id"] == "cmpl-trace-1"
+    assert traced.headers["x-request-id"] == "trace-1"
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = {"model": MODEL_NAME, "messages": messages, "max_tokens": 2, "request_id": "own"}
+    named = http.post("/v1/chat/completions", json=chat)
+    assert named.json()["id"] == "chatcmpl-own"
+    assert re.fullmatch("[0-9a-f]{32}", named.headers["x-request-id"])
+    streamed = {**chat, "stream": True}
+    with http.stream(
+        "POST", "/v1/chat/completions", json=streamed, headers={"X-Request-Id": "trace-2"}
+    ) as response:
+        chunks = [json.loads(d) for d in sse_data(response) if d != "[DONE]"]
+    assert {chunk["id"] for chunk in chunks} == {"chatcmpl-trace-2"}
+    assert "x-request-id" in http.get("/health").headers
 
 
 def test_errors_have_openai_shape_and_status(server, http):

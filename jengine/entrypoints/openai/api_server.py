@@ -43,6 +43,7 @@ from jengine.entrypoints.openai.middleware import (
     APIKeyMiddleware,
     BodySizeLimitMiddleware,
     DrainingMiddleware,
+    RequestIdHeaderMiddleware,
 )
 from jengine.entrypoints.openai.protocol import OpenAIError
 from jengine.entrypoints.openai.routes import router, version
@@ -76,6 +77,7 @@ def build_app(
     allow_runtime_lora_updating: bool = False,
     return_tokens_as_token_ids: bool = False,
     enable_prompt_tokens_details: bool = False,
+    enable_request_id_headers: bool = False,
     response_role: str = "assistant",
     exclude_tools_when_tool_choice_none: bool = False,
 ) -> FastAPI:
@@ -133,6 +135,8 @@ def build_app(
             allow_headers=allowed_headers or ["*"],
             allow_credentials=allow_credentials,
         )
+    if enable_request_id_headers:
+        app.add_middleware(RequestIdHeaderMiddleware)
     app.add_middleware(DrainingMiddleware, admission=app.state.admission)
     for exc_class, handler in EXCEPTION_HANDLERS.items():
         app.add_exception_handler(exc_class, handler)
@@ -239,6 +243,7 @@ async def serve_http(
             allow_credentials=args.allow_credentials,
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
             enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+            enable_request_id_headers=args.enable_request_id_headers,
             response_role=args.response_role,
             exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         )

@@ -141,6 +141,11 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         help="usage.prompt_tokens_details.cached_tokens: prompt tokens the prefix cache served",
     )
     serve.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="every response carries X-Request-Id: the request's own header, else a fresh id",
+    )
+    serve.add_argument(
         "--reasoning-parser",
         choices=["deepseek_r1", "qwen3"],
         help="move the text between <think> and </think> into reasoning_content",

@@ -10,6 +10,8 @@ error body:
 - `BodySizeLimitMiddleware`: a body over --max-request-body-bytes is a 413, whether its
   Content-Length says so up front or its chunks add up to it (a chunked body is read
   here, never more than the limit, then handed on).
+- `RequestIdHeaderMiddleware` (with --enable-request-id-headers, vLLM's): every response
+  carries `X-Request-Id`, the request's own or a fresh one.
 - `DrainingMiddleware`, outermost, so it sees a request the moment uvicorn has read it:
   once shutdown began, every request arriving but /metrics and /version is a 503 at once
   (/health included, so load balancers stop sending traffic); before that it counts the
@@ -17,6 +19,7 @@ error body:
 """
 
 import secrets
+import uuid
 
 from jengine.entrypoints.openai.admission import Admission, shutting_down_error
 from jengine.entrypoints.openai.errors import error_response
@@ -47,6 +50,25 @@ class APIKeyMiddleware:
                 await error_response(error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class RequestIdHeaderMiddleware:
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if not _is_http(scope):
+            await self.app(scope, receive, send)
+            return
+        request_id = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", []) if h[0].lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 def _too_large(limit: int) -> OpenAIError:

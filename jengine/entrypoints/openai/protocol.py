@@ -33,7 +33,8 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """`prefix` (its separator included: OpenAI's `chatcmpl-`, `resp_`) and a fresh hex."""
+    return f"{prefix}{uuid.uuid4().hex}"
 
 
 def now() -> int:

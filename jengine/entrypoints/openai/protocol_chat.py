@@ -29,7 +29,7 @@ class FunctionCall(OpenAIBaseModel):
 
 
 class ToolCall(OpenAIBaseModel):
-    id: str = Field(default_factory=lambda: random_id("call"))
+    id: str = Field(default_factory=lambda: random_id("call_"))
     type: Literal["function"] = "function"
     function: FunctionCall
 

@@ -42,7 +42,7 @@ def _reasoning_item(text: str | None, status: str = "completed") -> dict:
     content = [] if text is None else [{"type": "reasoning_text", "text": text}]
     return {
         "type": "reasoning",
-        "id": random_id("rs"),
+        "id": random_id("rs_"),
         "summary": [],
         "content": content,
         "status": status,
@@ -66,7 +66,7 @@ def _message_item(
     content = [] if text is None else [_output_text(text, logprobs)]
     return {
         "type": "message",
-        "id": random_id("msg"),
+        "id": random_id("msg_"),
         "status": status,
         "role": "assistant",
         "content": content,
@@ -76,7 +76,7 @@ def _message_item(
 def _function_call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
     return {
         "type": "function_call",
-        "id": random_id("fc"),
+        "id": random_id("fc_"),
         "call_id": call_id,
         "name": name,
         "arguments": arguments,
@@ -212,7 +212,7 @@ class StreamedItems:
             events += self._close("incomplete" if cut_short else "completed")
         for _, call in sorted(self.calls.items()):
             item = _function_call_item(
-                call["id"] or random_id("call"), call["name"], "", "in_progress"
+                call["id"] or random_id("call_"), call["name"], "", "in_progress"
             )
             events += self._open(item)
             index = len(self.output) - 1

@@ -81,6 +81,7 @@ async def generation_response(
 ) -> Response:
     """Validate and admit (errors raise before any byte is sent), then stream or answer
     in full."""
+    _client_request_id(body, raw_request)
     prepared = serving.prepare(body)
     admission = raw_request.app.state.admission
     num_sequences = sum(prompt.params.n for prompt in prepared.prompts)
@@ -97,6 +98,14 @@ async def generation_response(
     finally:
         ticket.release()
     return response if response is not None else Response(status_code=499)
+
+
+def _client_request_id(body, raw_request: Request) -> None:
+    """An `X-Request-Id` header names the request over its body's `request_id` (vLLM's
+    order), so a tracing proxy's id reaches the response's and the engine's logs."""
+    header = raw_request.headers.get("X-Request-Id")
+    if header:
+        body.request_id = header
 
 
 async def _released_after(stream: AsyncIterator[str], ticket: Ticket) -> AsyncIterator[str]:
@@ -153,6 +162,7 @@ async def create_response(body: ResponsesRequest, raw_request: Request):
 @router.post("/v1/embeddings")
 async def create_embedding(body: EmbeddingRequest, raw_request: Request) -> EmbeddingResponse:
     serving = raw_request.app.state.serving_embedding
+    _client_request_id(body, raw_request)
     prompts, params = serving.prepare(body)
     ticket = raw_request.app.state.admission.admit(len(prompts), "input")
     try:

@@ -66,7 +66,7 @@ from jengine.outputs import CompletionOutput, RequestOutput
 
 class OpenAIServingChat(OpenAIServing):
     chunk_type = ChatCompletionStreamResponse
-    request_id_prefix = "chatcmpl"
+    request_id_prefix = "chatcmpl-"
 
     def __init__(
         self,

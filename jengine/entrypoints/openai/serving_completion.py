@@ -36,7 +36,7 @@ from jengine.outputs import CompletionOutput, Logprob, RequestOutput
 
 class OpenAIServingCompletion(OpenAIServing):
     chunk_type = CompletionStreamResponse
-    request_id_prefix = "cmpl"
+    request_id_prefix = "cmpl-"
 
     def prepare(self, request: CompletionRequest) -> PreparedRequest:
         """Validate; one EnginePrompt (engine id `<id>-<i>`) per prompt of the batch."""

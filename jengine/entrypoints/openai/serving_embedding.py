@@ -37,7 +37,7 @@ MAX_INPUTS = 2048
 
 
 class OpenAIServingEmbedding(OpenAIServing):
-    request_id_prefix = "embd"
+    request_id_prefix = "embd-"
 
     def prepare(self, request: EmbeddingRequest) -> tuple[list[list[int]], PoolingParams]:
         """The checked token ids of every input and the request's PoolingParams."""

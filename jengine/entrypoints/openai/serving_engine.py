@@ -221,8 +221,11 @@ class OpenAIServing:
             raise OpenAIError("this model has no tokenizer; only token-id prompts work")
 
     def response_id(self, request: SamplingRequest) -> str:
-        """The client's request_id, or a fresh `<prefix>-<hex>`."""
-        return request.request_id or random_id(self.request_id_prefix)
+        """`<prefix><id>` (`chatcmpl-...`) of the client's id (its X-Request-Id header, else
+        its `request_id`), as vLLM's; a fresh one without."""
+        if request.request_id:
+            return f"{self.request_id_prefix}{request.request_id}"
+        return random_id(self.request_id_prefix)
 
     # -- sampling parameters --------------------------------------------------------------
 

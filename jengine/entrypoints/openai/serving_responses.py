@@ -97,7 +97,7 @@ class PreparedResponse(PreparedRequest):
 
 
 class OpenAIServingResponses(OpenAIServing):
-    request_id_prefix = "resp"
+    request_id_prefix = "resp_"
 
     def __init__(self, chat: OpenAIServingChat):
         super().__init__(chat.engine, chat.models)
