@@ -611,6 +611,7 @@ def test_request_ids_as_vllm_reads_them(http):
         chunks = [json.loads(d) for d in sse_data(response) if d != "[DONE]"]
     assert {chunk["id"] for chunk in chunks} == {"chatcmpl-trace-2"}
     assert "x-request-id" in http.get("/health").headers
+    assert http.get("/ping").status_code == http.post("/ping").status_code == 200  # vLLM's
 
 
 def test_errors_have_openai_shape_and_status(server, http):

@@ -247,7 +247,10 @@ async def detokenize(body: DetokenizeRequest, raw_request: Request) -> Detokeniz
 
 
 @router.get("/health", response_class=Response, responses={200: {"description": "Healthy"}})
+@router.get("/ping", response_class=Response, include_in_schema=False)
+@router.post("/ping", response_class=Response, include_in_schema=False)
 async def health(raw_request: Request):
+    """/health; /ping is vLLM's alias of it (SageMaker's probe)."""
     engine = raw_request.app.state.engine
     if engine.errored:
         return error_response(engine_dead_error(engine.dead_error()))
