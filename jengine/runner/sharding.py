@@ -159,6 +159,19 @@ class TensorParallel:
                 )
         return {**params, "layers": layers}
 
+    def checkpoint_shape(self, name: str, engine_shape: tuple) -> tuple:
+        """A leaf's shape (dotted name) in the checkpoint's layout, from its shape in the
+        engine's: the vocabulary unpadded, each KV head once."""
+        shape = list(engine_shape)
+        parts = name.split(".")
+        if parts[0] in ("embed_tokens", "lm_head"):
+            shape[0] -= self.vocab_padding
+        elif parts[0] == "layers" and parts[1] in ("k_proj", "v_proj", "k_bias", "v_bias"):
+            shape[1] //= self.kv_repeats
+        elif parts[0] == "layers" and parts[1] in ("lora_b_k_proj", "lora_b_v_proj"):
+            shape[2] //= self.kv_repeats
+        return tuple(shape)
+
     def fit_lora_b(self, target: str, b, config):
         """One adapter's B [L, out, r] of `target` in the engine's layout: a k/v
         projection's heads repeated as `fit_params` repeats the base weight's."""

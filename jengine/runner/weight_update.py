@@ -36,10 +36,17 @@ def updated_params(current, params, tensor_parallel, config):
     changes_layout = bool(tensor_parallel and tensor_parallel.changes_layout)
     optional = frozenset(filter(_adapter_slot, old_leaves))
     if changes_layout:
-        # The caller's weights have the checkpoint's KV heads and vocabulary; the engine
-        # repeats the one and pads the other (their names are checked first, their shapes
-        # after).
-        fitted_leaves(old_leaves, params, "update_weights", optional=optional, shapes=False)
+        # The caller's weights have the checkpoint's KV heads and vocabulary (or the
+        # engine's layout already); the engine repeats the one and pads the other.
+        given = fitted_leaves(old_leaves, params, "update_weights", optional=optional, shapes=False)
+        for name, value in given.items():
+            engine_shape = tuple(old_leaves[name].shape)
+            shape = tensor_parallel.checkpoint_shape(name, engine_shape)
+            if tuple(value.shape) not in (shape, engine_shape):
+                raise ValueError(
+                    f"update_weights: param {name} has shape {tuple(value.shape)}, expected "
+                    f"{shape} (the checkpoint's layout)"
+                )
         params = tensor_parallel.fit_params(params, config)
     new_leaves = fitted_leaves(old_leaves, params, "update_weights", optional=optional)
     placed = {}

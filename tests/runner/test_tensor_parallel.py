@@ -86,9 +86,14 @@ def test_sizes_agree_with_each_other_and_transformers(checkpoint, results):
 
 
 def test_update_weights_takes_the_checkpoints_layout(results):
-    """The caller's params have 2 KV heads; the TP=4 engine repeats them, compiles nothing."""
+    """The caller's params have 2 KV heads; the TP=4 engine repeats them, compiles nothing.
+    A weight of another shape is named with the checkpoint's shape (the engine's repeated
+    or padded one was named, which the caller never held)."""
     assert results["updated_tokens"] == results["1"]["tokens"]
     assert results["compiles_after_update"] == 0
+    assert set(results["refused"]) == {"layers.k_proj", "embed_tokens"}
+    for name, (shape, error) in results["refused"].items():
+        assert f"param {name} has shape" in error and f"expected {shape}" in error, error
 
 
 def test_params_on_a_users_mesh(results):

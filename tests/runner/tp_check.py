@@ -118,11 +118,23 @@ def layout(llm: LLM) -> dict:
     )
 
 
-def update_weights(llm: LLM, path: str) -> list[list[int]]:
+def update_weights(llm: LLM, path: str) -> tuple[list[list[int]], dict]:
     """The checkpoint's own params (2 KV heads) swapped into the TP=4 engine (4, repeated),
-    then the prompts again."""
-    llm.update_weights(nnx.state(load_model(path, "float32"), nnx.Param))
-    return token_ids(generate(llm))
+    then the prompts again; and what trees of other shapes are told ({weight: [its
+    checkpoint shape, the error]})."""
+    params = nnx.to_pure_dict(nnx.state(load_model(path, "float32"), nnx.Param))
+    refused = {}
+    for name, weight in (("layers.k_proj", params["layers"]["k_proj"]),
+                         ("embed_tokens", params["embed_tokens"])):  # fmt: skip
+        narrow = weight[:, :-1] if name.startswith("layers") else weight[:-1]
+        layers = {**params["layers"], "k_proj": narrow} if name.startswith("layers") else None
+        tree = {**params, "layers": layers} if layers else {**params, "embed_tokens": narrow}
+        try:
+            llm.update_weights(tree)
+        except ValueError as e:
+            refused[name] = [str(tuple(weight.shape)), str(e)]
+    llm.update_weights(params)
+    return token_ids(generate(llm)), refused
 
 
 def on_a_training_mesh(path: str) -> dict:
@@ -240,7 +252,7 @@ def main() -> None:
     for tp in (1, 2, 4):
         results[tp], llm = run(path, tp)
     results["layout"] = layout(llm)
-    results["updated_tokens"] = update_weights(llm, path)
+    results["updated_tokens"], results["refused"] = update_weights(llm, path)
     results["compiles_after_update"] = llm.engine_core.compiles_after_warmup()
     results["mesh"] = on_a_training_mesh(path)
     print(json.dumps(results))
