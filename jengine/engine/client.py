@@ -23,6 +23,7 @@ This module never imports jax (the API process imports it); the engine process r
 jax through `run_engine_core`, which imports jengine.engine.core_proc only in the child.
 """
 
+import atexit
 import itertools
 import logging
 import multiprocessing
@@ -214,6 +215,10 @@ class MPClient:
             self._close()
             raise
         self.engine_pid = self.replicas[0].proc.pid
+        # A script that never calls shutdown() (vLLM's LLM needs none) stops its engines at
+        # exit, before multiprocessing joins them: an engine ignores the SIGTERM that join
+        # sends while its parent lives, so the script never exited.
+        atexit.register(self.shutdown)
         self._startup_timeout = startup_timeout
         self.ready: EngineCoreReady | None = None
 
@@ -332,6 +337,10 @@ class MPClient:
             raise self.dead_error()
         return live
 
+    def _replica_indices(self, replicas: list[EngineReplica]) -> list[int] | None:
+        """Which replicas answered a utility call (None: one engine, not data-parallel)."""
+        return [replica.index for replica in replicas] if self.balancer else None
+
     def _encode_request(self, replica: EngineReplica, request_type, message) -> tuple:
         return (replica.identity, bytes((request_type,)), self._encoder.encode(message))
 
@@ -355,6 +364,7 @@ class MPClient:
         if self._shutting_down:
             return
         self._shutting_down = True
+        atexit.unregister(self.shutdown)
         self._stop_io()
         self._stop_processes()
         self._close()

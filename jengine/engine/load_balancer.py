@@ -113,8 +113,11 @@ class DataParallelBalancer:
             return lost
 
 
-def combine_utility_results(method: str, results: list):
-    """One answer from the live replicas' answers to the utility `method`."""
+def combine_utility_results(method: str, results: list, replicas: list[int] | None = None):
+    """One answer from the live replicas' answers to the utility `method`; `replicas`:
+    the answering replicas' indices (None: one engine, not data-parallel)."""
+    if method == "get_stats" and replicas is not None:
+        return combine_stats(results, replicas)  # each replica's own figures too
     if len(results) == 1:
         return results[0]
     if method in ("has_unfinished_requests", "add_lora", "remove_lora"):
@@ -123,14 +126,12 @@ def combine_utility_results(method: str, results: list):
         return all(results)
     if method in ("num_free_blocks", "compiles_after_warmup"):
         return sum(results)
-    if method == "get_stats":
-        return combine_stats(results)
     raise ValueError(f"no rule to combine {method!r} over data-parallel replicas")
 
 
-def combine_stats(per_replica: list[dict]) -> dict:
-    """`EngineCore.get_stats` over replicas: counts summed, usage averaged; each
-    replica's own figures under "replicas"."""
+def combine_stats(per_replica: list[dict], replicas: list[int]) -> dict:
+    """`EngineCore.get_stats` over the live replicas (indices `replicas`): counts summed,
+    usage averaged; each replica's own figures, with its "index", under "replicas"."""
     combined = {
         key: sum(stats[key] for stats in per_replica)
         for key in (
@@ -149,5 +150,7 @@ def combine_stats(per_replica: list[dict]) -> dict:
     combined["num_blocks"] = sum(s["num_blocks"] for s in per_replica) - len(per_replica) + 1
     combined["kv_cache_usage"] = sum(s["kv_cache_usage"] for s in per_replica) / len(per_replica)
     combined["attention_impl"] = per_replica[0]["attention_impl"]
-    combined["replicas"] = per_replica
+    combined["replicas"] = [
+        {**stats, "index": index} for stats, index in zip(per_replica, replicas, strict=True)
+    ]
     return combined

@@ -98,13 +98,15 @@ class SyncMPClient(MPClient):
     def call_utility(self, name: str, *args):
         """Call `name` on every live replica; their answers combined into one."""
         futures = []
-        for replica in self._live_replicas():
+        live = self._live_replicas()
+        for replica in live:
             call = self._new_utility_request(name, args)
             future: Future = Future()
             self._pending[call.call_id] = (replica, future)
             self._send(replica, EngineCoreRequestType.UTILITY, call)
             futures.append(future)
-        return combine_utility_results(name, [future.result() for future in futures])
+        results = [future.result() for future in futures]
+        return combine_utility_results(name, results, self._replica_indices(live))
 
     def _stop_io(self) -> None:
         self._stop.set()
@@ -209,8 +211,9 @@ class AsyncMPClient(MPClient):
         """Call `name` on every live replica; their answers combined into one."""
         self._ensure_started()
         calls, futures = [], []
+        live = self._live_replicas()
         try:
-            for replica in self._live_replicas():
+            for replica in live:
                 call = self._new_utility_request(name, args)
                 future = self._loop.create_future()
                 self._pending[call.call_id] = (replica, future)
@@ -218,7 +221,7 @@ class AsyncMPClient(MPClient):
                 futures.append(future)
                 await self._send(replica, EngineCoreRequestType.UTILITY, call)
             results = await asyncio.wait_for(asyncio.gather(*futures), timeout)
-            return combine_utility_results(name, results)
+            return combine_utility_results(name, results, self._replica_indices(live))
         finally:
             for call_id in calls:
                 self._pending.pop(call_id, None)

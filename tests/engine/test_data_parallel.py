@@ -4,6 +4,8 @@ replica's death a clear error while the other still answers."""
 
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -84,11 +86,11 @@ def test_combined_stats_sum_counts_and_keep_each_replica():
         "spec_decode_drafts": 0, "spec_decode_draft_tokens": 0, "spec_decode_accepted_tokens": 0,
     }  # fmt: skip
     two = {**one, "num_running_reqs": 3, "num_free_blocks": 100, "kv_cache_usage": 0.6}
-    stats = combine_stats([one, two])
+    stats = combine_stats([one, two], [0, 2])  # replica 1 died
     assert stats["num_running_reqs"] == 5 and stats["num_free_blocks"] == 300
     assert stats["num_blocks"] - 1 == 2 * 255  # usable blocks, one null block each
     assert stats["kv_cache_usage"] == pytest.approx(0.4)
-    assert stats["replicas"] == [one, two]
+    assert stats["replicas"] == [{**one, "index": 0}, {**two, "index": 2}]
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +137,21 @@ def test_llm_data_parallel_matches_one_engine(tiny_model):
 def test_data_parallel_needs_a_checkpoint(tiny_model):
     with pytest.raises(ValueError, match="not a module or params"):
         LLM(tiny_model, params={}, data_parallel_size=2, **ENGINE_ARGS)
+
+
+def test_a_script_that_never_shuts_down_exits(tiny_model, tmp_path):
+    """`LLM(data_parallel_size=2)` in a script with no shutdown() (vLLM's needs none): it
+    exits once done (it hung at exit: multiprocessing joined engines that ignored the
+    SIGTERM it sent them while their parent lived)."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        "from jengine import LLM, SamplingParams\n"
+        "if __name__ == '__main__':\n"
+        f"    llm = LLM({tiny_model!r}, data_parallel_size=2, warmup=False, **{ENGINE_ARGS!r})\n"
+        "    llm.generate(['Hello'], SamplingParams(max_tokens=2), use_tqdm=False)\n"
+        "    print('done', flush=True)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr[-2000:]

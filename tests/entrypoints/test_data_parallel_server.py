@@ -121,6 +121,12 @@ def test_a_dead_replica_fails_only_its_requests(server):
     # The server carries on with one replica.
     with httpx2.Client(base_url=server.url_for(), timeout=60) as http:
         assert http.get("/health").status_code == 200
+
+        def replica_added(text: str) -> list[float]:
+            return [metric(text, f'jengine:replica_requests_added{{model_name="{MODEL_NAME}",'
+                                 f'replica="{i}"}}') for i in (0, 1)]  # fmt: skip
+
+        before = replica_added(http.get("/metrics").text)
         for i in range(4):
             body = {"model": MODEL_NAME, "prompt": f"After {i}", "max_tokens": 4}
             assert http.post("/v1/completions", json=body).status_code == 200
@@ -128,4 +134,11 @@ def test_a_dead_replica_fails_only_its_requests(server):
         assert metric(text, "jengine:kv_cache_free_blocks") == (
             ENGINE_ARGS["num_gpu_blocks_override"] - 1
         )
+        # Each replica's figures stay its own: replica 0 took the 4, the dead one's count
+        # stands and it is down (the survivor's were shown under replica 0 or froze).
+        after = replica_added(text)
+        assert after == [before[0] + 4, before[1]], (before, after)
+        up = [metric(text, f'jengine:replica_up{{model_name="{MODEL_NAME}",replica="{i}"}}')
+              for i in (0, 1)]  # fmt: skip
+        assert up == [1, 0]
     os.kill(pids[0], 0)  # the survivor is still there (raises if not)

@@ -121,6 +121,11 @@ class PrometheusStatLogger(StatLoggerBase):
             replica,
             registry=r,
         )
+        self.replica_up = Gauge(
+            "jengine:replica_up", "1 while a data-parallel replica lives, 0 once it died",
+            replica, registry=r,
+        )  # fmt: skip
+        self._replicas_seen: set[int] = set()
         self.model_name = model_name
         self.total_blocks.set(num_blocks - 1)
         self.free_blocks.set(num_blocks - 1)
@@ -173,10 +178,18 @@ class PrometheusStatLogger(StatLoggerBase):
         self.num_running.set(stats["num_running_reqs"])
         self.num_waiting.set(stats["num_waiting_reqs"])
         self.kv_usage.set(stats["kv_cache_usage"])
-        for index, replica in enumerate(stats.get("replicas", ())):
-            labels = (self.model_name, str(index))
-            self.replica_requests.labels(*labels).set(replica["num_requests_added"])
-            self.replica_running.labels(*labels).set(replica["num_running_reqs"])
+        if "replicas" in stats:  # data-parallel: the live replicas' own figures
+            live = {replica["index"]: replica for replica in stats["replicas"]}
+            self._replicas_seen |= set(live)
+            for index in self._replicas_seen:
+                labels = (self.model_name, str(index))
+                replica = live.get(index)
+                self.replica_up.labels(*labels).set(replica is not None)
+                if replica is None:  # died: what it had taken stays, nothing runs
+                    self.replica_running.labels(*labels).set(0)
+                else:
+                    self.replica_requests.labels(*labels).set(replica["num_requests_added"])
+                    self.replica_running.labels(*labels).set(replica["num_running_reqs"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
