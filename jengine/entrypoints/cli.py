@@ -127,8 +127,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
         from jengine.engine.core import EngineCore
         from jengine.runner import distributed
 
+        config = EngineArgs.from_cli_args(args).create_engine_config()  # bad flags: one line
         try:
-            EngineCore(EngineArgs.from_cli_args(args).create_engine_config()).run_follower()
+            EngineCore(config).run_follower()
         except Exception:
             logger.exception("host %d failed", args.host_rank)
             distributed.exit_now(1)  # host 0 waits for this one: end it too

@@ -41,6 +41,10 @@ from jengine.core.sched_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
+# How long the hosts wait for each other to join (JENGINE_HOST_JOIN_TIMEOUT, seconds); then
+# each exits naming the cause (jax's own timeout, later, would abort the process as though
+# another host had died).
+JOIN_TIMEOUT_SECONDS = 300.0
 CHUNK_BYTES = 1 << 14  # one broadcast carries a decode step's SchedulerOutput whole
 KEEP_ALIVE_SECONDS = 1.0
 
@@ -52,17 +56,38 @@ def initialize(parallel: ParallelConfig) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # Its SIGTERM handler would take the engine's own (which stops the followers first).
     jax.config.update("jax_enable_preemption_service", False)
+    timeout = float(os.environ.get("JENGINE_HOST_JOIN_TIMEOUT", JOIN_TIMEOUT_SECONDS))
     logger.info(
-        "joining %d hosts as host %d (coordinator %s)",
+        "joining %d hosts as host %d (coordinator %s): waiting up to %.0f s for the others",
         parallel.num_hosts,
         parallel.host_rank,
         parallel.coordinator_address,
+        timeout,
     )
+    joined = threading.Event()
+
+    def give_up() -> None:
+        if not joined.wait(timeout):
+            logger.error(
+                "host %d: not all %d hosts joined the coordinator %s within %.0f s (is each "
+                "started with --num-hosts %d, its own --host-rank and this "
+                "--coordinator-address?)",
+                parallel.host_rank,
+                parallel.num_hosts,
+                parallel.coordinator_address,
+                timeout,
+                parallel.num_hosts,
+            )
+            exit_now(1)
+
+    threading.Thread(target=give_up, name="JoinTimeout", daemon=True).start()
     jax.distributed.initialize(
         parallel.coordinator_address,
         num_processes=parallel.num_hosts,
         process_id=parallel.host_rank,
+        initialization_timeout=int(timeout) + 60,
     )
+    joined.set()
     logger.info(
         "%d devices over %d hosts, %d here", jax.device_count(), jax.process_count(),
         jax.local_device_count(),

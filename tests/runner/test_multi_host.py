@@ -54,13 +54,13 @@ def run_check(*args: str, devices: int) -> dict:
 class Follower:
     """Host 1: `jengine serve MODEL ... --host-rank 1`, log to a file."""
 
-    def __init__(self, model: str, address: str):
+    def __init__(self, model: str, address: str, *extra: str, env: dict | None = None):
         self.log = tempfile.NamedTemporaryFile("w+", prefix="jengine-host1-", suffix=".log")  # noqa: SIM115
         cmd = [
             sys.executable, "-m", "jengine.entrypoints.cli", "serve", model, *FLAGS,
-            *multi_host_flags(address, 1),
+            *multi_host_flags(address, 1), *extra,
         ]  # fmt: skip
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **TWO_DEVICES)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **TWO_DEVICES, **(env or {}))
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def wait_for_exit(self, timeout: float) -> int | None:
@@ -140,3 +140,16 @@ def test_a_host_failing_at_start_up_ends_every_host_at_once(tiny_model):
     message = str(failure.value)
     assert "error: tensor_parallel_size must be the number of devices of all hosts" in message
     assert follower.wait_for_exit(30) not in (None, 0), log_excerpt(follower.text)
+
+
+def test_a_host_alone_or_misnumbered_says_so(tiny_model):
+    """A host whose others never join exits after JENGINE_HOST_JOIN_TIMEOUT naming the
+    wait (it waited 5 minutes in silence, then jax aborted as though a host had died); a
+    --host-rank past --num-hosts is the CLI's one line (it was a traceback)."""
+    alone = Follower(tiny_model, f"127.0.0.1:{free_port()}", env={"JENGINE_HOST_JOIN_TIMEOUT": "3"})
+    assert alone.wait_for_exit(60) not in (None, 0), log_excerpt(alone.text)
+    assert "not all 2 hosts joined the coordinator" in alone.text, log_excerpt(alone.text)
+    misnumbered = Follower(tiny_model, f"127.0.0.1:{free_port()}", "--host-rank", "2")
+    assert misnumbered.wait_for_exit(60) not in (None, 0), log_excerpt(misnumbered.text)
+    assert "error: host_rank must be in [0, num_hosts=2), got 2" in misnumbered.text
+    assert "Traceback" not in misnumbered.text, log_excerpt(misnumbered.text)
