@@ -128,7 +128,9 @@ class OpenAIServingResponses(OpenAIServing):
         except OpenAIError as e:
             e.param = responses_field(e.param)  # what the client sent, not what it became
             raise
-        return PreparedResponse(**vars(prepared), chat_request=chat_request)
+        # The response's id is `resp_...` (the chat route's engine ids prefix it again).
+        fields = {**vars(prepared), "request_id": chat_request.request_id}
+        return PreparedResponse(**fields, chat_request=chat_request)
 
     def chat_request(self, request: ResponsesRequest) -> ChatCompletionRequest:
         fmt = request.text.format if request.text else None
