@@ -52,10 +52,12 @@ def test_compile_counter_sees_unwarmed_shapes(checkpoint):
 def test_bad_params_are_named_and_the_engine_shares_no_buffer(checkpoint):
     """update_weights and LLM(params=) name a missing leaf, one of another shape, one that
     is no array and an integer one where the model holds floats (a missing leaf was once
-    kept at its old value, silently); the engine keeps its own copy of the arrays handed
-    over, so deleting them (what a train step that donates them does) changes nothing."""
+    kept at its old value, silently); the engine keeps its own copy of the arrays (and
+    module) handed over, so deleting them (what a train step that donates them does) or
+    editing them in place changes nothing."""
     import jax
     import jax.numpy as jnp
+    import numpy as np
     import pytest
 
     from jengine import LLM
@@ -93,33 +95,16 @@ def test_bad_params_are_named_and_the_engine_shares_no_buffer(checkpoint):
     llm.update_weights(again)
     jax.tree.map(lambda x: x.delete(), again)
     assert run() == expected
-
-
-def test_the_engine_keeps_its_own_weights_whatever_the_caller_does_next(checkpoint):
-    """A module handed to LLM, host arrays handed to update_weights: the engine copies
-    them, so deleting the module's arrays (a donating train step) or editing the arrays in
-    place changes nothing (both reached the engine); `dtype` applies to a module too."""
-    import jax
-    import numpy as np
-
-    from jengine import LLM
-
-    path, hf_model = checkpoint
-    module = load_model(path, "float32")
-    llm = LLM(module, dtype="float32", max_model_len=32, max_num_seqs=2)
-    jax.tree.map(lambda x: x.delete(), nnx.to_pure_dict(nnx.state(module, nnx.Param)))
-    prompt = random_prompts(1, seed=23, low=8, high=9)[0]
-    greedy = SamplingParams(temperature=0, max_tokens=6)
-
-    def run():
-        return llm.generate([{"prompt_token_ids": prompt}], greedy)[0].outputs[0].token_ids
-
-    expected = hf_greedy(hf_model, prompt, 6)
-    assert run() == expected
-    on_host = jax.tree.map(np.array, nnx.to_pure_dict(nnx.state(load_model(path), nnx.Param)))
+    # Host arrays edited in place after the update, a module's arrays deleted after the
+    # engine took it: neither reaches the engine (both did); `dtype` applies to a module.
+    on_host = jax.tree.map(np.array, params)
     llm.update_weights(on_host)
     for array in jax.tree.leaves(on_host):
         array *= 0
+    assert run() == expected
+    module = load_model(path, "float32")
+    llm = LLM(module, dtype="float32", max_model_len=32, max_num_seqs=2)
+    jax.tree.map(lambda x: x.delete(), nnx.to_pure_dict(nnx.state(module, nnx.Param)))
     assert run() == expected
     narrow = LLM(load_model(path, "float32"), dtype="bfloat16", max_model_len=32, warmup=False)
     assert narrow.engine_core.runner.params["embed_tokens"].value.dtype == "bfloat16"
