@@ -124,8 +124,12 @@ class KVCacheManager:
         return blocks, len(blocks) * self.block_size
 
     def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
-        """Count a request's lookup at its first admission for metrics (not per retry, nor
-        again when a preempted request is admitted back)."""
+        """At a request's first admission: its cached-token count, and its lookup counted
+        for metrics (not per retry, nor again when a preempted request is admitted back
+        and finds its own blocks: vLLM's prefix-cache metrics leave those out too)."""
+        if request.num_cached_tokens >= 0:
+            return
+        request.num_cached_tokens = num_hit_tokens
         if self._may_hit(request):
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hit_tokens

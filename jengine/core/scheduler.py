@@ -338,11 +338,7 @@ class Scheduler(StepResults, Preemption, MultiStep):
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
-            if request.num_cached_tokens < 0:
-                # Its first admission. A preempted request's later ones find its own blocks
-                # again: vLLM's prefix-cache metrics leave them out, and so do these.
-                request.num_cached_tokens = num_hit
-                self.kv_cache_manager.record_prefix_lookup(request, num_hit)
+            self.kv_cache_manager.record_prefix_lookup(request, num_hit)
             step.new.append(request)
             step.num_scheduled[request.request_id] = n
             step.budget -= n
@@ -402,6 +398,3 @@ class Scheduler(StepResults, Preemption, MultiStep):
         if constrained:
             output.structured_output_request_ids = [r.request_id for r in constrained]
             output.grammar_bitmask = self.structured_output_manager.fill_bitmask(constrained)
-
-    def reset_prefix_cache(self, in_use_too: bool = False) -> bool:
-        return self.kv_cache_manager.reset_prefix_cache(in_use_too)

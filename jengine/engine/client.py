@@ -42,7 +42,7 @@ import zmq
 import zmq.asyncio
 
 from jengine.config import EngineConfig
-from jengine.engine.load_balancer import DataParallelBalancer
+from jengine.engine.load_balancer import DataParallelBalancer, combine_ready
 from jengine.logger import init_logging
 from jengine.protocol import (
     ENGINE_STOP_SIGNAL,
@@ -237,7 +237,7 @@ class MPClient:
         except BaseException:
             self.shutdown()
             raise
-        self.ready = _combine_ready([replica.ready for replica in self.replicas])
+        self.ready = combine_ready([replica.ready for replica in self.replicas])
         for replica in self.replicas:
             threading.Thread(
                 target=self._watch_engine, args=(replica,), name="EngineCoreWatch", daemon=True
@@ -385,19 +385,6 @@ class MPClient:
     def _close(self) -> None:
         self._zmq.destroy(linger=0)
         shutil.rmtree(self._socket_dir, ignore_errors=True)
-
-
-def _combine_ready(readies: list[EngineCoreReady]) -> EngineCoreReady:
-    """The replicas' handshakes as one engine's (blocks summed like `combine_stats`)."""
-    if len(readies) == 1:
-        return readies[0]
-    return EngineCoreReady(
-        pid=readies[0].pid,
-        vocab_size=readies[0].vocab_size,
-        num_blocks=sum(r.num_blocks for r in readies) - len(readies) + 1,
-        capacity_report=f"{len(readies)} replicas, each: {readies[0].capacity_report}",
-        startup_seconds=max(r.startup_seconds for r in readies),
-    )
 
 
 def resolve(future, message: UtilityOutput) -> None:

@@ -310,11 +310,11 @@ class EngineCore:
             raise ValueError("update_weights is not supported across hosts")
         self.runner.update_weights(params)
         # Cached prefixes were computed by the old weights, those of running requests too.
-        self.scheduler.reset_prefix_cache(in_use_too=True)
+        self.scheduler.kv_cache_manager.reset_prefix_cache(in_use_too=True)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing forgotten) while a request holds blocks."""
-        return self.scheduler.reset_prefix_cache()
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def num_free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.num_free_blocks

@@ -5,7 +5,8 @@ Where it sits: the MP clients (jengine/engine/client.py) own one `DataParallelBa
 when `--data-parallel-size` > 1. They ask it where to send each new request (`route`),
 where its aborts go (`take`), tell it every `EngineCoreOutputs` that arrives (`observe`)
 and which replica died (`replica_died`); `combine_utility_results` merges what the
-replicas answer to a utility call. Jax-free, like the rest of the front end.
+replicas answer to a utility call, `combine_ready` their start-up handshakes. Jax-free,
+like the rest of the front end.
 
 What it promises:
 - least load: a request goes to the live replica with the fewest running + waiting
@@ -25,7 +26,7 @@ What it promises:
 
 import threading
 
-from jengine.protocol import EngineCoreOutputs, SchedulerStats
+from jengine.protocol import EngineCoreOutputs, EngineCoreReady, SchedulerStats
 
 
 class DataParallelBalancer:
@@ -154,3 +155,16 @@ def combine_stats(per_replica: list[dict], replicas: list[int]) -> dict:
         {**stats, "index": index} for stats, index in zip(per_replica, replicas, strict=True)
     ]
     return combined
+
+
+def combine_ready(readies: list[EngineCoreReady]) -> EngineCoreReady:
+    """The replicas' handshakes as one engine's (blocks summed like `combine_stats`)."""
+    if len(readies) == 1:
+        return readies[0]
+    return EngineCoreReady(
+        pid=readies[0].pid,
+        vocab_size=readies[0].vocab_size,
+        num_blocks=sum(r.num_blocks for r in readies) - len(readies) + 1,
+        capacity_report=f"{len(readies)} replicas, each: {readies[0].capacity_report}",
+        startup_seconds=max(r.startup_seconds for r in readies),
+    )
