@@ -53,6 +53,8 @@ class Request:
         "sampling_params",
         "eos_token_id",
         "arrival_time",
+        "queued_time",
+        "scheduled_time",
         "priority",
         "status",
         "stop_reason",
@@ -89,6 +91,10 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = time.time() if arrival_time is None else arrival_time
+        # The engine core's monotonic clock: when it got the request, and when the request
+        # was first scheduled (0: not yet), as vLLM's QUEUED and SCHEDULED events.
+        self.queued_time = time.monotonic()
+        self.scheduled_time = 0.0
         self.priority = priority  # lower value = scheduled first (vLLM convention)
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

@@ -13,8 +13,8 @@ What it promises (vLLM V1 rules):
   ``max_num_batched_tokens`` tokens so every request's ``num_computed_tokens`` catches up
   with its ``num_tokens``: chunked prefill, prefix hits, resumed requests and decodes are
   the same subtraction. Running requests are served first, then waiting ones.
-- At most ``max_num_seqs`` requests run; ``num_computed_tokens`` <= ``max_model_len``.
-- When the pool runs dry for a running request, another is preempted by recompute
+- At most ``max_num_seqs`` requests run; ``num_computed_tokens`` <= ``max_model_len``. When
+  the pool runs dry for a running request, another is preempted by recompute
   (``preemption.py``); no new request is admitted in a step that preempted.
 - ``num_computed_tokens`` is advanced when a step is scheduled, so the next ``schedule``
   can run before the previous results arrive (async scheduling): a request that will
@@ -29,6 +29,7 @@ What it promises (vLLM V1 rules):
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -338,6 +339,7 @@ class Scheduler(StepResults, Preemption, MultiStep):
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
+            request.scheduled_time = request.scheduled_time or time.monotonic()
             self.kv_cache_manager.record_prefix_lookup(request, num_hit)
             step.new.append(request)
             step.num_scheduled[request.request_id] = n

@@ -175,6 +175,8 @@ class StepResults:
                         request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
                         request.error,
                         pooled,
+                        request.queued_time if stopped else 0.0,
+                        request.scheduled_time if stopped else 0.0,
                     )
                 )
         if any_stopped:

@@ -255,7 +255,7 @@ class AsyncLLM:
                 if isinstance(outputs, LostRequests):
                     await self._fail_lost_requests(outputs)
                     continue
-                observation = self.stats.observe(outputs.outputs, self.output_processor)
+                observation = self.stats.observe(outputs, self.output_processor)
                 processed = self.output_processor.process_outputs(outputs.outputs)
                 iteration_stats = observation.finish()
                 for output in processed.request_outputs:

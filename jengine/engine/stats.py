@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from jengine.protocol import EngineCoreOutput, SchedulerStats
+from jengine.protocol import EngineCoreOutputs, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +23,15 @@ class FinishedRequestStats:
     e2e_latency: float
     num_prompt_tokens: int
     num_generation_tokens: int
+    # Request parameters (vLLM's request_params_*): n, and max_tokens (None: to the limit).
+    n: int = 1
+    max_tokens: int | None = None
+    # Phases on the engine core's clock (vLLM's): waiting until first scheduled, then to the
+    # first token, then to the last; None where the engine never reported them (an abort).
+    queue_time: float | None = None
+    prefill_time: float | None = None
+    decode_time: float | None = None
+    inference_time: float | None = None
 
 
 @dataclass(slots=True)
@@ -36,37 +45,49 @@ class IterationStats:
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class _TokenTimes:
+    """When a sequence's tokens arrived: here (wall clock, for the inter-token latency)
+    and on the engine core's clock (the batch timestamps, for the phase times)."""
+
+    last_seen: float
+    first_engine_time: float
+    last_engine_time: float
+
+
 class StatsTracker:
     """Turns engine-core outputs into IterationStats (per engine-core sequence)."""
 
     def __init__(self):
-        self._last_token_time: dict[str, float] = {}
+        self._token_times: dict[str, _TokenTimes] = {}
 
-    def observe(self, outputs: list[EngineCoreOutput], output_processor) -> "_Observation":
+    def observe(self, outputs: EngineCoreOutputs, output_processor) -> "_Observation":
         """Call before `process_outputs`; finish with `.finish()` after it."""
         now = time.time()
+        engine_time = outputs.timestamp
         stats = IterationStats()
         states = []
-        for output in outputs:
+        for output in outputs.outputs:
             state = output_processor.request_states.get(output.request_id)
             if state is None:
                 continue
-            states.append(state)
+            states.append((state, output))
             num_new = len(output.new_token_ids)
             if output.pooled is not None:  # an embedding: its prompt, and no token
                 stats.num_prompt_tokens += len(state.parent.prompt_token_ids)
             if not num_new:
                 continue
             stats.num_generation_tokens += num_new
-            last = self._last_token_time.get(state.request_id)
-            if last is None:
+            times = self._token_times.get(state.request_id)
+            if times is None:
                 arrival = state.parent.metrics.arrival_time if state.parent.metrics else now
                 stats.time_to_first_tokens.append(now - arrival)
                 stats.num_prompt_tokens += len(state.parent.prompt_token_ids)
+                self._token_times[state.request_id] = _TokenTimes(now, engine_time, engine_time)
             else:
-                stats.inter_token_latencies.append((now - last) / num_new)
-            self._last_token_time[state.request_id] = now
-        return _Observation(self, stats, states, now)
+                stats.inter_token_latencies.append((now - times.last_seen) / num_new)
+                times.last_seen, times.last_engine_time = now, engine_time
+        return _Observation(self, stats, states, now, engine_time)
 
     def aborted(self, request_ids: list[str], output_processor) -> IterationStats:
         """Stats of user requests about to be aborted (call before aborting them)."""
@@ -90,30 +111,45 @@ class StatsTracker:
 
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
-            self._last_token_time.pop(request_id, None)
+            self._token_times.pop(request_id, None)
+
+    def take_times(self, request_id: str) -> _TokenTimes | None:
+        """A finished sequence's token times, forgotten here."""
+        return self._token_times.pop(request_id, None)
 
 
 @dataclass(slots=True)
 class _Observation:
     tracker: StatsTracker
     stats: IterationStats
-    states: list
+    states: list[tuple]  # (RequestState, its EngineCoreOutput) pairs
     now: float
+    engine_time: float
 
     def finish(self) -> IterationStats:
-        for state in self.states:
+        for state, output in self.states:
             if state.finish_reason is None:
                 continue
-            self.tracker.forget([state.request_id])
-            arrival = state.parent.metrics.arrival_time if state.parent.metrics else self.now
-            self.stats.finished_requests.append(
-                FinishedRequestStats(
-                    finish_reason=state.finish_reason,
-                    e2e_latency=self.now - arrival,
-                    num_prompt_tokens=len(state.parent.prompt_token_ids),
-                    num_generation_tokens=len(state.output_token_ids),
-                )
+            times = self.tracker.take_times(state.request_id)
+            parent = state.parent
+            arrival = parent.metrics.arrival_time if parent.metrics else self.now
+            finished = FinishedRequestStats(
+                finish_reason=state.finish_reason,
+                e2e_latency=self.now - arrival,
+                num_prompt_tokens=len(parent.prompt_token_ids),
+                num_generation_tokens=len(state.output_token_ids),
+                n=len(parent.children),
+                max_tokens=state.detokenizer.params.max_tokens,
             )
+            if output.scheduled_time:  # the engine core ended it: its phases are known
+                first = last = self.engine_time  # no token (an embedding): both at the end
+                if times is not None:
+                    first, last = times.first_engine_time, times.last_engine_time
+                finished.queue_time = output.scheduled_time - output.queued_time
+                finished.prefill_time = first - output.scheduled_time
+                finished.decode_time = last - first
+                finished.inference_time = last - output.scheduled_time
+            self.stats.finished_requests.append(finished)
         return self.stats
 
 

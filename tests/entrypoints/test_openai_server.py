@@ -751,6 +751,49 @@ def test_models_tokenize_detokenize_version_health_metrics(server, client, http,
     assert "KV cache usage" in server.log_text()
 
 
+def test_request_phase_and_parameter_histograms(client, http):
+    """vLLM's per-request histograms: its phases on the engine core's clock (queue, prefill,
+    decode, inference = prefill + decode), its n and max_tokens, its token counts, and the
+    tokens of each step."""
+
+    def scrape():
+        text = http.get("/metrics").text
+        names = (
+            "request_queue_time_seconds", "request_prefill_time_seconds",
+            "request_decode_time_seconds", "request_inference_time_seconds",
+            "request_params_n", "request_params_max_tokens", "request_prompt_tokens",
+            "request_generation_tokens", "iteration_tokens_total",
+        )  # fmt: skip
+        figures = {
+            f"{name}_{part}": metric(text, f"jengine:{name}_{part}")
+            for name in names
+            for part in ("count", "sum")
+        }
+        figures["tokens"] = metric(text, "jengine:prompt_tokens_total") + metric(
+            text, "jengine:generation_tokens_total"
+        )
+        return figures
+
+    before = scrape()
+    response = complete(client, prompt=PROMPT, max_tokens=5, n=2, temperature=0.8, seed=1)
+    num_prompt = response.usage.prompt_tokens
+    after = scrape()
+    delta = {name: after[name] - before[name] for name in before}
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert delta[f"request_{phase}_time_seconds_count"] == 2
+        assert delta[f"request_{phase}_time_seconds_sum"] >= 0
+    assert delta["request_prefill_time_seconds_sum"] > 0  # a forward pass at least
+    assert delta["request_inference_time_seconds_sum"] == pytest.approx(
+        delta["request_prefill_time_seconds_sum"] + delta["request_decode_time_seconds_sum"]
+    )
+    assert (delta["request_params_n_count"], delta["request_params_n_sum"]) == (2, 4)
+    assert delta["request_params_max_tokens_sum"] == 10
+    assert delta["request_prompt_tokens_sum"] == 2 * num_prompt
+    assert delta["request_generation_tokens_sum"] == response.usage.completion_tokens
+    assert delta["iteration_tokens_total_sum"] == delta["tokens"]
+    assert delta["iteration_tokens_total_count"] >= 1
+
+
 def test_api_process_never_imports_jax_and_neither_process_torch(server):
     """torch is installed here (a test dependency), yet neither process loads it: it is
     ~2 s of each start that serving never uses."""

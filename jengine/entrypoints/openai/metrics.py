@@ -4,9 +4,10 @@ the `jengine:` prefix.
 Where it sits: `PrometheusStatLogger` is one of AsyncLLM's stat loggers: the output handler
 hands it each step's SchedulerStats (running/waiting requests, KV usage, prefix-cache
 queries and hits, preemptions) and IterationStats (token counts, TTFT, inter-token
-latency, finished requests). At scrape time the route also asks the engine core for the
-gauges only it knows exactly (free KV blocks, compiles after warmup), summed over
-data-parallel replicas, with each replica's requests under a `replica` label.
+latency, finished requests with their phases and parameters). At scrape time the route
+also asks the engine core for the gauges only it knows exactly (free KV blocks, compiles
+after warmup), summed over data-parallel replicas, with each replica's requests under a
+`replica` label.
 
 Each app gets its own CollectorRegistry, so several apps in one process do not clash.
 """
@@ -20,7 +21,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from jengine.engine.stats import IterationStats, StatLoggerBase
+from jengine.engine.stats import FinishedRequestStats, IterationStats, StatLoggerBase
 from jengine.protocol import SchedulerStats
 
 TTFT_BUCKETS = [
@@ -31,17 +32,31 @@ ITL_BUCKETS = [
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 ]  # fmt: skip
-E2E_BUCKETS = [
+# Also the phases' (queue, prefill, decode, inference), as vLLM's.
+REQUEST_LATENCY_BUCKETS = [
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 ]  # fmt: skip
+N_BUCKETS = [1, 2, 5, 10, 20]
 FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+def buckets_1_2_5(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's token-count buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > limit:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
 
 __all__ = ["CONTENT_TYPE_LATEST", "PrometheusStatLogger"]
 
 
 class PrometheusStatLogger(StatLoggerBase):
-    def __init__(self, model_name: str, num_blocks: int):
+    def __init__(self, model_name: str, num_blocks: int, max_model_len: int):
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
@@ -105,8 +120,48 @@ class PrometheusStatLogger(StatLoggerBase):
             "jengine:inter_token_latency_seconds", "Time between output tokens", ITL_BUCKETS
         )
         self.e2e = histogram(
-            "jengine:e2e_request_latency_seconds", "Arrival to finish", E2E_BUCKETS
+            "jengine:e2e_request_latency_seconds", "Arrival to finish", REQUEST_LATENCY_BUCKETS
         )
+        # vLLM's phase histograms, observed as a request finishes in the engine core.
+        self.queue_time = histogram(
+            "jengine:request_queue_time_seconds",
+            "Waiting before first scheduled",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.prefill_time = histogram(
+            "jengine:request_prefill_time_seconds", "First scheduled to first token",
+            REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.decode_time = histogram(
+            "jengine:request_decode_time_seconds",
+            "First token to last token",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.inference_time = histogram(
+            "jengine:request_inference_time_seconds", "First scheduled to last token",
+            REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        token_buckets = buckets_1_2_5(max_model_len)
+        self.request_prompt_tokens = histogram(
+            "jengine:request_prompt_tokens", "Prompt tokens of each finished request",
+            token_buckets,
+        )  # fmt: skip
+        self.request_generation_tokens = histogram(
+            "jengine:request_generation_tokens", "Tokens each finished request generated",
+            token_buckets,
+        )  # fmt: skip
+        self.iteration_tokens = histogram(
+            "jengine:iteration_tokens_total", "Prompt and generated tokens of each step",
+            token_buckets,
+        )  # fmt: skip
+        self.params_n = histogram(
+            "jengine:request_params_n", "The n of each finished request", N_BUCKETS
+        )
+        self.params_max_tokens = histogram(
+            "jengine:request_params_max_tokens", "The max_tokens of each finished request",
+            token_buckets,
+        )  # fmt: skip
+        self.max_model_len = max_model_len
         # Per data-parallel replica (absent with one engine): how work is spread.
         replica = ["model_name", "replica"]
         self.replica_requests = Gauge(
@@ -156,11 +211,28 @@ class PrometheusStatLogger(StatLoggerBase):
                 self.ttft.observe(value)
             for value in it.inter_token_latencies:
                 self.itl.observe(value)
+            if it.num_prompt_tokens or it.num_generation_tokens:
+                self.iteration_tokens.observe(it.num_prompt_tokens + it.num_generation_tokens)
             for finished in it.finished_requests:
-                counter = self.request_success.get(finished.finish_reason)
-                if counter is not None:
-                    counter.inc()
-                self.e2e.observe(finished.e2e_latency)
+                self._record_finished(finished)
+
+    def _record_finished(self, finished: FinishedRequestStats) -> None:
+        counter = self.request_success.get(finished.finish_reason)
+        if counter is not None:
+            counter.inc()
+        self.e2e.observe(finished.e2e_latency)
+        self.request_prompt_tokens.observe(finished.num_prompt_tokens)
+        self.request_generation_tokens.observe(finished.num_generation_tokens)
+        self.params_n.observe(finished.n)
+        max_tokens = finished.max_tokens
+        if max_tokens is None:  # up to the context limit, as vLLM fills it in
+            max_tokens = self.max_model_len - finished.num_prompt_tokens
+        self.params_max_tokens.observe(max_tokens)
+        if finished.queue_time is not None:
+            self.queue_time.observe(finished.queue_time)
+            self.prefill_time.observe(finished.prefill_time)
+            self.decode_time.observe(finished.decode_time)
+            self.inference_time.observe(finished.inference_time)
 
     def record_engine_dead(self, num_failed: int) -> None:
         """The engine core died: nothing runs or waits any more, and the requests it held
