@@ -8,7 +8,9 @@ Promises: a table for every tokenizer transformers can load, and each token's by
 what the front end's detokenizer adds to the text for it, so the grammar constrains the
 very text the client gets:
 - where the tokenizer's own metadata says how tokens decode (a ByteLevel, Metaspace or
-  byte-fallback decoder), llguidance reads it (its own tested conversion);
+  byte-fallback decoder), llguidance reads it (its own tested conversion), except that
+  added tokens the tokenizer does not call special are their text, as the detokenizer
+  writes them;
 - where it does not (no decoder: a word-level vocabulary; a decoder llguidance does not
   know), the table comes from the vocabulary itself: byte-fallback tokens (`<0x0A>`) are
   their byte, the GPT-2 byte alphabet (a byte-level vocabulary) is mapped back to bytes,
@@ -42,11 +44,46 @@ def llguidance_tokenizer(hf_tokenizer, vocab_size: int) -> tuple[LLTokenizer, bo
     from llguidance.hf import from_tokenizer
 
     try:
-        return from_tokenizer(hf_tokenizer, n_vocab=vocab_size), True
+        converted = from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
     except (ValueError, RuntimeError) as e:  # llguidance cannot read the decoder
         logger.info("structured outputs: token bytes from the vocabulary itself (%s)", e)
-    table = VocabularyTable(hf_tokenizer, vocab_size)
-    return LLTokenizer(TokenizerWrapper(table), n_vocab=vocab_size), False
+        table = VocabularyTable(hf_tokenizer, vocab_size)
+        return LLTokenizer(TokenizerWrapper(table), n_vocab=vocab_size), False
+    plain_added = {
+        token_id: token.content
+        for token_id, token in hf_tokenizer.added_tokens_decoder.items()
+        if not token.special and token_id < vocab_size
+    }
+    if not plain_added:
+        return converted, True
+    table = PlainAddedTokens(converted, hf_tokenizer, plain_added, vocab_size)
+    return LLTokenizer(TokenizerWrapper(table), n_vocab=vocab_size), True
+
+
+class PlainAddedTokens:
+    """llguidance's own conversion, except that added tokens the tokenizer does not call
+    special (Qwen's `<think>`, `<tool_call>`) are their text: llguidance marks every added
+    token special, yet tokenizes text into them, so a grammar whose fixed text holds one
+    forced a token it then refused. Text is still tokenized by the conversion."""
+
+    def __init__(self, converted: LLTokenizer, hf_tokenizer, plain_added: dict, vocab_size: int):
+        self.converted = converted
+        self.eos_token_id = hf_tokenizer.eos_token_id
+        self.bos_token_id = hf_tokenizer.bos_token_id
+        self.tokens, self.special_token_ids = [], []
+        for token_id in range(vocab_size):
+            spelled = converted.decode_bytes([token_id])
+            if token_id in plain_added:
+                spelled = plain_added[token_id].encode()
+            elif converted.is_special_token(token_id):
+                spelled = _SPECIAL_MARK + spelled
+                self.special_token_ids.append(token_id)
+            self.tokens.append(spelled)
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError("text, not bytes")  # TokenizerWrapper probes which it takes
+        return self.converted.tokenize_str(text)
 
 
 class VocabularyTable:

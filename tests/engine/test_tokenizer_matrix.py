@@ -1,6 +1,7 @@
 """The tokenizers users bring, each under a random-weight model of the same shape (one set of
 compiled programs for all): the bundled model's, SmolLM2's (from its GGUF), byte-level BPE
-saved without a decoder, sentencepiece-style (Metaspace, byte fallback) and word-level.
+saved without a decoder, sentencepiece-style (Metaspace, byte fallback), word-level, and one
+with added tokens that are not special (as Qwen's `<think>`).
 Each runs its chat template, incremental detokenization (the streamed pieces join into the
 final text, which is what decoding the ids after the prompt gives), a stop string and one
 constrained request whose output meets its constraint."""
@@ -33,6 +34,7 @@ CHOICE = {
     "required": ["n"],
     "additionalProperties": False,
 }
+PLAIN_ADDED = ["<think>", "</think>", "<tool_call>"]
 # A word-level vocabulary joins its words with spaces: the grammar sees them (see below).
 WORDS = r"( (the|a|and|dog|quick)){3}"
 
@@ -43,6 +45,10 @@ def _tokenizer_into(kind: str, folder: str) -> None:
             shutil.copy(f"{BUNDLED_MODEL_PATH}/{name}", folder)
     elif kind == "smollm2":
         gguf_tokenizer(installed_smollm2()).save_pretrained(folder)
+    elif kind == "plain-added-tokens":  # as Qwen's: added tokens that are not special
+        tokenizer = transformers.AutoTokenizer.from_pretrained(BUNDLED_MODEL_PATH)
+        tokenizer.add_tokens(PLAIN_ADDED, special_tokens=False)
+        tokenizer.save_pretrained(folder)
     else:
         save_tokenizer(kind, folder)
 
@@ -73,7 +79,7 @@ def make_model(kind: str, folder: str) -> str:
     return folder
 
 
-@pytest.fixture(scope="module", params=["bundled", "smollm2", *KINDS])
+@pytest.fixture(scope="module", params=["bundled", "smollm2", "plain-added-tokens", *KINDS])
 def row(request, tmp_path_factory):
     folder = make_model(request.param, str(tmp_path_factory.mktemp(request.param)))
     llm = LLM(folder, **ENGINE)
@@ -147,6 +153,18 @@ def test_one_constrained_request(row):
         params = greedy(16, structured_outputs=StructuredOutputsParams(regex=WORDS))
         [output] = llm.generate(PROMPT, params, use_tqdm=False)
         assert re.fullmatch(WORDS, output.outputs[0].text)
+    elif kind == "plain-added-tokens":
+        # Fixed text that holds an added token is met, by that token where the grammar
+        # library forces it (it once forced the token, then refused it as special).
+        tag = {"type": "object", "properties": {"tag": {"const": "<tool_call>"}}}
+        for constraint, expected in (
+            (dict(choice=["<tool_call>"]), "<tool_call>"),
+            (dict(choice=["Answer: <think>"]), "Answer: <think>"),
+            (dict(json={**tag, "required": ["tag"]}), '{"tag": "<tool_call>"}'),
+        ):
+            params = greedy(24, structured_outputs=StructuredOutputsParams(**constraint))
+            [output] = llm.generate(PROMPT, params, use_tqdm=False)
+            assert output.outputs[0].text.replace(" ", "") == expected.replace(" ", "")
     else:
         params = greedy(24, structured_outputs=StructuredOutputsParams(json=CHOICE))
         [output] = llm.generate(PROMPT, params, use_tqdm=False)
