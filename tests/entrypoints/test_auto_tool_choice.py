@@ -18,6 +18,11 @@ SCRIPTS = {
     "hermes": ["Let me check.", "<tool_call>", json.dumps(WEATHER), "</tool_call>"],
     "mistral": ["[TOOL_CALLS]", json.dumps([WEATHER])],
     "plain": ["It is ", "sunny."],
+    # Two calls, each one piece of text (the markers in them are not the special tokens).
+    "twice_hermes": [f"<tool_call>{json.dumps(dict(WEATHER, arguments={'city': c}))}</tool_call>"
+                     for c in ("A", "B")],
+    "twice_mistral": ["[TOOL_CALLS]" + json.dumps([dict(WEATHER, arguments={"city": "A"}),
+                                                   dict(WEATHER, arguments={"city": "B"})])],
 }  # fmt: skip
 # Special tokens, as in Hermes-2-Pro's and Mistral's tokenizers.
 SPECIAL = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]")
@@ -86,6 +91,26 @@ def test_a_reply_in_the_parsers_format_is_a_tool_call(served):
     ], temperature=0.0, max_output_tokens=8)  # fmt: skip
     [call] = [item for item in response.output if item.type == "function_call"]
     assert (call.name, json.loads(call.arguments)) == ("get_weather", CALL)
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(served):
+    """OpenAI's `parallel_tool_calls: false`: at most one call, whole and streamed (vLLM
+    keeps the first); by default, every call the reply makes."""
+    parser, client = served
+    trigger = f"TWICE_{parser.upper()}"
+
+    def cities(tool_calls) -> list[str]:
+        return [json.loads(call.function.arguments)["city"] for call in tool_calls]
+
+    assert cities(_chat(client, trigger).choices[0].message.tool_calls) == ["A", "B"]
+    choice = _chat(client, trigger, parallel_tool_calls=False).choices[0]
+    assert cities(choice.message.tool_calls) == ["A"] and choice.finish_reason == "tool_calls"
+    indexes = {
+        call.index
+        for chunk in _chat(client, trigger, parallel_tool_calls=False, stream=True)
+        for call in chunk.choices[0].delta.tool_calls or []
+    }
+    assert indexes == {0}
 
 
 def test_a_plain_reply_stays_content_and_markers_only_matter_with_tools(served):

@@ -198,6 +198,33 @@ def test_a_forced_call_cut_by_max_tokens_is_still_a_call(client, tool_choice):
     content, calls, finish = streamed_chat(client, **cut)
     assert content[0] == "" and finish[0] == "length"
     assert list(calls[0].values()) == [[call.function.name, call.function.arguments]]
+    # Cut by a stop string inside the arguments: the call as far as it got, with
+    # finish_reason "stop" and that stop string; "tool_calls" would say the calls are whole.
+    arguments, head = full_call.function.arguments, '[{"name": "get_weather", "parameters":'
+    at = next(
+        i
+        for i in range(len(arguments) // 2, len(arguments) - 3)
+        if arguments.find(window := arguments[i : i + 3]) == i and window not in head
+    )
+    stop = arguments[at : at + 3]
+    choice = chat(client, **kwargs, stop=[stop]).choices[0]
+    assert (choice.finish_reason, choice.model_extra["stop_reason"]) == ("stop", stop)
+    [call] = choice.message.tool_calls
+    assert call.function.arguments == arguments[:at].rstrip()
+    content, calls, finish = streamed_chat(client, **kwargs, stop=[stop])
+    assert finish[0] == "stop"
+    assert list(calls[0].values()) == [[call.function.name, call.function.arguments]]
+
+
+def test_tool_parameters_must_be_an_object_schema(client):
+    """OpenAI's rule: a function's parameters are an object's schema (a "required" call
+    under a string schema was a success with no call)."""
+    tool = {"type": "function", "function": {"name": "say", "parameters": {"type": "string"}}}
+    for tool_choice in ("required", "auto", "none"):
+        with pytest.raises(openai.BadRequestError) as refused:
+            chat(client, messages=MESSAGES, tools=[tool], tool_choice=tool_choice)
+        assert refused.value.body["param"] == "tools.0.function.parameters"
+        assert 'type "object"' in refused.value.body["message"]
 
 
 def test_tool_messages_in_the_history(client):
@@ -246,8 +273,8 @@ def test_tool_choice_none_still_shows_the_template_its_tools(client):
         ({"response_format": {"type": "json_schema",
                               "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
          "response_format"),
-        ({"tools": [{"type": "function", "function": {"name": "f",
-                                                      "parameters": {"type": "objekt"}}}],
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "objekt"}}}}}],
           "tool_choice": "required"}, "tools"),
         ({"extra_body": {"guided_regex": "a"}, "response_format": {"type": "json_object"}},
          "guided_regex"),
@@ -290,12 +317,16 @@ def test_reasoning_content(tiny_model):
     """deepseek_r1: the prompt opens the thinking, so a reply without `</think>` is all
     reasoning (and all its tokens are reasoning tokens); streamed, the deltas join into the
     same reasoning."""
-    args = [*SERVER_ARGS, "--reasoning-parser", "deepseek_r1"]
+    args = [*SERVER_ARGS, "--reasoning-parser", "deepseek_r1", "--enable-auto-tool-choice",
+            "--tool-call-parser", "hermes"]  # fmt: skip
     with RemoteServer(tiny_model, args) as server:
         client = openai.OpenAI(base_url=server.url_for("v1"), api_key="none", max_retries=0)
         kwargs = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=24, temperature=0.0)
         message = client.chat.completions.create(**kwargs).choices[0].message
         assert message.reasoning_content and message.content is None
+        # The same with tools the reply could call (its content was "" then).
+        called = client.chat.completions.create(**kwargs, tools=[WEATHER_TOOL])
+        assert called.choices[0].message == message
         reasoning = "".join(
             getattr(c.choices[0].delta, "reasoning_content", None) or ""
             for c in client.chat.completions.create(stream=True, **kwargs)

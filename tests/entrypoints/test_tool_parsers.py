@@ -13,6 +13,7 @@ from jengine.entrypoints.openai.reasoning_parsers import (
     get_reasoning_parser,
 )
 from jengine.entrypoints.openai.tool_parsers import (
+    FirstCallOnly,
     NamedToolCallParser,
     RequiredToolCallParser,
     ToolCallStream,
@@ -116,8 +117,8 @@ def streamed(parser, text: str, seed: int) -> tuple[str | None, list[tuple[str, 
 @pytest.mark.parametrize(("parser_name", "text", "content", "calls"), cases())
 def test_parsers_whole_and_streamed(parser_name, text, content, calls):
     parser = get_tool_parser(parser_name)
-    got_content, tool_calls = parser.extract(text)
-    assert got_content == content
+    got_content, tool_calls, complete = parser.extract(text)
+    assert got_content == content and complete == bool(calls)
     assert as_pairs(tool_calls) == calls
     assert all(c.id.startswith("chatcmpl-tool-") and c.type == "function" for c in tool_calls)
     for seed in range(5):
@@ -127,12 +128,41 @@ def test_parsers_whole_and_streamed(parser_name, text, content, calls):
 def test_forced_tool_choice_outputs():
     required = RequiredToolCallParser(["get_weather", "get_time"])
     text = '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}]'
-    content, calls = required.extract(text)
-    assert content is None and as_pairs(calls) == [("get_weather", WEATHER)]
+    content, calls, complete = required.extract(text)
+    assert content is None and complete and as_pairs(calls) == [("get_weather", WEATHER)]
     assert streamed(required, text, 0) == (None, [("get_weather", WEATHER)])
     named = NamedToolCallParser("get_weather")
-    content, calls = named.extract(json.dumps(WEATHER))
-    assert content is None and as_pairs(calls) == [("get_weather", WEATHER)]
+    content, calls, complete = named.extract(json.dumps(WEATHER))
+    assert content is None and complete and as_pairs(calls) == [("get_weather", WEATHER)]
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [
+        (
+            RequiredToolCallParser(["get_weather", "get_time"]),
+            '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}, '
+            '{"name":"get_time","parameters":{ "zone" : "UTC\\"}" }}]',
+        ),
+        (NamedToolCallParser("get_weather"), ' {"city": "Paris",  "unit": "celsius"} '),
+    ],
+)
+def test_forced_calls_stream_their_arguments_as_they_are_written(parser, text):
+    """A forced call's name goes out as soon as it is written and its arguments as they
+    grow, not all at the end; joined, they are the full response's arguments, which are
+    the text the model wrote."""
+    stream = ToolCallStream(parser)
+    arguments: dict[int, str] = {}
+    for end in range(1, len(text) + 1):
+        for delta in stream.feed(text[end - 1 : end], finished=end == len(text)):
+            for call in delta.tool_calls or []:
+                arguments[call.index] = arguments.get(call.index, "") + call.function.arguments
+        if end == len(text) // 2:
+            assert arguments[0], "nothing streamed by half way"
+    _, calls, complete = parser.extract(text)
+    assert complete and stream.complete
+    assert [arguments[i] for i in sorted(arguments)] == [c.function.arguments for c in calls]
+    assert all(c.function.arguments in text for c in calls)
 
 
 def raw_pairs(calls) -> list[tuple[str, str]]:
@@ -163,8 +193,10 @@ def test_a_forced_call_cut_short_is_still_a_call(text, calls):
     """A reply cut by max_tokens (or a stop string) under tool_choice "required": the calls
     as far as they got, never the raw JSON as content; streamed the same."""
     required = RequiredToolCallParser(["get_weather", "get_time"])
-    content, tool_calls = required.extract(text)
+    content, tool_calls, complete = required.extract(text)
     assert content in (None, "") and raw_pairs(tool_calls) == calls
+    # Unless every call it holds is whole, its finish_reason stays what cut it.
+    assert complete == (calls == [("get_time", '{"zone": "UTC"}')])
     stream = ToolCallStream(required)
     deltas = stream.feed(text[:5], False) + stream.feed(text[5:], True)
     assert not any(d.content for d in deltas)
@@ -174,8 +206,24 @@ def test_a_forced_call_cut_short_is_still_a_call(text, calls):
 
 def test_a_named_call_cut_short_is_still_that_call():
     named = NamedToolCallParser("get_weather")
-    content, calls = named.extract('{"city": "Par')
+    content, calls, complete = named.extract('{"city": "Par')
     assert content is None and raw_pairs(calls) == [("get_weather", '{"city": "Par')]
+    assert not complete
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    two = (
+        'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "A"}}</tool_call>'
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    )
+    parser = FirstCallOnly(get_tool_parser("hermes"))
+    assert parser.keeps_special_tokens
+    content, calls, complete = parser.extract(two)
+    assert (
+        content == "Checking." and complete and as_pairs(calls) == [("get_weather", {"city": "A"})]
+    )
+    for seed in range(3):
+        assert streamed(parser, two, seed) == ("Checking.", [("get_weather", {"city": "A"})])
 
 
 def test_unknown_parser_is_refused():

@@ -7,9 +7,10 @@ request (serving_responses.py). The fields shared with completions (sampling, vL
 extras) are `SamplingRequest`'s, in protocol.py.
 """
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_serializer
+from pydantic import AfterValidator, Field, model_serializer
 
 from jengine.entrypoints.openai.protocol import (
     _INT64,
@@ -42,10 +43,24 @@ class ChatMessageParam(OpenAIBaseModel):
     tool_call_id: str | None = None  # role "tool": which call this is the result of
 
 
+def _object_schema(parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A function's parameters are a JSON Schema of an object, as OpenAI's API checks:
+    the arguments a call sends are one."""
+    if parameters is not None and parameters.get("type", "object") != "object":
+        raise ValueError(
+            f'parameters must be a JSON Schema of type "object", got type '
+            f"{json.dumps(parameters['type'])}"
+        )
+    return parameters
+
+
+ToolParameters = Annotated[dict[str, Any] | None, AfterValidator(_object_schema)]
+
+
 class FunctionDefinition(OpenAIBaseModel):
     name: Annotated[str, Field(min_length=1, max_length=64)]
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: ToolParameters = None
     strict: bool | None = None
 
 
@@ -82,8 +97,9 @@ class ChatCompletionRequest(SamplingRequest):
 
     def finish_reason(self, finish_reason: str | None, called_tools: bool) -> str | None:
         """A reply's OpenAI finish_reason: "tool_calls" where it stopped after calling
-        tools, except where this request named the function ("stop", as OpenAI's and
-        vLLM's)."""
+        tools (`called_tools`: calls made, all complete; one cut short by a stop string
+        keeps "stop"), except where this request named the function ("stop", as OpenAI's
+        and vLLM's)."""
         named = self.tool_choice is not None and not isinstance(self.tool_choice, str)
         if called_tools and finish_reason == "stop" and not named:
             return "tool_calls"

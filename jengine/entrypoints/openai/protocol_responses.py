@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from jengine.entrypoints.openai.protocol import _INT64, OpenAIBaseModel, RequestModel
+from jengine.entrypoints.openai.protocol_chat import ToolParameters
 
 
 class FunctionTool(OpenAIBaseModel):
@@ -20,7 +21,7 @@ class FunctionTool(OpenAIBaseModel):
     type: Literal["function"] = "function"
     name: Annotated[str, Field(min_length=1, max_length=64)]
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: ToolParameters = None
     strict: bool | None = None
 
 

@@ -158,7 +158,8 @@ class ReplyStream:
 
     @property
     def called(self) -> bool:
-        return self.tools is not None and self.tools.called
+        """Whether the reply made tool calls, all complete."""
+        return self.tools is not None and self.tools.complete
 
     def feed(self, text: str, finished: bool) -> list[DeltaMessage]:
         deltas = []

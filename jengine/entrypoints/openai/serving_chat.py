@@ -56,6 +56,7 @@ from jengine.entrypoints.openai.structured_outputs import (
     tool_choice_of,
 )
 from jengine.entrypoints.openai.tool_parsers import (
+    FirstCallOnly,
     NamedToolCallParser,
     RequiredToolCallParser,
     ToolParser,
@@ -250,13 +251,13 @@ class OpenAIServingChat(OpenAIServing):
         if self.reasoning_parser is not None:
             reasoning, answer = self.reasoning_parser.split(answer, True, thinking)
             reasoning = (reasoning or None) if request.include_reasoning else None
-        content, tool_calls = answer, []
-        if self.reasoning_parser is not None and not answer:
-            content = None  # all reasoning, no answer (yet)
+        content, tool_calls, called = answer, [], False
         tool_parser = self.tool_parser_for(request)
         if tool_parser is not None:
-            content, tool_calls = tool_parser.extract(answer)
-        finish_reason = request.finish_reason(seq.finish_reason, bool(tool_calls))
+            content, tool_calls, called = tool_parser.extract(answer)
+        if self.reasoning_parser is not None and not answer:
+            content = None  # all reasoning, no answer (yet)
+        finish_reason = request.finish_reason(seq.finish_reason, called)
         return ChatCompletionResponseChoice(
             index=seq.index,
             message=ChatMessage(
@@ -293,7 +294,11 @@ class OpenAIServingChat(OpenAIServing):
             return RequiredToolCallParser([tool.function.name for tool in request.tools])
         if isinstance(choice, NamedToolChoice):
             return NamedToolCallParser(choice.function.name)
-        return self.auto_tool_parser if choice == "auto" else None
+        if choice != "auto" or self.auto_tool_parser is None:
+            return None
+        if request.parallel_tool_calls is False:
+            return FirstCallOnly(self.auto_tool_parser)
+        return self.auto_tool_parser
 
     # -- streaming ------------------------------------------------------------------------
 

@@ -2,10 +2,12 @@
 OpenAI `tool_calls`, whole or streamed.
 
 Where it sits: the chat route, with `--enable-auto-tool-choice` and `tool_choice` "auto",
-runs the reply's content through one of these. Each parser says, for the text so far,
-which part is surely plain content and which tool calls are complete (`split`); the full
-response uses it once on the final text, a stream (`ToolCallStream`) on each growing
-prefix and sends only what is new, so the streamed pieces join into the full response.
+runs the reply's content through one of these (and a forced call through
+`RequiredToolCallParser` or `NamedToolCallParser`). Each parser says, for the text so far,
+which part is surely plain content and which tool calls it holds (`split`: whole ones, and
+for a forced call, the one being written); the full response uses it once on the final
+text, a stream (`ToolCallStream`) on each growing prefix and sends only what is new, so
+the streamed pieces join into the full response.
 
 What it promises: plain text stays content; text that looks like a call but does not
 parse (malformed JSON, a missing name) stays content too, never an error; a marker cut
@@ -42,7 +44,8 @@ from jengine.entrypoints.openai.protocol_chat import (
 @dataclass(frozen=True)
 class ParsedCall:
     name: str
-    arguments: str  # JSON text
+    arguments: str  # JSON text (cut short: as far as it got)
+    complete: bool = True  # False: cut short, or still being written
 
     def tool_call(self) -> ToolCall:
         function = FunctionCall(name=self.name, arguments=self.arguments)
@@ -113,17 +116,35 @@ class ToolParser:
     keeps_special_tokens = False
 
     def split(self, text: str, finished: bool) -> tuple[str, list[ParsedCall]]:
-        """(the content so far, the complete calls so far). Both only grow as `text` grows
-        while not finished; with `finished`, they are the final answer."""
+        """(the content so far, the calls so far). Both only grow as `text` grows while
+        not finished (the last call's arguments may grow, while it is incomplete); with
+        `finished`, they are the final answer."""
         raise NotImplementedError
 
-    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall], bool]:
         """The full response: (content, or None if only whitespace beside the calls;
-        tool calls)."""
+        tool calls; whether there are calls and all are complete)."""
         content, calls = self.split(text, finished=True)
         if calls and not content.strip():
             content = None
-        return content, [c.tool_call() for c in calls]
+        return content, [c.tool_call() for c in calls], _all_complete(calls)
+
+
+def _all_complete(calls: list[ParsedCall]) -> bool:
+    return bool(calls) and all(call.complete for call in calls)
+
+
+class FirstCallOnly(ToolParser):
+    """`parallel_tool_calls: false` with tool_choice "auto": a reply's first call only (the
+    text of the others dropped, as vLLM's)."""
+
+    def __init__(self, parser: ToolParser):
+        self.parser = parser
+        self.keeps_special_tokens = parser.keeps_special_tokens
+
+    def split(self, text: str, finished: bool) -> tuple[str, list[ParsedCall]]:
+        content, calls = self.parser.split(text, finished)
+        return content, calls[:1]
 
 
 class HermesToolParser(ToolParser):
@@ -217,47 +238,53 @@ class MistralToolParser(ToolParser):
 
 class RequiredToolCallParser(ToolParser):
     """tool_choice "required": the reply is the JSON array of `{"name", "parameters"}`
-    calls its grammar forced (structured_outputs.tool_choice_constraint). A reply cut
-    short (max_tokens, a stop string) is still calls: the complete ones, then the last as
-    far as it got (its name completed from `names` when only one fits what was written,
-    its arguments the JSON text written so far)."""
+    calls its grammar forced (structured_outputs.tool_choice_constraint). Each call's
+    arguments are the JSON text written for its parameters, so a stream sends them as they
+    are written, from the moment the name is complete. A reply cut short (max_tokens, a
+    stop string) is still calls: the complete ones, then the last as far as it got (its
+    name completed from `names` when only one fits what was written), marked incomplete."""
 
     def __init__(self, names: list[str]):
         self.names = names
 
     def split(self, text: str, finished: bool) -> tuple[str, list[ParsedCall]]:
-        if not finished:
-            return "", []
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError:
-            return "", self._cut_short(text)
-        calls = [_call_from(item) for item in items] if isinstance(items, list) else [None]
-        return ("", calls) if calls and None not in calls else (text, [])
+        if finished:
+            try:
+                items = json.loads(text)
+            except json.JSONDecodeError:
+                return "", self._calls(text, finished)
+            whole = [_call_from(item) for item in items] if isinstance(items, list) else [None]
+            if not whole or None in whole:
+                return text, []
+        return "", self._calls(text, finished)
 
-    def _cut_short(self, text: str) -> list[ParsedCall]:
+    def _calls(self, text: str, finished: bool) -> list[ParsedCall]:
         calls = []
         for start, end in _array_objects(text):
-            if end is not None:
-                call = _parse_call(text[start:end])
-                if call is not None:
-                    calls.append(call)
+            written = text[start:end] if end is not None else text[start:]
+            cut = _CUT_CALL.match(written)
+            if end is not None:  # a whole call: its arguments as written, if it reads so
+                arguments = (cut and cut.group("arguments") or "").strip()[:-1].rstrip()
+                whole = cut and _call_from({"name": "", "arguments": arguments})
+                call = ParsedCall(cut.group("name"), arguments) if whole else _parse_call(written)
+                if call is None:
+                    break
+                calls.append(call)
                 continue
-            cut = _CUT_CALL.match(text, start)
-            if cut is None:
-                break  # not even the name has begun
+            if cut is None or (cut.group("closed") is None and not finished):
+                break  # not begun, or its name is still being written
             name = cut.group("name")
             if cut.group("closed") is None:
                 fits = [n for n in self.names if n.startswith(name)]
                 name = fits[0] if len(fits) == 1 else name
-            calls.append(ParsedCall(name, cut.group("arguments") or ""))
+            calls.append(ParsedCall(name, (cut.group("arguments") or "").strip(), False))
         return calls
 
 
-# A call cut short: `{"name": "na` or `{"name": "name", "parameters": {"ci`.
+# A call as far as it got: `{"name": "na`, `{"name": "name", "parameters": {"ci`, or whole.
 _CUT_CALL = re.compile(
     r'\{\s*"name"\s*:\s*"(?P<name>[^"\\]*)(?P<closed>")?'
-    r'(?:\s*,\s*"parameters"\s*:\s*(?P<arguments>.*))?',
+    r'(?:\s*,\s*"parameters"\s*:(?P<arguments>.*))?',
     re.DOTALL,
 )
 
@@ -291,17 +318,16 @@ def _array_objects(text: str) -> list[tuple[int, int | None]]:
 
 
 class NamedToolCallParser(ToolParser):
-    """tool_choice naming a function: the reply is that function's arguments object (cut
-    short, the JSON text written so far)."""
+    """tool_choice naming a function: the reply is that function's arguments object, the
+    call's arguments as written (streamed as they are written; cut short, incomplete)."""
 
     def __init__(self, function_name: str):
         self.function_name = function_name
 
     def split(self, text: str, finished: bool) -> tuple[str, list[ParsedCall]]:
-        if not finished:
-            return "", []
-        call = _call_from({"name": self.function_name, "arguments": text})
-        return "", [call or ParsedCall(self.function_name, text)]
+        arguments = text.strip()  # trailing whitespace held back until more follows
+        complete = finished and _call_from({"name": "", "arguments": arguments}) is not None
+        return "", [ParsedCall(self.function_name, arguments, complete)]
 
 
 TOOL_PARSERS = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)}
@@ -314,20 +340,18 @@ def get_tool_parser(name: str) -> ToolParser:
 
 
 class ToolCallStream:
-    """One streamed choice through a parser: each delta's new content and new calls
-    (first a chunk with index, id and name, then the arguments in fragments)."""
+    """One streamed choice through a parser: each delta's new content and calls (a call's
+    first chunk has its index, id and name, then its arguments follow as they grow, in
+    fragments)."""
 
-    ARGUMENT_FRAGMENT = 16  # characters per arguments chunk
+    ARGUMENT_FRAGMENT = 16  # characters per arguments chunk, at most
 
     def __init__(self, parser: ToolParser):
         self.parser = parser
         self.text = ""
         self.sent_content = 0
-        self.sent_calls = 0
-
-    @property
-    def called(self) -> bool:
-        return self.sent_calls > 0
+        self.sent_arguments: list[int] = []  # per call sent: the arguments' length sent
+        self.complete = False  # calls were made, and all are complete
 
     def feed(self, delta: str, finished: bool) -> list[DeltaMessage]:
         self.text += delta
@@ -337,31 +361,19 @@ class ToolCallStream:
         if len(content) > self.sent_content and content.strip():
             messages.append(DeltaMessage(content=content[self.sent_content :]))
             self.sent_content = len(content)
-        for index in range(self.sent_calls, len(calls)):
-            call = calls[index]
-            messages.append(
-                DeltaMessage(
-                    tool_calls=[
-                        DeltaToolCall(
-                            index=index,
-                            id=new_call_id(),
-                            type="function",
-                            function=DeltaFunctionCall(name=call.name, arguments=""),
-                        )
-                    ]
-                )
-            )
-            arguments = call.arguments
-            for start in range(0, len(arguments), self.ARGUMENT_FRAGMENT):
-                fragment = arguments[start : start + self.ARGUMENT_FRAGMENT]
-                messages.append(
-                    DeltaMessage(
-                        tool_calls=[
-                            DeltaToolCall(
-                                index=index, function=DeltaFunctionCall(arguments=fragment)
-                            )
-                        ]
-                    )
-                )
-        self.sent_calls = len(calls)
+        for index, call in enumerate(calls):
+            if index == len(self.sent_arguments):
+                self.sent_arguments.append(0)
+                function = DeltaFunctionCall(name=call.name, arguments="")
+                messages.append(_call_delta(index, function, id=new_call_id(), type="function"))
+            sent = self.sent_arguments[index]
+            for start in range(sent, len(call.arguments), self.ARGUMENT_FRAGMENT):
+                fragment = call.arguments[start : start + self.ARGUMENT_FRAGMENT]
+                messages.append(_call_delta(index, DeltaFunctionCall(arguments=fragment)))
+            self.sent_arguments[index] = max(sent, len(call.arguments))
+        self.complete = _all_complete(calls)
         return messages
+
+
+def _call_delta(index: int, function: DeltaFunctionCall, **first) -> DeltaMessage:
+    return DeltaMessage(tool_calls=[DeltaToolCall(index=index, function=function, **first)])
