@@ -30,8 +30,10 @@ Promises:
 - a scheme whose input activations are quantized (W8A8) runs weight-only here: the
   activations stay float, and the log says so; KV-cache scales are not used (the cache
   stays in the model's dtype), also logged;
+- a module `ignore` left float in some layers makes that weight float in all (logged);
 - a clear ValueError for what it cannot read: other formats (nvfp4, sparse 2:4, Marlin),
-  weight types, transforms, a quantized module no scheme targets.
+  weight types, transforms, a quantized module no scheme targets, and checkpoints of other
+  quantization methods (`quant_method` gptq, awq, bitsandbytes, fp8, ...).
 """
 
 import logging
@@ -53,10 +55,18 @@ _LAYER = re.compile(r"^model\.layers\.\d+\.")
 
 
 def quantization_config(hf_config: dict) -> dict | None:
-    """config.json's `quantization_config` if it is compressed-tensors, else None."""
+    """config.json's `quantization_config` if it is compressed-tensors; None without one; a
+    ValueError naming any other method."""
     config = hf_config.get("quantization_config")
-    if not config or config.get("quant_method") != QUANT_METHOD:
+    if not config:
         return None
+    method = config.get("quant_method")
+    if method != QUANT_METHOD:  # its tensors are in a layout this loader does not read
+        raise ValueError(
+            f"quantization_config quant_method {method!r} is not supported: jengine reads "
+            f"{QUANT_METHOD} folders (llm-compressor's) and GGUF files, or float weights "
+            "(--quantization int8 / fp8 quantizes those at load)"
+        )
     for key in ("transform_config",):
         if config.get(key):
             raise ValueError(f"compressed-tensors {key} is not supported")
@@ -81,10 +91,21 @@ def decompress(
         del tensors[name]
     if unused:
         logger.info("compressed-tensors: %s not used (activations and KV cache stay float)", unused)
-    decoded = {module: _decode(tensors, module, _scheme(config, module)) for module in modules}
+    schemes = {module: _scheme(config, module) for module in modules}
+    for group in sorted({name for name, _, activations in schemes.values() if activations}):
+        logger.info(
+            "compressed-tensors group %r quantizes activations; jengine runs its weights "
+            "with float activations",
+            group,
+        )
+    decoded = {module: _decode(tensors, module, schemes[module][1]) for module in modules}
     formats_by_weight: dict[str, set] = {}
     for module, parts in decoded.items():
         formats_by_weight.setdefault(_LAYER.sub("", module), set()).add(_format(parts))
+    for name in tensors:  # a layer whose module was left float (`ignore`) beside quantized
+        module = name.removesuffix(".weight")
+        if module != name and module not in decoded and _LAYER.match(module):
+            formats_by_weight.get(_LAYER.sub("", module), set()).add(_FLOAT)
     formats = {}
     for weight, found in formats_by_weight.items():
         fmt = next(iter(found)) if keep and len(found) == 1 else None
@@ -101,11 +122,17 @@ def decompress(
 def _why(found: set) -> str:
     if None in found:
         return "its groups do not fit the quantized layout"
+    if _FLOAT in found:
+        return "some of its layers are not quantized"
     return "its layers are quantized differently"
 
 
-def _scheme(config: dict, module: str) -> dict:
-    """The weights' quantization args of the config group that targets `module`."""
+_FLOAT = "float"  # a weight's format in a layer that holds it unquantized
+
+
+def _scheme(config: dict, module: str) -> tuple[str, dict, bool]:
+    """The config group that targets `module`: its name, its weights' quantization args,
+    and whether it quantizes the input activations too."""
     if any(_targets(module, target) for target in config.get("ignore") or ()):
         raise ValueError(f"compressed-tensors: {module} is quantized but listed in `ignore`")
     for name, group in (config.get("config_groups") or {}).items():
@@ -114,13 +141,7 @@ def _scheme(config: dict, module: str) -> dict:
             if not weights:
                 raise ValueError(f"compressed-tensors group {name!r} quantizes no weights")
             weights["format"] = group.get("format") or config.get("format")
-            if group.get("input_activations"):
-                logger.info(
-                    "compressed-tensors group %r quantizes activations; jengine runs its "
-                    "weights with float activations",
-                    name,
-                )
-            return weights
+            return name, weights, bool(group.get("input_activations"))
     raise ValueError(f"compressed-tensors: no config group targets the quantized module {module}")
 
 

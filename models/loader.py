@@ -255,6 +255,8 @@ def load_model(path: str, dtype="auto", quantization: str | None = None) -> nnx.
     if gguf_path is not None:
         from jengine.models.gguf_loader import load_gguf_model
 
+        if quantization == compressed_tensors.QUANT_METHOD:
+            raise ValueError(f"--quantization {quantization}: {path} is a GGUF file")
         keep = quantization in (None, "gguf")
         model = load_gguf_model(gguf_path, resolve_dtype(dtype), keep_quantized=keep)
         if quantization not in METHODS:

@@ -149,7 +149,8 @@ def weights_report(params: dict, config, dtype, sizing: KVCacheSizing) -> str:
         formats.setdefault(fmt.name, []).append(name)
     held = "; ".join(f"{fmt}: {', '.join(names)}" for fmt, names in formats.items())
     saved = dense - resident
-    tokens = saved // sizing.bytes_per_block * sizing.block_size
+    # Both per device: the weights' saving (global here) and a block (per shard).
+    tokens = saved // (sizing.bytes_per_block * sizing.num_shards) * sizing.block_size
     name = jnp.dtype(dtype).name
     return (
         f"{text}, quantized ({held}; the rest {name}), against {_size(dense)} in {name}: "

@@ -94,7 +94,8 @@ def write_compressed(
     out, dequantized = {}, {}
     for name, w in tensors.items():
         module = name.removesuffix(".weight")
-        if not (name.endswith(".weight") and module.endswith(PROJECTIONS)):
+        ignored = any(module == target or module.endswith(f".{target}") for target in ignore)
+        if ignored or not (name.endswith(".weight") and module.endswith(PROJECTIONS)):
             out[name] = w
             continue
         w = w.astype(np.float32)

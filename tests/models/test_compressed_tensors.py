@@ -27,6 +27,7 @@ from jengine.models import load_model
 from jengine.models.llama import LINEAR_WEIGHTS
 from tests.models.checkpoints import make_checkpoint
 from tests.models.compressed_files import write_compressed
+from tests.models.gguf_files import write_llama_gguf
 from tests.models.test_quantized_models import TIGHT, _prompts, assert_generates_as_dequantized
 
 # (writer's arguments, the format jengine keeps the weights in)
@@ -117,6 +118,27 @@ def test_activation_ordered_groups_are_dequantized_and_logged(float_folder, tmp_
     np.testing.assert_array_equal(_layer_weights(model, "up_proj"), expected)
 
 
+def test_a_module_left_float_in_one_layer(float_folder, tmp_path, caplog):
+    """llm-compressor's per-layer `ignore`: layer 0's q_proj float beside quantized ones
+    (it failed to stack): that weight is float in every layer, the others stay kept."""
+    path = str(tmp_path / "ignored")
+    ignore = ("lm_head", "model.layers.0.self_attn.q_proj")
+    dequantized = write_compressed(float_folder, path, bits=4, group_size=32, ignore=ignore)
+    with caplog.at_level(logging.INFO, logger="jengine.models.compressed_tensors"):
+        model = load_model(path, "float32")
+    kept = dict(model.config.quantization)
+    assert "q_proj" not in kept and "k_proj" in kept
+    assert "self_attn.q_proj dequantized to float32 (some of its layers are not" in caplog.text
+    float_q = load_model(float_folder, "float32")
+    expected = [
+        dequantized.get(
+            f"model.layers.{i}.self_attn.q_proj.weight", _layer_weights(float_q, "q_proj")[i]
+        )
+        for i in range(3)
+    ]
+    np.testing.assert_array_equal(_layer_weights(model, "q_proj"), np.stack(expected))
+
+
 def test_int8_requested_requantizes_and_the_flag_insists(float_folder, tmp_path):
     path, _ = _write(float_folder, tmp_path, "W4A16-g128")
     requantized = load_model(path, "float32", quantization="int8")
@@ -124,6 +146,25 @@ def test_int8_requested_requantizes_and_the_flag_insists(float_folder, tmp_path)
     assert dict(load_model(path, quantization="compressed-tensors").config.quantization)
     with pytest.raises(ValueError, match="has no such config"):
         load_model(float_folder, quantization="compressed-tensors")
+    # ... and on a GGUF (it was dequantized in silence: 6x the weights' bytes).
+    gguf = write_llama_gguf(float_folder, str(tmp_path / "model.gguf"), "Q8_0")
+    with pytest.raises(ValueError, match="compressed-tensors: .* is a GGUF file"):
+        load_model(gguf, quantization="compressed-tensors")
+
+
+def test_quantized_activations_run_weight_only_and_say_so_once(float_folder, tmp_path, caplog):
+    path, _ = _write(float_folder, tmp_path, "W4A16-g128")
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    activations = dict(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
+    config["quantization_config"]["config_groups"]["group_0"]["input_activations"] = activations
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    with caplog.at_level(logging.INFO, logger="jengine.models.compressed_tensors"):
+        model = load_model(path, "float32")
+    assert dict(model.config.quantization)  # the weights kept as written
+    assert caplog.text.count("quantizes activations; jengine runs its weights") == 1
 
 
 @pytest.mark.parametrize(
@@ -132,8 +173,10 @@ def test_int8_requested_requantizes_and_the_flag_insists(float_folder, tmp_path)
         (dict(format="nvfp4-pack-quantized"), "nvfp4-pack-quantized, int4. is not supported"),
         (dict(sparsity_config={"format": "sparse-24-bitmask"}), "sparsity format"),
         (dict(config_groups={}), "no config group targets"),
+        # Other methods' folders: their tensors named "not used" by the architecture.
+        (dict(quant_method="gptq"), "quant_method 'gptq' is not supported: jengine reads"),
     ],
-    ids=["nvfp4", "sparse", "untargeted"],
+    ids=["nvfp4", "sparse", "untargeted", "gptq"],
 )
 def test_what_it_cannot_read_is_named(float_folder, tmp_path, change, message):
     path, _ = _write(float_folder, tmp_path, "W4A16-g128")

@@ -180,6 +180,9 @@ def test_quantized_weights_give_the_same_outputs_at_every_size(tmp_path, quantiz
         gguf = write_llama_gguf(path, str(tmp_path / "model.gguf"), quantization)
         results = _tp_check(gguf, "gguf")
     _assert_runs_agree(results)
+    # The KV-cache tokens the weights' saving holds: each device saves its share and holds
+    # its share of each token (it was the figure times the devices).
+    assert results["2"]["saving_holds"] == results["1"]["saving_holds"] > 0
     split = results["split"]
     for name in ("q_proj", "gate_proj", "o_proj", "down_proj"):
         assert any(f"'{name}']['values']" in leaf for leaf in split), (name, split)

@@ -203,6 +203,8 @@ def quantized(path: str, quantization: str | None) -> dict:
     results = {}
     for tp in (1, 2, 4):
         results[tp], llm = run(path, tp, quantization=quantization)
+        report = llm.engine_core.runner.weights_report()
+        results[tp]["saving_holds"] = int(re.search(r"hold (\d+) KV-cache tokens", report)[1])
     params = llm.engine_core.runner.params
     results["split"] = [
         jax.tree_util.keystr(path)
