@@ -61,6 +61,12 @@ class SpeculativeConfig:
             self.prompt_lookup_min,
         )
         _require(
+            self.disable_by_batch_size is None or self.disable_by_batch_size >= 2,
+            "speculative_config.disable_by_batch_size",
+            "must be >= 2 (vLLM's bound; below, nothing would speculate)",
+            self.disable_by_batch_size,
+        )
+        _require(
             (self.model is not None) == (self.method == "draft_model"),
             "speculative_config.model",
             "is needed for method draft_model, and only for it",

@@ -138,6 +138,8 @@ def test_seed_none_draws_a_seed_per_engine(tmp_path):
         ('{"num_speculative_tokens": "3"}', "num_speculative_tokens must be an int, got '3'"),
         ('{"num_speculative_tokens": 2.5}', "num_speculative_tokens must be an int, got 2.5"),
         ('{"disable_by_batch_size": "2"}', "disable_by_batch_size must be an int"),
+        # Below 2 nothing ever speculated, in silence.
+        ('{"disable_by_batch_size": 0}', "disable_by_batch_size must be >= 2"),
         ("3", "speculative_config must be a JSON object, got 3"),
         # A model for ngram was ignored without a word.
         ('{"method": "ngram", "model": "x"}', "model is needed for method draft_model, and only"),

@@ -53,6 +53,7 @@ class KVCacheManager:
         # Counters since the last take_prefix_cache_stats(), in tokens (vLLM's unit).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self._lora_removals: dict[int, int] = {}  # forget_lora's counts
 
     # -- queries ----------------------------------------------------------------------
 
@@ -92,12 +93,11 @@ class KVCacheManager:
             # same prompt under two adapters (or none) shares nothing. A cache salt is
             # too: a tenant's salt keeps others from timing hits on its prompts.
             lora_id, salt = request.lora_id, request.cache_salt
-            extend_block_hashes(
-                request.block_hashes,
-                request.all_token_ids,
-                self.block_size,
-                (lora_id, salt) if lora_id or salt is not None else None,
-            )
+            if lora_id:
+                extra = (lora_id, self._lora_removals.get(lora_id, 0), salt)
+            else:
+                extra = None if salt is None else (0, salt)
+            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, extra)
 
     def _may_hit(self, request: Request) -> bool:
         # Prompt logprobs need the logits of every prompt position, so nothing may be skipped.
@@ -213,6 +213,11 @@ class KVCacheManager:
         self.num_cached_blocks.pop(request.request_id, None)
         self.no_op_limit.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
+
+    def forget_lora(self, lora_id: int) -> None:
+        """An adapter was removed: one added later under its id (another adapter, maybe)
+        hashes apart from the K/V it computed, which the pool then evicts as any other."""
+        self._lora_removals[lora_id] = self._lora_removals.get(lora_id, 0) + 1
 
     def reset_prefix_cache(self, in_use_too: bool = False) -> bool:
         """Forget every cached prefix; False (nothing forgotten) while a request holds

@@ -225,7 +225,10 @@ class EngineCore:
                 f"the adapter (id {lora_int_id}) is in use by a request: remove it once "
                 "its requests finish"
             )
-        return self.runner.lora.remove(lora_int_id)
+        removed = self.runner.lora.remove(lora_int_id)
+        if removed:
+            self.scheduler.kv_cache_manager.forget_lora(lora_int_id)
+        return removed
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

@@ -6,7 +6,8 @@ transformers + PEFT on the random-weight adapters of tests/models/lora_files.py:
   preemption, on the CPU kernel: each request's greedy tokens are PEFT's for its own
   adapter and its logprobs within 1e-4; nothing compiles after warmup;
 - the prefix cache never shares blocks between adapters: the same prompt under a second
-  adapter computes every token, under the same adapter again it hits;
+  adapter computes every token, under the same adapter again it hits, under another
+  adapter added with a removed one's id it misses;
 - an adapter trained in JAX is handed over as arrays (`add_lora`), served, replaced and
   removed without a recompile;
 - what cannot be served is a ValueError naming it, and leaves the engine serving."""
@@ -111,6 +112,16 @@ def test_the_prefix_cache_keeps_adapters_apart(llm, base_and_adapters):
     # First under attn-r4: nothing cached; under mlp-r8: nothing (other adapter); under
     # attn-r4 again: its two full blocks; the base model: nothing.
     assert cached == [0, 0, 32, 0]
+    # attn-r4 removed, and mlp-r8's folder added under its id: nothing attn-r4 computed
+    # serves it (it did: wrong tokens, no error), and it generates what mlp-r8 does.
+    assert llm.remove_lora(loras["attn-r4"])
+    reused = LoRARequest("reused", loras["attn-r4"].lora_int_id, paths["mlp-r8"])
+    tokens, logprobs, (output,) = _generate(llm, [prompt], [reused])
+    assert output.num_cached_tokens == 0
+    expected_tokens, expected_logprobs, _ = _generate(llm, [prompt], [loras["mlp-r8"]])
+    assert tokens == expected_tokens
+    np.testing.assert_allclose(logprobs, expected_logprobs, atol=1e-5, rtol=0)
+    assert llm.remove_lora(reused)  # the id names attn-r4 again for the tests after this
 
 
 def test_an_adapter_in_memory_is_served_replaced_and_removed(llm, hf, base_and_adapters):
