@@ -180,7 +180,7 @@ class ModelConfig:
         quantized; "gguf" / "compressed-tensors" insist on it), "none" dequantizes them,
         "int8" (groups of 32) and "fp8" (per channel; GPTQ-rounded at load, "fp8-rtn":
         rounded to nearest) quantize the linear weights (weight-only).
-    max_model_len: None -> the model's max_position_embeddings.
+    max_model_len: None -> the model's context (arg_utils.trained_context_length).
     seed: seeds the engine's sampling of requests that bring no seed.
     attention_impl: force "reference" / "cpu" / "gpu" / "tpu" attention (None: by backend).
     runner: vLLM's `--runner`: "generate", or "pooling" for an embedding engine, which

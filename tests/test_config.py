@@ -1,6 +1,7 @@
 """Configs validate on construction, are frozen, and hold the engine's only defaults."""
 
 import dataclasses
+import json
 import re
 
 import pytest
@@ -95,11 +96,30 @@ def test_max_model_len_past_the_trained_positions_needs_saying_so(tmp_path, monk
     monkeypatch.delenv("JENGINE_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
     assert EngineArgs(model=str(tmp_path), max_model_len=300).create_engine_config()
     for too_long in (301, 10**8):
-        with pytest.raises(ValueError, match="max_model_len=.* max_position_embeddings \\(300\\)"):
+        with pytest.raises(ValueError, match="max_model_len=.* context \\(300: its max_posi"):
             EngineArgs(model=str(tmp_path), max_model_len=too_long).create_engine_config()
     monkeypatch.setenv("JENGINE_ALLOW_LONG_MAX_MODEL_LEN", "1")
     config = EngineArgs(model=str(tmp_path), max_model_len=301).create_engine_config()
     assert config.scheduler.max_model_len == 301
+
+
+@pytest.mark.parametrize(
+    ("rope", "context"),
+    [
+        ({"rope_scaling": {"type": "linear", "factor": 4.0}}, 1200),  # vicuna-16k's kind
+        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, 600),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, 300),  # already scaled
+        ({"model_type": "gemma3_text", "rope_scaling": {"type": "linear", "factor": 8}}, 300),
+    ],
+)
+def test_a_linear_rope_scaling_multiplies_the_context(tmp_path, monkeypatch, rope, context):
+    """vLLM's reading: positions scaled linearly by a factor serve that many times
+    max_position_embeddings (the context was a quarter of a 4x-scaled checkpoint's)."""
+    monkeypatch.delenv("JENGINE_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 300, **rope}))
+    assert EngineArgs(model=str(tmp_path)).create_engine_config().scheduler.max_model_len == context
+    with pytest.raises(ValueError, match=f"context \\({context}:"):
+        EngineArgs(model=str(tmp_path), max_model_len=context + 1).create_engine_config()
 
 
 @pytest.mark.parametrize(

@@ -32,8 +32,21 @@ from jengine.models.checkpoint import holds_base_model, read_hf_config, resolve_
 from jengine.pooling import PoolerConfig
 
 # What a field's annotation admits (a numpy integer is an int; an int is a float).
-# Set to 1, max_model_len may exceed the checkpoint's max_position_embeddings.
+# Set to 1, max_model_len may exceed the checkpoint's context (trained_context_length).
 ALLOW_LONG_MAX_MODEL_LEN = "JENGINE_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+def trained_context_length(hf_config: dict) -> int | None:
+    """The context a checkpoint was trained for, as vLLM reads it: max_position_embeddings,
+    times the factor of a linear rope scaling (a 4096-position model scaled 4x serves 16K).
+    Not Gemma 3's, whose factor scales its global layers only (vLLM leaves it too); llama3
+    scaling already states the scaled length."""
+    length = hf_config.get("max_position_embeddings")
+    rope = {**(hf_config.get("rope_scaling") or {}), **(hf_config.get("rope_parameters") or {})}
+    linear = rope.get("rope_type", rope.get("type")) == "linear"
+    if length is None or not linear or "gemma3" in str(hf_config.get("model_type")):
+        return length
+    return int(length * float(rope.get("factor", 1.0)))
 
 
 @dataclass
@@ -42,7 +55,7 @@ class EngineArgs:
     tokenizer: str | None = ModelConfig.tokenizer
     dtype: str = ModelConfig.dtype
     quantization: str | None = ModelConfig.quantization
-    # None: the model's max_position_embeddings.
+    # None: the model's context (trained_context_length).
     max_model_len: int | None = None
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     # None: SchedulerConfig's budget, raised to max_num_seqs if that is larger, capped at
@@ -94,7 +107,7 @@ class EngineArgs:
                 raise ValueError("EngineArgs.model must name a checkpoint folder")
         else:
             hf_config = read_hf_config(model)  # fail here, not in the engine process
-        trained_len = hf_config.get("max_position_embeddings")
+        trained_len = trained_context_length(hf_config)
         if max_model_len is None:
             max_model_len = trained_len or SchedulerConfig.max_model_len
         elif (
@@ -103,9 +116,10 @@ class EngineArgs:
             and os.environ.get(ALLOW_LONG_MAX_MODEL_LEN) != "1"
         ):
             raise ValueError(
-                f"max_model_len={max_model_len} is longer than the model's "
-                f"max_position_embeddings ({trained_len}): positions past it were never "
-                f"trained. Set {ALLOW_LONG_MAX_MODEL_LEN}=1 to allow it anyway (as vLLM's "
+                f"max_model_len={max_model_len} is longer than the model's context "
+                f"({trained_len}: its max_position_embeddings, times a linear rope scaling's "
+                "factor): positions past it were never trained. Set "
+                f"{ALLOW_LONG_MAX_MODEL_LEN}=1 to allow it anyway (as vLLM's "
                 "VLLM_ALLOW_LONG_MAX_MODEL_LEN)"
             )
         speculative = SpeculativeConfig.from_value(self.speculative_config)
@@ -240,7 +254,7 @@ class EngineArgs:
             "(a GGUF's blocks and a compressed-tensors checkpoint's packed weights stay "
             "quantized)",
         )
-        add("--max-model-len", type=int, help="default: the model's max_position_embeddings")
+        add("--max-model-len", type=int, help="default: the model's context length")
         add("--max-num-seqs", type=int, help="requests running at once")
         add(
             "--max-num-batched-tokens",
