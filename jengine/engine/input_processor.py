@@ -10,6 +10,7 @@ for an embedding one, `dimensions` the model does not allow).
 """
 
 import hashlib
+import json
 import os
 import time
 
@@ -119,15 +120,15 @@ class InputProcessor:
             raise ValueError(f"chat_template_kwargs may not set {reserved}")
         if tools:
             template_kwargs["tools"] = tools
-        messages = [
-            {**m, "content": text_of_content(m["content"])}
-            if isinstance(m, dict) and isinstance(m.get("content"), list)
-            else m
-            for m in messages
-        ]
+        rendered = []
+        for index, message in enumerate(messages):
+            try:
+                rendered.append(template_message(message))
+            except ContentPartError as e:
+                raise ValueError(f"messages[{index}].content[{e.index}]: {e}") from None
         try:
             text = self.tokenizer.apply_chat_template(
-                messages,
+                rendered,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tokenize=False,
@@ -334,16 +335,59 @@ def load_chat_template(template: str | None) -> str | None:
         raise ValueError(f"chat template {template!r} is neither a file nor a template: {e}") from e
 
 
+# OpenAI's text content parts (chat's, the Responses API's, an assistant's refusal) and the
+# field each holds its text in; vLLM reads them all as text.
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
+class ContentPartError(ValueError):
+    """A content part that is not text; `index` is its place in the content list."""
+
+    def __init__(self, index: int, message: str):
+        super().__init__(message)
+        self.index = index
+
+
 def text_of_content(content: str | list[dict] | None) -> str:
-    """A message's content as templates take it: OpenAI's text parts joined by newlines."""
+    """A message's content as templates take it: OpenAI's text parts joined by newlines
+    (None: empty); a ContentPartError names the first part of another kind."""
     if not isinstance(content, list):
         return content or ""
-    if not all(
-        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-        for part in content
-    ):
-        raise ValueError("only text content parts are supported")
-    return "\n".join(part["text"] for part in content)
+    texts = []
+    for index, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        text = part.get(TEXT_PARTS[kind]) if kind in TEXT_PARTS else None
+        if not isinstance(text, str):
+            raise ContentPartError(
+                index, f"content parts of type {kind!r} are not supported (text only)"
+            )
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def template_message(message: dict) -> dict:
+    """One chat message as templates read it (the chat route's and `LLM.chat`'s): its
+    content as text, and each tool call's arguments as a mapping where they are a JSON
+    object's text, since templates iterate them (`| tojson`, `.items()`)."""
+    if not isinstance(message, dict):
+        raise ValueError(f"messages must be dicts with a role and content, got {message!r}")
+    entry = {**message, "content": text_of_content(message.get("content"))}
+    if message.get("tool_calls"):
+        entry["tool_calls"] = [_with_arguments_object(call) for call in message["tool_calls"]]
+    return entry
+
+
+def _with_arguments_object(call):
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _unicode(text: str, what: str) -> str:

@@ -464,8 +464,29 @@ def test_served_text_equals_llm_generate(client, tiny_model):
         llm.chat(partial, params, continue_final_message=True)
     with pytest.raises(ValueError, match="chat_template_kwargs may not set"):
         llm.chat(MESSAGES, params, chat_template_kwargs={"tokenize": True})
-    with pytest.raises(ValueError, match="only text content parts"):
-        llm.chat([{"role": "user", "content": [{"type": "image_url"}]}], params)
+    # vLLM's text parts (an assistant's refusal, the Responses API's kinds) are text; the
+    # others are named with their place.
+    texts = [{"type": "output_text", "text": "Paris"}, {"type": "refusal", "refusal": "no"}]
+    said = [*MESSAGES, {"role": "assistant", "content": texts}, *MESSAGES]
+    served_said = chat(client, messages=said, max_tokens=8).choices[0].message.content
+    eight = SamplingParams(temperature=0.0, max_tokens=8)
+    assert llm.chat(said, eight, use_tqdm=False)[0].outputs[0].text == served_said
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[2\]: .* type 'image_url'"):
+        llm.chat([{"role": "user", "content": [*texts, {"type": "image_url"}]}], params)
+    # A tool call's arguments reach the template as a mapping, its null content as empty
+    # text, offline as over HTTP (offline they were JSON text, rendered twice encoded).
+    called = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}]  # fmt: skip
+    shows_calls = (
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}{% for c in m.tool_calls or [] %}"
+        "{{ c.function.arguments | tojson }}{% endfor %} {% endfor %}"
+    )
+    served_called = chat(client, messages=called, max_tokens=8,
+                         extra_body={"chat_template": shows_calls})  # fmt: skip
+    [offline_called] = llm.chat(called, params, use_tqdm=False, chat_template=shows_calls)
+    assert 'assistant: {"city": "Paris"} ' in offline_called.prompt
+    assert served_called.usage.prompt_tokens == len(offline_called.prompt_token_ids)
     with pytest.raises(ValueError, match="messages holds a lone UTF-16 surrogate"):
         llm.chat([{"role": "user", "content": "Hi \udc00"}], params)
     with pytest.raises(ValueError, match="prompt holds a lone UTF-16 surrogate"):
@@ -567,12 +588,13 @@ BAD_COMPLETIONS = [
 BAD_CHATS = [
     ({"messages": []}, "messages"),
     ({"messages": [{"content": "no role"}]}, "messages.0.role"),
-    ({"messages": MESSAGES, "max_completion_tokens": 500}, "max_tokens"),
+    ({"messages": MESSAGES, "max_completion_tokens": 500}, "max_completion_tokens"),
+    ({"messages": MESSAGES, "max_tokens": 500}, "max_tokens"),
     ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
     (
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-        "messages.0.content",
+        "messages.0.content.0",
     ),
     ({"messages": MESSAGES, "response_format": {"type": "xml"}}, "response_format.type"),
     ({"messages": MESSAGES, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
@@ -623,6 +645,11 @@ def test_errors_have_openai_shape_and_status(server, http):
     for body, param in BAD_CHATS:
         response = _post(http, "/v1/chat/completions", {"model": MODEL_NAME, **body})
         _assert_error(response, 400, param)
+    for body in ({"max_completion_tokens": 0}, {"logprobs": True, "top_logprobs": 21}):
+        response = _post(
+            http, "/v1/chat/completions", {"model": MODEL_NAME, "messages": MESSAGES, **body}
+        )
+        assert _assert_error(response, 400, list(body)[-1])["message"].startswith(list(body)[-1])
     surrogate = _post(http, "/v1/responses", {"model": MODEL_NAME, "input": "Hi \ud800"})
     _assert_error(surrogate, 400, "input")
     for path in ("/v1/completions", "/v1/chat/completions"):

@@ -66,10 +66,12 @@ def test_vllms_extra_fields_apply_as_on_the_chat_route(client):
 
 def test_instructions_and_message_items_are_the_chat_messages(client):
     blue = [{"type": "output_text", "text": "Blue."}]
+    # Several text parts join with newlines, as on the chat route (they were run together).
+    question = [{"type": "input_text", "text": part} for part in QUESTION.split(" ", 1)]
     items = [
         {"role": "user", "content": "Name a colour."},
         {"type": "message", "role": "assistant", "content": blue},
-        {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]},
+        {"role": "user", "content": question},
     ]
     response = respond(client, instructions="Answer in one sentence.", input=items,
                        max_output_tokens=24)  # fmt: skip
@@ -79,7 +81,7 @@ def test_instructions_and_message_items_are_the_chat_messages(client):
             {"role": "system", "content": "Answer in one sentence."},
             {"role": "user", "content": "Name a colour."},
             {"role": "assistant", "content": "Blue."},
-            {"role": "user", "content": QUESTION},
+            {"role": "user", "content": QUESTION.replace(" ", "\n", 1)},
         ],
         temperature=0,
         max_tokens=24,

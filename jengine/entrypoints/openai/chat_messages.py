@@ -1,15 +1,13 @@
 """A chat request's messages as chat templates take them.
 
 Where it sits: serving_chat.py (and /tokenize through it) turns the validated
-`ChatMessageParam`s into plain dicts just before rendering the template. Promises: text
-content parts joined by newlines (any other part is a 400 naming the message), and the
-fields templates read (`name`, `tool_call_id`, `tool_calls`) with each call's arguments as
-a mapping where they are a JSON object, since templates iterate them (`| tojson`,
-`.items()`)."""
+`ChatMessageParam`s into plain dicts just before rendering the template. Promises: the
+fields templates read (`name`, `tool_call_id`, `tool_calls`), converted as `LLM.chat`
+converts its dicts (`input_processor.template_message`: text content parts joined by
+newlines, each call's arguments as a mapping), and any part that is not text a 400 naming
+it."""
 
-import json
-
-from jengine.engine.input_processor import text_of_content
+from jengine.engine.input_processor import ContentPartError, template_message
 from jengine.entrypoints.openai.protocol import OpenAIError
 from jengine.entrypoints.openai.protocol_chat import ChatMessageParam
 
@@ -19,33 +17,17 @@ def template_messages(message_params: list[ChatMessageParam]) -> list[dict]:
 
 
 def _template_message(index: int, message: ChatMessageParam) -> dict:
-    try:
-        content = text_of_content(message.content)
-    except ValueError as e:
-        raise OpenAIError(str(e), param=f"messages.{index}.content") from None
-    entry = {"role": message.role, "content": content}
+    entry = {"role": message.role, "content": message.content}
     if message.name is not None:
         entry["name"] = message.name
     if message.tool_call_id is not None:
         entry["tool_call_id"] = message.tool_call_id
     if message.tool_calls:
         entry["tool_calls"] = [
-            {
-                "id": call.id,
-                "type": "function",
-                "function": {
-                    "name": call.function.name,
-                    "arguments": _arguments_object(call.function.arguments),
-                },
-            }
+            {"id": call.id, "type": "function", "function": call.function.model_dump()}
             for call in message.tool_calls
         ]
-    return entry
-
-
-def _arguments_object(arguments: str):
     try:
-        value = json.loads(arguments)
-    except json.JSONDecodeError:
-        return arguments
-    return value if isinstance(value, dict) else arguments
+        return template_message(entry)
+    except ContentPartError as e:
+        raise OpenAIError(str(e), param=f"messages.{index}.content.{e.index}") from None

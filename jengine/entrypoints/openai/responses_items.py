@@ -10,12 +10,10 @@ from dataclasses import dataclass, field
 
 import pydantic
 
+from jengine.engine.input_processor import ContentPartError, text_of_content
 from jengine.entrypoints.openai.protocol import OpenAIError, random_id
 from jengine.entrypoints.openai.protocol_chat import ChatCompletionLogProbs, ChatMessage
 from jengine.entrypoints.openai.protocol_responses import ResponsesRequest
-
-_TEXT_PART_TYPES = {"input_text", "output_text", "text"}
-
 
 # -- items ------------------------------------------------------------------------------------
 
@@ -300,18 +298,11 @@ def _field(item: dict, name: str, param: str):
 
 
 def _text(content, param: str) -> str:
-    """A message's content as text: a string, or text parts joined."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
+    """A message's content as text: a string, or text parts joined (by newlines, as the
+    chat route and vLLM join them)."""
+    if not isinstance(content, (str, list)):
         raise OpenAIError("content must be a string or a list of text parts", param=param)
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in _TEXT_PART_TYPES:
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise OpenAIError(
-                f"content parts of type {kind!r} are not supported (text only)",
-                param=f"{param}.{j}",
-            )
-        texts.append(str(part.get("text", "")))
-    return "".join(texts)
+    try:
+        return text_of_content(content)
+    except ContentPartError as e:
+        raise OpenAIError(str(e), param=f"{param}.{e.index}") from None

@@ -138,10 +138,10 @@ class OpenAIServingChat(OpenAIServing):
             tools,
         )
         text, token_ids = truncated(request, text, token_ids, self.max_model_len)
-        requested = request.max_completion_tokens
+        requested, field = request.max_completion_tokens, "max_completion_tokens"
         if requested is None:
-            requested = request.max_tokens
-        max_tokens = self.max_tokens_for(requested, len(token_ids), "messages")
+            requested, field = request.max_tokens, "max_tokens"
+        max_tokens = self.max_tokens_for(requested, len(token_ids), "messages", field)
         params = self.sampling_params(
             request,
             max_tokens=max_tokens,
@@ -166,8 +166,8 @@ class OpenAIServingChat(OpenAIServing):
                 token_ids, params, "tools" if tool_constraint else constraint_field(request)
             )
         except OpenAIError as e:
-            if e.param == "logprobs":
-                e.param = "top_logprobs"  # the chat API's name for the count
+            if e.param == "logprobs":  # the chat API's name for the count
+                e.param, e.message = "top_logprobs", e.message.replace("logprobs=", "top_logprobs=")
             raise
         request_id = self.response_id(request)
         prompt = EnginePrompt(text, token_ids, params, request_id)

@@ -241,8 +241,11 @@ class OpenAIServing:
             request, self.engine.sampling_defaults, max_tokens, logprobs, prompt_logprobs
         )
 
-    def max_tokens_for(self, requested: int | None, prompt_len: int, what: str) -> int:
-        """Check prompt + completion against max_model_len; None means all that is left."""
+    def max_tokens_for(
+        self, requested: int | None, prompt_len: int, what: str, field: str = "max_tokens"
+    ) -> int:
+        """Check prompt + completion against max_model_len; None means all that is left.
+        `field`: the request field `requested` came in (what an error names)."""
         if prompt_len >= self.max_model_len:
             raise OpenAIError(
                 f"This model's maximum context length is {self.max_model_len} tokens. "
@@ -253,14 +256,14 @@ class OpenAIServing:
         if requested is None:
             return self.max_model_len - prompt_len
         if requested < 1:
-            raise OpenAIError(f"max_tokens must be at least 1, got {requested}", param="max_tokens")
+            raise OpenAIError(f"{field} must be at least 1, got {requested}", param=field)
         if prompt_len + requested > self.max_model_len:
             raise OpenAIError(
                 f"This model's maximum context length is {self.max_model_len} tokens. "
                 f"However, you requested {prompt_len + requested} tokens ({prompt_len} in "
                 f"the {what}, {requested} in the completion). Please reduce the length of "
                 f"the {what} or completion.",
-                param="max_tokens",
+                param=field,
             )
         return requested
 
