@@ -1,6 +1,6 @@
-"""The checkpoint's recommended sampling: the temperature, top_p, top_k, min_p and
-repetition_penalty of its `generation_config.json`, read as vLLM's `--generation-config`
-reads them.
+"""The checkpoint's recommended sampling: the temperature, top_p, top_k, min_p,
+repetition_penalty and max_new_tokens (as max_tokens) of its `generation_config.json`,
+read as vLLM's `--generation-config` reads them.
 
 Where it sits: `LLM.generate` and the OpenAI server (serving_engine.py) use these as the
 defaults of a request that leaves a field unset; a request's own value always wins, and
@@ -13,8 +13,11 @@ jax nor transformers for it.
   recommendation and is left out, as vLLM leaves it out (an explicit `"top_k": 50` is
   transformers' default, not advice to truncate). A GGUF file or a handed-over module has
   no folder to read: nothing.
-- `given_over(defaults, given)`: a request's fields (None: unset) over those defaults;
-  a field neither sets is left to SamplingParams' own default.
+- `given_over(defaults, given)`: a request's sampling fields (None: unset) over those
+  defaults; a field neither sets is left to SamplingParams' own default. The recommended
+  max_tokens is not among them: it is the length of a request that sets none
+  (`LLM.generate`'s default SamplingParams; over HTTP, a chat request without
+  max_tokens, within the context left).
 """
 
 import json
@@ -30,7 +33,10 @@ RECOMMENDABLE = {
     "top_k": 50,
     "min_p": None,
     "repetition_penalty": 1.0,
+    "max_new_tokens": None,
 }
+# The file's names that SamplingParams calls otherwise.
+RENAMED = {"max_new_tokens": "max_tokens"}
 
 
 def sampling_defaults(model_config) -> dict[str, float | int]:
@@ -47,7 +53,7 @@ def sampling_defaults(model_config) -> dict[str, float | int]:
     with open(path) as f:
         recommended = json.load(f)
     defaults = {
-        name: recommended[name]
+        RENAMED.get(name, name): recommended[name]
         for name, default in RECOMMENDABLE.items()
         if recommended.get(name) is not None and recommended[name] != default
     }
@@ -63,4 +69,5 @@ def sampling_defaults(model_config) -> dict[str, float | int]:
 
 def given_over(defaults: dict, given: dict) -> dict:
     """SamplingParams fields: those `given` (None: unset) over the recommended `defaults`."""
-    return {**defaults, **{name: value for name, value in given.items() if value is not None}}
+    sampling = {name: value for name, value in defaults.items() if name != "max_tokens"}
+    return {**sampling, **{name: value for name, value in given.items() if value is not None}}

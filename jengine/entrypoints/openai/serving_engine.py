@@ -244,7 +244,8 @@ class OpenAIServing:
     def max_tokens_for(
         self, requested: int | None, prompt_len: int, what: str, field: str = "max_tokens"
     ) -> int:
-        """Check prompt + completion against max_model_len; None means all that is left.
+        """Check prompt + completion against max_model_len; None means all that is left
+        (or the checkpoint's recommended max_tokens, if less).
         `field`: the request field `requested` came in (what an error names)."""
         if prompt_len >= self.max_model_len:
             raise OpenAIError(
@@ -253,8 +254,9 @@ class OpenAIServing:
                 f"length of the input {what}.",
                 param="messages" if what == "messages" else "prompt",
             )
-        if requested is None:
-            return self.max_model_len - prompt_len
+        if requested is None:  # the rest of the context, or less if the checkpoint says so
+            left = self.max_model_len - prompt_len
+            return min(self.engine.sampling_defaults.get("max_tokens") or left, left)
         if requested < 1:
             raise OpenAIError(f"{field} must be at least 1, got {requested}", param=field)
         if prompt_len + requested > self.max_model_len:
