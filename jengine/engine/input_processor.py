@@ -76,6 +76,11 @@ class InputProcessor:
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) for a string, token-id list or vLLM-style dict."""
         if isinstance(prompt, dict):
+            if unknown := sorted(prompt.keys() - _PROMPT_KEYS):
+                raise ValueError(
+                    f"prompt dicts take {sorted(_PROMPT_KEYS)}, not {unknown} (this engine "
+                    "runs text models on token prompts: no images, audio or embeddings)"
+                )
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
@@ -334,6 +339,10 @@ def load_chat_template(template: str | None) -> str | None:
     except OSError as e:
         raise ValueError(f"chat template {template!r} is neither a file nor a template: {e}") from e
 
+
+# What a vLLM-style prompt dict may hold here (vLLM's multi_modal_data, prompt_embeds, ...
+# are refused by name: silently dropped, the prompt would run without them).
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 
 # OpenAI's text content parts (chat's, the Responses API's, an assistant's refusal) and the
 # field each holds its text in; vLLM reads them all as text.

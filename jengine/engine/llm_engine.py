@@ -18,6 +18,7 @@ from jengine.engine.mp_clients import SyncMPClient
 from jengine.engine.output_processor import OutputProcessor, RequestError, RequestOutputKind
 from jengine.engine.tokenizer import load_tokenizer
 from jengine.generation_config import sampling_defaults
+from jengine.lora_request import LoRARequest
 from jengine.outputs import RequestOutput
 from jengine.pooling import PoolingParams
 from jengine.protocol import EngineCoreRequest
@@ -60,12 +61,17 @@ class LLMEngine:
         request_id: str,
         prompt: PromptType,
         params: SamplingParams | PoolingParams,
+        arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
         priority: int = 0,
+        *,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> None:
         """Tokenize, validate and send one request (ValueError for bad input or an id in
-        use)."""
-        text, request = self.input_processor.process(request_id, prompt, params, priority)
+        use); the arguments in vLLM's order (`arrival_time`: time.time() of its arrival)."""
+        text, request = self.input_processor.process(
+            request_id, prompt, params, priority, arrival_time, lora_request
+        )
         self.add_processed_request(request, text, output_kind)
 
     def add_processed_request(

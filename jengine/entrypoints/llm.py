@@ -29,6 +29,7 @@ from jengine.engine.core import EngineCore
 from jengine.engine.llm_engine import LLMEngine
 from jengine.engine.output_processor import RequestOutputKind
 from jengine.engine.tokenizer import load_tokenizer
+from jengine.entrypoints.openai.cli_args import MET_BY_CONSTRUCTION
 from jengine.lora_request import LoRARequest
 from jengine.models import (
     model_from_params,
@@ -48,6 +49,14 @@ from jengine.pooling import PoolingParams
 from jengine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# vLLM's LLM(...) arguments whose purpose jengine meets by construction -> why (taken, and
+# logged, so scripts written for vLLM start as they are, as `jengine serve` takes the flags).
+MET_OFFLINE = {
+    **MET_BY_CONSTRUCTION,
+    "disable_log_stats": "the offline LLM logs no periodic stats",
+    "swap_space": "preemption recomputes; nothing is swapped to the host",
+}
 
 # Adapters added in memory get ids from here up, apart from the ids users give folders.
 IN_MEMORY_LORA_IDS = 1 << 30
@@ -74,6 +83,9 @@ class LLM:
         `max_model_len`, `max_num_seqs`, `max_num_batched_tokens`, `block_size`,
         `enable_prefix_caching`, `kv_cache_memory_bytes`, `num_gpu_blocks_override`,
         `gpu_memory_utilization`, `scheduling_policy`, `seed`, `tokenizer`, ...)."""
+        for name in sorted(engine_kwargs.keys() & MET_OFFLINE):
+            value = engine_kwargs.pop(name)
+            logger.info("%s=%r changes nothing: %s", name, value, MET_OFFLINE[name])
         unknown = set(engine_kwargs) - {f.name for f in fields(EngineArgs)} - {"model"}
         if unknown:
             raise ValueError(f"unknown LLM arguments: {sorted(unknown)}")

@@ -5,6 +5,7 @@ after warmup."""
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -201,6 +202,37 @@ def test_numpy_token_ids_are_prompts(llm):
     assert tokens(np.array(prompts)) == expected
     assert tokens(np.array(prompts[0])) == expected[:1]
     assert tokens([np.int64(t) for t in prompts[0]]) == expected[:1]
+
+
+def test_vllm_style_engine_calls_and_prompt_keys(llm):
+    """vLLM's LLMEngine.add_request arguments (arrival time, adapter, priority, in its
+    order), and prompt-dict keys this engine cannot honour refused by name (they were
+    dropped: the prompt ran without its image or embeddings)."""
+    prompt = random_prompts(1, seed=40, low=8, high=9)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    [expected] = llm.generate({"prompt_token_ids": prompt}, greedy, use_tqdm=False)
+    engine = llm.llm_engine
+    engine.add_request("vllm-style", {"prompt_token_ids": prompt}, greedy, time.time(), None, 0)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].outputs[0].token_ids == expected.outputs[0].token_ids
+    for key in ("multi_modal_data", "prompt_embeds", "mm_processor_kwargs"):
+        with pytest.raises(ValueError, match=f"not \\['{key}'\\]"):
+            llm.generate({"prompt_token_ids": prompt, key: {}}, greedy, use_tqdm=False)
+
+
+def test_vllm_keywords_whose_purpose_is_met_are_taken_and_said(checkpoint, caplog):
+    from jengine import LLM, AsyncLLM, EngineArgs, LLMEngine  # vLLM's top-level names
+
+    assert {AsyncLLM.__name__, EngineArgs.__name__, LLMEngine.__name__}
+    met = dict(trust_remote_code=True, enforce_eager=True, disable_log_stats=True, swap_space=4)
+    with caplog.at_level("INFO", logger="jengine.entrypoints.llm"):
+        LLM(checkpoint[0], **ENGINE_KWARGS, warmup=False, **met)
+    for name in met:
+        assert f"{name}=" in caplog.text and "changes nothing" in caplog.text, name
+    with pytest.raises(ValueError, match=r"unknown LLM arguments: \['revision'\]"):
+        LLM(checkpoint[0], revision="main")
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
