@@ -57,6 +57,15 @@ def package_versions(*names: str) -> dict:
     return versions
 
 
+def count(value: str) -> int:
+    """An argparse type: a whole number of at least 1 (requests, rounds, threads, ...),
+    refused before any model loads."""
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
 def add_common_args(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--model-dir", default=DEFAULT_MODEL_DIR, help="benchmark model folder")
     parser.add_argument(
@@ -74,7 +83,7 @@ def add_common_args(parser: argparse.ArgumentParser, name: str) -> None:
 def add_scheduler_steps_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-scheduler-steps",
-        type=int,
+        type=count,
         default=1,
         help="jengine's decode steps per program launch (the engine flag; default 1: off)",
     )

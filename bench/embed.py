@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from .common import add_common_args, package_versions, print_header, write_result
+from .common import add_common_args, count, package_versions, print_header, write_result
 from .workloads import make_bench_model, workload_a
 
 
@@ -45,9 +45,9 @@ def main(argv: list[str] | None = None) -> None:
         prog="jengine bench embed", description=__doc__.split("\n\n")[0]
     )
     add_common_args(parser, "embed")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--batch", type=count, default=64)
+    parser.add_argument("--rounds", type=count, default=3)
+    parser.add_argument("--threads", type=count, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--skip-transformers", action="store_true")
     args = parser.parse_args(argv)
 

@@ -38,7 +38,7 @@ import time
 
 import numpy as np
 
-from .common import error_text, package_versions
+from .common import count, error_text, package_versions
 from .gpu_speed import section_overhead, section_quant, section_speed
 
 
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m jengine.bench.gpu_check")
     parser.add_argument("--out", default=".", help="folder for gpu_check.json")
     parser.add_argument("--sections", default=",".join(SECTIONS))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=count, default=3)
     parser.add_argument("--quantizations", default="none,int8,fp8", help="the quant section's")
     parser.add_argument(
         "--num-running", default="1,64,256", help="the overhead section's running requests"

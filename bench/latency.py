@@ -29,6 +29,7 @@ from .common import (
     add_common_args,
     add_llama_cpp_args,
     add_scheduler_steps_arg,
+    count,
     gguf_model,
     jengine_rows,
     llama_cpp_models,
@@ -136,15 +137,15 @@ def main(argv: list[str] | None = None) -> None:
     add_common_args(parser, "latency")
     add_llama_cpp_args(parser)
     add_scheduler_steps_arg(parser)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=count, default=5)
     parser.add_argument(
         "--rounds",
-        type=int,
+        type=count,
         default=3,
         help="turns jengine and llama.cpp take, each with --repeats runs (ratios: the median "
         "of the rounds' own)",
     )
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--threads", type=count, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument(
         "--int8",

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from .common import add_common_args, package_versions, print_header, write_result
+from .common import add_common_args, count, package_versions, print_header, write_result
 from .workloads import make_bench_model, workload_a, workload_c
 
 MAX_MODEL_LEN = 512
@@ -100,8 +100,8 @@ class Engine:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="jengine bench lora", description=__doc__)
     add_common_args(parser, "lora")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--kv-cache-gib", type=int, default=2)
+    parser.add_argument("--rounds", type=count, default=2)
+    parser.add_argument("--kv-cache-gib", type=count, default=2)
     args = parser.parse_args(argv)
     versions = package_versions("jax", "jaxlib")
     print_header("lora", args, versions)

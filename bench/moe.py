@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from .common import package_versions, print_header, write_result
+from .common import count, package_versions, print_header, write_result
 
 SHAPES = {
     # name: (experts, top-k, hidden, expert width)
@@ -110,7 +110,7 @@ def measure(shape, batch: int, repeats: int) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="jengine bench moe", description=__doc__)
     parser.add_argument("--batches", default="1,64")
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=count, default=10)
     parser.add_argument("--out", default=None, help="where the JSON goes")
     args = parser.parse_args(argv)
     if args.out is None:

@@ -41,7 +41,7 @@ from jengine.runner.step import SampleOutputs
 from jengine.runner.step_outputs import InFlightStep, collected_output
 from jengine.sampling_params import MAX_LOGPROBS, SamplingParams
 
-from .common import add_common_args, package_versions, print_header, write_result
+from .common import add_common_args, count, package_versions, print_header, write_result
 from .workloads import make_bench_model
 
 PROMPT_LEN = 128
@@ -256,9 +256,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     add_common_args(parser, "overhead")
     parser.add_argument("--num-running", default="1,64,256")
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=count, default=200)
     parser.add_argument("--device", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--rounds", type=int, default=3, help="turns of the real-engine modes")
+    parser.add_argument("--rounds", type=count, default=3, help="turns of the real-engine modes")
     args = parser.parse_args(argv)
 
     versions = package_versions("transformers")

@@ -22,6 +22,7 @@ from .common import (
     add_common_args,
     add_scheduler_steps_arg,
     compare_outputs,
+    count,
     model_config,
     package_versions,
     print_header,
@@ -132,11 +133,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     add_common_args(parser, "parallel")
     add_scheduler_steps_arg(parser)
-    parser.add_argument("--num-requests", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=2, help="passes of each engine")
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--kv-cache-gib", type=int, default=1)
+    parser.add_argument("--num-requests", type=count, default=128)
+    parser.add_argument("--rounds", type=count, default=2, help="passes of each engine")
+    parser.add_argument("--max-num-seqs", type=count, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=count, default=None)
+    parser.add_argument("--kv-cache-gib", type=count, default=1)
     args = parser.parse_args(argv)
     force_host_devices()
 

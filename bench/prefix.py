@@ -14,7 +14,7 @@ tokens saved bound it (printed beside it). Outputs of both must be identical.
 import argparse
 import time
 
-from .common import add_common_args, package_versions, print_header, write_result
+from .common import add_common_args, count, package_versions, print_header, write_result
 from .workloads import make_bench_model, workload_prefix
 
 MAX_MODEL_LEN = 1280
@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None) -> None:
         prog="jengine bench prefix", description=__doc__.split("\n\n")[0]
     )
     add_common_args(parser, "prefix")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--num-requests", type=count, default=64)
+    parser.add_argument("--rounds", type=count, default=2)
     args = parser.parse_args(argv)
 
     from jengine import LLM, SamplingParams

@@ -25,6 +25,7 @@ import httpx2
 from .common import (
     add_common_args,
     add_llama_cpp_args,
+    count,
     package_versions,
     print_header,
     write_result,
@@ -136,10 +137,10 @@ def main(argv: list[str] | None = None) -> None:
     add_common_args(parser, "serve")
     add_llama_cpp_args(parser)
     parser.add_argument("--rates", default="1,2,4,8,16", help="arrival rates (req/s) to sweep")
-    parser.add_argument("--num-requests", type=int, default=48)
+    parser.add_argument("--num-requests", type=count, default=48)
     parser.add_argument("--max-seconds", type=float, default=60.0, help="of sending, per rate")
-    parser.add_argument("--llama-np", type=int, default=16, help="llama-server -np")
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--llama-np", type=count, default=16, help="llama-server -np")
+    parser.add_argument("--threads", type=count, default=len(os.sched_getaffinity(0)))
     args = parser.parse_args(argv)
 
     versions = package_versions()

@@ -22,7 +22,7 @@ import argparse
 import os
 import time
 
-from .common import add_common_args, package_versions, print_header, write_result
+from .common import add_common_args, count, package_versions, print_header, write_result
 from .workloads import make_bench_model, workload_a
 
 STORY_PROMPTS = ["ROMEO:", "JULIET:", "First Citizen:", "KING RICHARD III:"]
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         prog="jengine bench spec_decode", description=__doc__.split("\n\n")[0]
     )
     add_common_args(parser, "spec_decode")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=count, default=2)
     args = parser.parse_args(argv)
 
     from jengine import LLM, SamplingParams

@@ -16,7 +16,7 @@ import json
 import statistics
 import time
 
-from .common import add_common_args, package_versions, print_header, write_result
+from .common import add_common_args, count, package_versions, print_header, write_result
 from .throughput import MAX_MODEL_LEN
 from .workloads import make_bench_model, workload_a
 
@@ -99,9 +99,9 @@ def main(argv: list[str] | None = None) -> None:
         prog="jengine bench structured", description=__doc__.split("\n\n")[0]
     )
     add_common_args(parser, "structured")
-    parser.add_argument("--num-requests", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--kv-cache-gib", type=int, default=1)
+    parser.add_argument("--num-requests", type=count, default=128)
+    parser.add_argument("--rounds", type=count, default=2)
+    parser.add_argument("--kv-cache-gib", type=count, default=1)
     args = parser.parse_args(argv)
 
     from jengine import LLM, SamplingParams, StructuredOutputsParams

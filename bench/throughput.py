@@ -32,6 +32,7 @@ from .common import (
     add_llama_cpp_args,
     add_scheduler_steps_arg,
     compare_outputs,
+    count,
     gguf_model,
     jengine_rows,
     llama_cpp_models,
@@ -269,13 +270,13 @@ def main(argv: list[str] | None = None) -> None:
     add_common_args(parser, "throughput")
     add_scheduler_steps_arg(parser)
     add_llama_cpp_args(parser)
-    parser.add_argument("--num-requests", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=2, help="passes of each jengine engine")
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--num-requests", type=count, default=128)
+    parser.add_argument("--rounds", type=count, default=2, help="passes of each jengine engine")
+    parser.add_argument("--threads", type=count, default=len(os.sched_getaffinity(0)))
     # Unset: the engine's defaults (128 sequences, a 2048-token budget).
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--kv-cache-gib", type=int, default=1)
+    parser.add_argument("--max-num-seqs", type=count, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=count, default=None)
+    parser.add_argument("--kv-cache-gib", type=count, default=1)
     parser.add_argument("--hf-batch-sizes", default="16,32,64")
     parser.add_argument("--llama-np", default="16,64", help="llama-server -np values to try")
     parser.add_argument("--skip-transformers", action="store_true")

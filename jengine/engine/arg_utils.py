@@ -137,10 +137,12 @@ class EngineArgs:
         # The default budget, raised to max_num_seqs (one token each) and capped at what
         # max_num_seqs requests of max_model_len can use: a larger budget only adds
         # step shapes to compile.
-        max_num_batched_tokens = self.max_num_batched_tokens or max(
-            self.max_num_seqs,
-            min(SchedulerConfig.max_num_batched_tokens, self.max_num_seqs * max_model_len),
-        )
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if max_num_batched_tokens is None:  # 0 is a value, refused by SchedulerConfig
+            max_num_batched_tokens = max(
+                self.max_num_seqs,
+                min(SchedulerConfig.max_num_batched_tokens, self.max_num_seqs * max_model_len),
+            )
         if self.num_scheduler_steps > 1 and (speculative is not None or self.runner == "pooling"):
             # Drafts are verified, and pooled vectors taken, one step at a time.
             raise ValueError(

@@ -40,9 +40,9 @@ def load_tokenizer_from(path: str | None):
     gguf_path = gguf_file(path)
     if gguf_path is not None:
         return gguf_tokenizer(gguf_path)
-    if os.path.isdir(path) and not any(
-        os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES
-    ):
+    if not os.path.isdir(path):  # transformers would read it as a hub id (none reachable)
+        raise ValueError(f"tokenizer {path!r} is not a folder or a GGUF file")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 

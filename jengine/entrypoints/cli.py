@@ -41,10 +41,20 @@ BENCHMARKS = (
 FROM_STDIN = "the text (left out, or -: read from standard input)"
 
 
+def _version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("jengine")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "0.0.0"
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jengine", description="JAX-native LLM inference and serving engine"
     )
+    parser.add_argument("--version", action="version", version=f"jengine {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="start the OpenAI-compatible HTTP server")
@@ -346,6 +356,8 @@ def main(argv: list[str] | None = None) -> None:
         run[args.command](args)
     except ValueError as e:  # bad flags / config: one line, not a traceback
         raise SystemExit(f"error: {e}") from None
+    except KeyboardInterrupt:  # Ctrl-C: the user's choice, not a failure to explain
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

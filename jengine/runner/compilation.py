@@ -41,7 +41,10 @@ def enable_compilation_cache(path: str) -> str:
     when read (a warning, and a compile), never loads half an executable. (No size
     limit: with one, jax reads every entry's access time at each write, and fails every
     write while any entry lacks one, as those written without a limit do.)"""
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"compilation_cache_dir: cannot create {path!r}: {e.strerror}") from None
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -171,6 +171,16 @@ def test_serve_fails_fast_and_clearly(tiny_model):
     for flag in ("--served-model-name", "--max-model-len", "--max-num-seqs",
                  "--max-num-batched-tokens", "--block-size", "--dtype", "--api-key"):  # fmt: skip
         assert flag in help_text
+    # Each was a traceback (a hub lookup, an OSError), or taken: one line now.
+    for flags, error in (
+        (["--tokenizer", "/no/such/tokenizer"], "tokenizer '/no/such/tokenizer' is not a folder"),
+        (["--compilation-cache-dir", "/proc/nope"], "compilation_cache_dir: cannot create"),
+        (["--max-num-batched-tokens", "0"], "max_num_batched_tokens must be"),
+    ):
+        result = run(["generate", "Hi", "--model", tiny_model, *ENGINE_FLAGS, *flags], 120)
+        assert result.returncode == 1 and f"error: {error}" in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+    assert run(["--version"], 60).stdout.startswith("jengine ")
 
 
 @pytest.mark.parametrize(
@@ -194,9 +204,26 @@ def test_serve_flags_out_of_range_are_refused(capsys, flag, value, error):
     assert error in capsys.readouterr().err
 
 
+def test_ctrl_c_in_a_one_shot_command_exits_quietly(monkeypatch, capsys):
+    """Ctrl-C during `jengine generate` (loading, compiling or streaming): exit 130, as a
+    shell reports SIGINT, without the traceback it printed."""
+    from jengine.entrypoints import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_generate", interrupted)
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "Hi"])
+    assert exited.value.code == 130 and "Traceback" not in capsys.readouterr().err
+
+
 def test_bench_names_its_benchmarks_and_describes_each_whole(capsys):
     with pytest.raises(SystemExit, match="name a benchmark: throughput, latency"):
         main(["bench"])  # it said `options`, which is optional, was missing too
+    with pytest.raises(SystemExit):  # before the model loads (it failed after, unexplained)
+        main(["bench", "prefix", "--num-requests", "-3"])
+    assert "--num-requests: must be at least 1, got -3" in capsys.readouterr().err
     for name in ("latency", "overhead"):
         with pytest.raises(SystemExit):
             main(["bench", name, "--help"])
