@@ -158,8 +158,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
     error: str | None = None  # with FinishReason.ERROR: what went wrong, for the client
     pooled: bytes | None = None  # an embedding engine's pooled float32 vector, at the end
-    # At the end (engine-core monotonic clock): when the request reached the engine core
-    # and when it was first scheduled, for the queue/prefill/decode time metrics.
+    # With its first tokens and at its end (engine-core monotonic clock): when the request
+    # reached the engine core and when it was first scheduled, for the phase metrics.
     queued_time: float = 0.0
     scheduled_time: float = 0.0
 

@@ -164,6 +164,8 @@ class StepResults:
                     new_token_ids = []
                     request.status = RequestStatus.FINISHED_STOPPED  # done, not cut short
             if new_token_ids or stopped or new_prompt_logprobs is not None:
+                # Its first tokens and its end carry when it arrived and was first scheduled.
+                first = stopped or len(request.output_token_ids) == len(new_token_ids)
                 outputs.append(
                     EngineCoreOutput(
                         req_id,
@@ -175,8 +177,8 @@ class StepResults:
                         request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
                         request.error,
                         pooled,
-                        request.queued_time if stopped else 0.0,
-                        request.scheduled_time if stopped else 0.0,
+                        request.queued_time if first else 0.0,
+                        request.scheduled_time if first else 0.0,
                     )
                 )
         if any_stopped:

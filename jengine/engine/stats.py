@@ -48,11 +48,14 @@ class IterationStats:
 @dataclass(slots=True)
 class _TokenTimes:
     """When a sequence's tokens arrived: here (wall clock, for the inter-token latency)
-    and on the engine core's clock (the batch timestamps, for the phase times)."""
+    and on the engine core's clock (the batch timestamps, for the phase times), and when
+    the engine core got it and first scheduled it (sent with its first tokens)."""
 
     last_seen: float
     first_engine_time: float
     last_engine_time: float
+    queued_time: float
+    scheduled_time: float
 
 
 class StatsTracker:
@@ -83,7 +86,9 @@ class StatsTracker:
                 arrival = state.parent.metrics.arrival_time if state.parent.metrics else now
                 stats.time_to_first_tokens.append(now - arrival)
                 stats.num_prompt_tokens += len(state.parent.prompt_token_ids)
-                self._token_times[state.request_id] = _TokenTimes(now, engine_time, engine_time)
+                self._token_times[state.request_id] = _TokenTimes(
+                    now, engine_time, engine_time, output.queued_time, output.scheduled_time
+                )
             else:
                 stats.inter_token_latencies.append((now - times.last_seen) / num_new)
                 times.last_seen, times.last_engine_time = now, engine_time
@@ -141,14 +146,16 @@ class _Observation:
                 n=len(parent.children),
                 max_tokens=state.detokenizer.params.max_tokens,
             )
-            if output.scheduled_time:  # the engine core ended it: its phases are known
-                first = last = self.engine_time  # no token (an embedding): both at the end
-                if times is not None:
-                    first, last = times.first_engine_time, times.last_engine_time
-                finished.queue_time = output.scheduled_time - output.queued_time
-                finished.prefill_time = first - output.scheduled_time
-                finished.decode_time = last - first
-                finished.inference_time = last - output.scheduled_time
+            if times is None:  # no token (an embedding): its first and last at its end
+                engine_time = self.engine_time
+                times = _TokenTimes(
+                    0.0, engine_time, engine_time, output.queued_time, output.scheduled_time
+                )
+            if times.scheduled_time:  # the engine core said when it ran it
+                finished.queue_time = times.scheduled_time - times.queued_time
+                finished.prefill_time = times.first_engine_time - times.scheduled_time
+                finished.decode_time = times.last_engine_time - times.first_engine_time
+                finished.inference_time = times.last_engine_time - times.scheduled_time
             self.stats.finished_requests.append(finished)
         return self.stats
 

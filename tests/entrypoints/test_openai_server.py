@@ -819,6 +819,15 @@ def test_request_phase_and_parameter_histograms(client, http):
     assert delta["request_generation_tokens_sum"] == response.usage.completion_tokens
     assert delta["iteration_tokens_total_sum"] == delta["tokens"]
     assert delta["iteration_tokens_total_count"] >= 1
+    # A request the API process ends (a stop string in its text) has its phases too.
+    text = complete(client, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+    stop = next(text[i : i + 2] for i in range(2, len(text) - 1) if text[i : i + 2].strip())
+    before = scrape()
+    cut = complete(client, prompt=PROMPT, max_tokens=8, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert scrape()["request_decode_time_seconds_count"] == (
+        before["request_decode_time_seconds_count"] + 1
+    )
 
 
 def test_api_process_never_imports_jax_and_neither_process_torch(server):
