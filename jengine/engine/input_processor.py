@@ -10,12 +10,12 @@ for an embedding one, `dimensions` the model does not allow).
 """
 
 import hashlib
-import json
 import os
 import time
 
 from jengine.config import EngineConfig
 from jengine.core import structured_output
+from jengine.engine.template_messages import ContentPartError, template_message
 from jengine.engine.tokenizer import eos_token_ids_of
 from jengine.lora_request import LoRARequest
 from jengine.pooling import PoolerConfig, PoolingParams
@@ -343,60 +343,6 @@ def load_chat_template(template: str | None) -> str | None:
 # What a vLLM-style prompt dict may hold here (vLLM's multi_modal_data, prompt_embeds, ...
 # are refused by name: silently dropped, the prompt would run without them).
 _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
-
-# OpenAI's text content parts (chat's, the Responses API's, an assistant's refusal) and the
-# field each holds its text in; vLLM reads them all as text.
-TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
-
-
-class ContentPartError(ValueError):
-    """A content part that is not text; `index` is its place in the content list."""
-
-    def __init__(self, index: int, message: str):
-        super().__init__(message)
-        self.index = index
-
-
-def text_of_content(content: str | list[dict] | None) -> str:
-    """A message's content as templates take it: OpenAI's text parts joined by newlines
-    (None: empty); a ContentPartError names the first part of another kind."""
-    if not isinstance(content, list):
-        return content or ""
-    texts = []
-    for index, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        text = part.get(TEXT_PARTS[kind]) if kind in TEXT_PARTS else None
-        if not isinstance(text, str):
-            raise ContentPartError(
-                index, f"content parts of type {kind!r} are not supported (text only)"
-            )
-        texts.append(text)
-    return "\n".join(texts)
-
-
-def template_message(message: dict) -> dict:
-    """One chat message as templates read it (the chat route's and `LLM.chat`'s): its
-    content as text, and each tool call's arguments as a mapping where they are a JSON
-    object's text, since templates iterate them (`| tojson`, `.items()`)."""
-    if not isinstance(message, dict):
-        raise ValueError(f"messages must be dicts with a role and content, got {message!r}")
-    entry = {**message, "content": text_of_content(message.get("content"))}
-    if message.get("tool_calls"):
-        entry["tool_calls"] = [_with_arguments_object(call) for call in message["tool_calls"]]
-    return entry
-
-
-def _with_arguments_object(call):
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
-        return call
-    try:
-        arguments = json.loads(function["arguments"])
-    except json.JSONDecodeError:
-        return call
-    if not isinstance(arguments, dict):
-        return call
-    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _unicode(text: str, what: str) -> str:

@@ -29,7 +29,7 @@ from jengine.engine.core import EngineCore
 from jengine.engine.llm_engine import LLMEngine
 from jengine.engine.output_processor import RequestOutputKind
 from jengine.engine.tokenizer import load_tokenizer
-from jengine.entrypoints.openai.cli_args import MET_BY_CONSTRUCTION
+from jengine.entrypoints.openai.cli_args import MET_OFFLINE
 from jengine.lora_request import LoRARequest
 from jengine.models import (
     model_from_params,
@@ -49,14 +49,6 @@ from jengine.pooling import PoolingParams
 from jengine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-# vLLM's LLM(...) arguments whose purpose jengine meets by construction -> why (taken, and
-# logged, so scripts written for vLLM start as they are, as `jengine serve` takes the flags).
-MET_OFFLINE = {
-    **MET_BY_CONSTRUCTION,
-    "disable_log_stats": "the offline LLM logs no periodic stats",
-    "swap_space": "preemption recomputes; nothing is swapped to the host",
-}
 
 # Adapters added in memory get ids from here up, apart from the ids users give folders.
 IN_MEMORY_LORA_IDS = 1 << 30

@@ -3,11 +3,11 @@
 Where it sits: serving_chat.py (and /tokenize through it) turns the validated
 `ChatMessageParam`s into plain dicts just before rendering the template. Promises: the
 fields templates read (`name`, `tool_call_id`, `tool_calls`), converted as `LLM.chat`
-converts its dicts (`input_processor.template_message`: text content parts joined by
+converts its dicts (`template_messages.template_message`: text content parts joined by
 newlines, each call's arguments as a mapping), and any part that is not text a 400 naming
 it."""
 
-from jengine.engine.input_processor import ContentPartError, template_message
+from jengine.engine.template_messages import ContentPartError, template_message
 from jengine.entrypoints.openai.protocol import OpenAIError
 from jengine.entrypoints.openai.protocol_chat import ChatMessageParam
 

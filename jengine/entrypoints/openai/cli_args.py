@@ -23,6 +23,13 @@ MET_BY_CONSTRUCTION = {
     "disable_log_requests": "jengine does not log requests",
     "enforce_eager": "jengine has no CUDA graphs to turn off",
 }
+# vLLM's LLM(...) arguments whose purpose jengine meets by construction -> why (taken, and
+# logged, so scripts written for vLLM start as they are, as `jengine serve` takes the flags).
+MET_OFFLINE = {
+    **MET_BY_CONSTRUCTION,
+    "disable_log_stats": "the offline LLM logs no periodic stats",
+    "swap_space": "preemption recomputes; nothing is swapped to the host",
+}
 
 
 def port(value: str) -> int:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import pydantic
 
-from jengine.engine.input_processor import ContentPartError, text_of_content
+from jengine.engine.template_messages import ContentPartError, text_of_content
 from jengine.entrypoints.openai.protocol import OpenAIError, random_id
 from jengine.entrypoints.openai.protocol_chat import ChatCompletionLogProbs, ChatMessage
 from jengine.entrypoints.openai.protocol_responses import ResponsesRequest
