@@ -23,6 +23,8 @@ What it promises:
 
 from __future__ import annotations
 
+import time
+
 from jengine.core.block_pool import BlockPool, KVCacheBlock
 from jengine.core.kv_cache_utils import cdiv, extend_block_hashes
 from jengine.request import Request
@@ -124,12 +126,14 @@ class KVCacheManager:
         return blocks, len(blocks) * self.block_size
 
     def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
-        """At a request's first admission: its cached-token count, and its lookup counted
-        for metrics (not per retry, nor again when a preempted request is admitted back
-        and finds its own blocks: vLLM's prefix-cache metrics leave those out too)."""
+        """At a request's first admission: its cached-token count, when it was first
+        scheduled, and its lookup counted for metrics (not per retry, nor again when a
+        preempted request is admitted back and finds its own blocks: vLLM's prefix-cache
+        metrics leave those out too)."""
         if request.num_cached_tokens >= 0:
             return
         request.num_cached_tokens = num_hit_tokens
+        request.scheduled_time = time.monotonic()
         if self._may_hit(request):
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hit_tokens

@@ -29,7 +29,6 @@ What it promises (vLLM V1 rules):
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -339,7 +338,6 @@ class Scheduler(StepResults, Preemption, MultiStep):
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
-            request.scheduled_time = request.scheduled_time or time.monotonic()
             self.kv_cache_manager.record_prefix_lookup(request, num_hit)
             step.new.append(request)
             step.num_scheduled[request.request_id] = n

@@ -29,7 +29,7 @@ from jengine.engine.core import EngineCore
 from jengine.engine.llm_engine import LLMEngine
 from jengine.engine.output_processor import RequestOutputKind
 from jengine.engine.tokenizer import load_tokenizer
-from jengine.entrypoints.openai.cli_args import MET_OFFLINE
+from jengine.entrypoints.openai.cli_args import take_met_offline
 from jengine.lora_request import LoRARequest
 from jengine.models import (
     model_from_params,
@@ -75,11 +75,8 @@ class LLM:
         `max_model_len`, `max_num_seqs`, `max_num_batched_tokens`, `block_size`,
         `enable_prefix_caching`, `kv_cache_memory_bytes`, `num_gpu_blocks_override`,
         `gpu_memory_utilization`, `scheduling_policy`, `seed`, `tokenizer`, ...)."""
-        for name in sorted(engine_kwargs.keys() & MET_OFFLINE):
-            value = engine_kwargs.pop(name)
-            logger.info("%s=%r changes nothing: %s", name, value, MET_OFFLINE[name])
-        unknown = set(engine_kwargs) - {f.name for f in fields(EngineArgs)} - {"model"}
-        if unknown:
+        take_met_offline(engine_kwargs)
+        if unknown := set(engine_kwargs) - {f.name for f in fields(EngineArgs)} - {"model"}:
             raise ValueError(f"unknown LLM arguments: {sorted(unknown)}")
         module = model if isinstance(model, nnx.Module) else None
         path = None if module is not None else model

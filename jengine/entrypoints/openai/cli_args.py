@@ -12,6 +12,7 @@ log says so, so that a vLLM command line starts a jengine server.
 
 import argparse
 import json
+import logging
 import os
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
@@ -30,6 +31,16 @@ MET_OFFLINE = {
     "disable_log_stats": "the offline LLM logs no periodic stats",
     "swap_space": "preemption recomputes; nothing is swapped to the host",
 }
+
+
+def take_met_offline(llm_kwargs: dict) -> None:
+    """Take the MET_OFFLINE arguments out of `LLM(...)`'s keywords, logging why each
+    changes nothing."""
+    for name in sorted(llm_kwargs.keys() & MET_OFFLINE):
+        value = llm_kwargs.pop(name)
+        logging.getLogger("jengine.entrypoints.llm").info(
+            "%s=%r changes nothing: %s", name, value, MET_OFFLINE[name]
+        )
 
 
 def port(value: str) -> int:

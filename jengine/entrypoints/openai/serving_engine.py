@@ -10,10 +10,10 @@ chunks (`stream_chunks`); this class runs the engine and frames the stream.
 Promises: every problem with a request surfaces as an `OpenAIError` (400/404/503) from
 `prepare`, before any text is streamed, so a bad request never reaches the engine and
 never produces a 500. A stream always ends with `data: [DONE]`; an error after it started
-comes as one OpenAI-shaped error event just before that; with
-`stream_options.include_usage` a chunk with no choices and the request's usage comes last
-(and with `continuous_usage_stats` every chunk carries its choice's usage so far, as vLLM's:
-its prompt's tokens and its own completion tokens).
+comes as one OpenAI-shaped error event just before that; with `stream_options.include_usage`
+a chunk with no choices and the request's usage comes last (and with `continuous_usage_stats`
+every chunk carries its choice's usage so far, as vLLM's: its prompt's tokens and its own
+completion tokens).
 """
 
 import logging
@@ -244,9 +244,8 @@ class OpenAIServing:
     def max_tokens_for(
         self, requested: int | None, prompt_len: int, what: str, field: str = "max_tokens"
     ) -> int:
-        """Check prompt + completion against max_model_len; None means all that is left
-        (or the checkpoint's recommended max_tokens, if less).
-        `field`: the request field `requested` came in (what an error names)."""
+        """Check prompt + completion against max_model_len (errors name `field`); None: all
+        that is left, or the checkpoint's recommended max_tokens if less."""
         if prompt_len >= self.max_model_len:
             raise OpenAIError(
                 f"This model's maximum context length is {self.max_model_len} tokens. "
