@@ -49,7 +49,7 @@ def single_stream(llm, prompt: list[int], max_tokens: int, repeats: int, top_p=N
     first run that pays first-use costs: the best TTFT and decode rate, and the compiles
     after warmup."""
     from jengine import SamplingParams
-    from jengine.engine.output_processor import RequestOutputKind
+    from jengine.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine
     sampling = dict(temperature=1.0, top_p=top_p, seed=0) if top_p else dict(temperature=0)

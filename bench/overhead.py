@@ -32,14 +32,14 @@ import numpy as np
 from jengine.config import CacheConfig, SchedulerConfig
 from jengine.core.outputs import ModelRunnerOutput
 from jengine.core.scheduler import Scheduler
-from jengine.engine.output_processor import OutputProcessor, RequestOutputKind
+from jengine.engine.output_processor import OutputProcessor
 from jengine.protocol import EngineCoreRequest
 from jengine.request import Request
 from jengine.runner.buckets import BucketSpec
 from jengine.runner.input_batch import InputBatch
 from jengine.runner.step import SampleOutputs
 from jengine.runner.step_outputs import InFlightStep, collected_output
-from jengine.sampling_params import MAX_LOGPROBS, SamplingParams
+from jengine.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 from .common import add_common_args, count, package_versions, print_header, write_result
 from .workloads import make_bench_model

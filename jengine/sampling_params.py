@@ -16,6 +16,7 @@ plain-typed ``msgspec.Struct``, so it round-trips through msgpack unchanged.
 from __future__ import annotations
 
 import copy
+import enum
 import math
 import numbers
 
@@ -51,6 +52,15 @@ def check_truncate_prompt_tokens(value: object) -> None:
         "must be -1, an int >= 1 or None",
         value,
     )
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each output of a request holds (vLLM's names): everything so far, only what is
+    new since the last output, or one output when the request finishes."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -136,6 +146,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     bad_words: words the output may not contain: as vLLM, each word's tokens with and
         without a leading space; the last token of one is masked where the output's last
         tokens are the ones before it. The front end fills `bad_words_token_ids`.
+    output_kind: what each output of the request holds (`RequestOutputKind`): the engines'
+        `generate` streams by it; `LLM.generate` returns final outputs whatever it says.
     truncate_prompt_tokens: keep only the prompt's last k tokens (-1: the last
         max_model_len); None keeps the whole prompt (a longer one than max_model_len is
         refused). The front end cuts the prompt before anything runs.
@@ -167,6 +179,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
     truncate_prompt_tokens: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         # Normalize first so validation (and everything downstream) sees one shape.
@@ -192,6 +205,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 value,
             )
             setattr(self, name, float(value))
+        _require(
+            self.output_kind in tuple(RequestOutputKind),
+            "output_kind",
+            "must be a RequestOutputKind",
+            self.output_kind,
+        )
+        self.output_kind = RequestOutputKind(self.output_kind)
         self._validate()
         if self.temperature < GREEDY_TEMPERATURE_EPS:
             # Greedy ignores the truncation knobs; neutral values let the runner skip them.

@@ -30,7 +30,7 @@ from jengine.engine.client import EngineDeadError, LostRequests
 from jengine.engine.input_processor import InputProcessor, PromptType
 from jengine.engine.mp_clients import AsyncMPClient
 from jengine.engine.output_collector import RequestOutputCollector
-from jengine.engine.output_processor import OutputProcessor, RequestError, RequestOutputKind
+from jengine.engine.output_processor import OutputProcessor, RequestError
 from jengine.engine.stats import LoggingStatLogger, StatLoggerBase, StatsTracker
 from jengine.engine.tokenizer import load_tokenizer
 from jengine.fault_injection import FaultInjector
@@ -38,7 +38,7 @@ from jengine.generation_config import sampling_defaults
 from jengine.lora_request import LoRARequest
 from jengine.outputs import EmbeddingRequestOutput, RequestOutput
 from jengine.pooling import PoolingParams
-from jengine.sampling_params import SamplingParams
+from jengine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class AsyncLLM:
         params: SamplingParams | PoolingParams,
         *,
         priority: int = 0,
-        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        output_kind: RequestOutputKind | None = None,
         lora_request: LoRARequest | None = None,
     ) -> RequestOutputCollector:
         """Validate, register and send one request; returns where its outputs land.
@@ -138,7 +138,7 @@ class AsyncLLM:
         )
         # Raises ValueError, before anything is sent, if the id is in use.
         sequences = self.output_processor.add_request(request, text, output_kind)
-        collector = RequestOutputCollector(output_kind)
+        collector = RequestOutputCollector(self.output_processor.parents[request_id].output_kind)
         self._collectors[request_id] = collector
         try:
             await self.engine_core.add_request_async(sequences)
@@ -154,7 +154,7 @@ class AsyncLLM:
         request_id: str,
         *,
         priority: int = 0,
-        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        output_kind: RequestOutputKind | None = None,
         lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the RequestOutputs of one request until it finishes.

@@ -15,14 +15,14 @@ from jengine.engine.arg_utils import EngineArgs
 from jengine.engine.client import InprocClient, LostRequests
 from jengine.engine.input_processor import InputProcessor, PromptType
 from jengine.engine.mp_clients import SyncMPClient
-from jengine.engine.output_processor import OutputProcessor, RequestError, RequestOutputKind
+from jengine.engine.output_processor import OutputProcessor, RequestError
 from jengine.engine.tokenizer import load_tokenizer
 from jengine.generation_config import sampling_defaults
 from jengine.lora_request import LoRARequest
 from jengine.outputs import RequestOutput
 from jengine.pooling import PoolingParams
 from jengine.protocol import EngineCoreRequest
-from jengine.sampling_params import SamplingParams
+from jengine.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLMEngine:
@@ -65,7 +65,7 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
         priority: int = 0,
         *,
-        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        output_kind: RequestOutputKind | None = None,
     ) -> None:
         """Tokenize, validate and send one request (ValueError for bad input or an id in
         use); the arguments in vLLM's order (`arrival_time`: time.time() of its arrival)."""
@@ -78,7 +78,7 @@ class LLMEngine:
         self,
         request: EngineCoreRequest,
         prompt: str | None,
-        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        output_kind: RequestOutputKind | None = None,
     ) -> None:
         """Send a request the input processor already made (so it is tokenized once)."""
         self.client.add_request(self.output_processor.add_request(request, prompt, output_kind))

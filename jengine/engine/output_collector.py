@@ -12,8 +12,8 @@ never stalled and no queue grows without bound.
 
 import asyncio
 
-from jengine.engine.output_processor import RequestOutputKind
 from jengine.outputs import CompletionOutput, RequestOutput
+from jengine.sampling_params import RequestOutputKind
 
 
 class RequestOutputCollector:

@@ -20,7 +20,6 @@ Promises:
   `RequestFailedError` (it failed mid-way), naming the engine's reason.
 """
 
-import enum
 import time
 from dataclasses import dataclass, field
 
@@ -37,6 +36,7 @@ from jengine.outputs import (
 )
 from jengine.pooling import PoolingParams, embedding_of
 from jengine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
+from jengine.sampling_params import RequestOutputKind
 
 
 class RequestError(Exception):
@@ -49,12 +49,6 @@ class RequestRejectedError(RequestError, ValueError):
 
 class RequestFailedError(RequestError, RuntimeError):
     """The engine could not finish the request after it had begun to generate (a 500)."""
-
-
-class RequestOutputKind(enum.IntEnum):
-    CUMULATIVE = 0
-    DELTA = 1
-    FINAL_ONLY = 2
 
 
 @dataclass(slots=True)
@@ -154,16 +148,19 @@ class OutputProcessor:
         self,
         request: EngineCoreRequest,
         prompt: str | None,
-        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        output_kind: RequestOutputKind | None = None,
     ) -> list[EngineCoreRequest]:
         """Register a user request (validated by the input processor); returns the
-        engine-core sequences to send: the request itself, or its n > 1 fan-out. Raises
-        ValueError if the id is already in use."""
+        engine-core sequences to send: the request itself, or its n > 1 fan-out. Its
+        outputs are `output_kind`'s, by default its sampling params' (an embedding's one
+        final output whatever is asked). Raises ValueError if the id is already in use."""
         request_id = request.request_id
         if self.in_use(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         if request.pooling_params is not None:
             output_kind = RequestOutputKind.FINAL_ONLY  # an embedding comes whole
+        elif output_kind is None:
+            output_kind = request.sampling_params.output_kind
         parent = ParentRequest(
             request_id,
             prompt,

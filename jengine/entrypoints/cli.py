@@ -194,7 +194,7 @@ def _one_shot_llm(args: argparse.Namespace):
 
 def _stream(llm, prompt, params) -> str:
     """Print one request's text as it comes, then a newline; return the text."""
-    from jengine.engine.output_processor import RequestOutputKind
+    from jengine.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine
     engine.add_request("0", prompt, params, output_kind=RequestOutputKind.DELTA)

@@ -27,7 +27,6 @@ from tqdm.auto import tqdm
 from jengine.engine.arg_utils import EngineArgs
 from jengine.engine.core import EngineCore
 from jengine.engine.llm_engine import LLMEngine
-from jengine.engine.output_processor import RequestOutputKind
 from jengine.engine.tokenizer import load_tokenizer
 from jengine.entrypoints.openai.cli_args import take_met_offline
 from jengine.lora_request import LoRARequest
@@ -46,7 +45,7 @@ from jengine.models.lora import adapter_from_weights
 from jengine.models.param_tree import flatten, unflatten
 from jengine.outputs import EmbeddingRequestOutput, RequestOutput
 from jengine.pooling import PoolingParams
-from jengine.sampling_params import SamplingParams
+from jengine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 

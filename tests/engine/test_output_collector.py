@@ -5,8 +5,8 @@ it, an error replaces anything and stays."""
 import asyncio
 
 from jengine.engine.output_collector import RequestOutputCollector
-from jengine.engine.output_processor import RequestOutputKind
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput
+from jengine.sampling_params import RequestOutputKind
 
 
 def delta(step: int, index: int = 0, finished: bool = False) -> RequestOutput:

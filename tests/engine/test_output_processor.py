@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from jengine.engine.detokenizer import IncrementalDetokenizer
-from jengine.engine.output_processor import OutputProcessor, RequestOutputKind
+from jengine.engine.output_processor import OutputProcessor
 from jengine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
-from jengine.sampling_params import SamplingParams
+from jengine.sampling_params import RequestOutputKind, SamplingParams
 from tests.entrypoints.tiny_model import make_tokenizer
 
 TEXT = "Now is the winter of our discontent made glorious summer by this sun of York"

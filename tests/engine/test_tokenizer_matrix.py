@@ -15,11 +15,10 @@ import torch
 import transformers
 
 from jengine import LLM, SamplingParams
-from jengine.engine.output_processor import RequestOutputKind
 from jengine.engine.tokenizer import gguf_tokenizer, load_tokenizer_from
 from jengine.entrypoints.openai.logprob_format import LogprobFormat
 from jengine.models.checkpoint import BUNDLED_MODEL_PATH, installed_smollm2
-from jengine.sampling_params import StructuredOutputsParams
+from jengine.sampling_params import RequestOutputKind, StructuredOutputsParams
 from tests.engine.tokenizer_kinds import KINDS, save_tokenizer
 
 # SmolLM2's vocabulary: every model here has it, so all share their compiled programs.

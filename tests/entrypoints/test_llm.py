@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from jengine import SamplingParams
+from jengine.sampling_params import RequestOutputKind
 from tests.engine.engine_helpers import (
     ATTENTION_SETUPS,
     ENGINE_KWARGS,
@@ -206,8 +207,8 @@ def test_numpy_token_ids_are_prompts(llm):
 
 def test_vllm_style_engine_calls_and_prompt_keys(llm):
     """vLLM's LLMEngine.add_request arguments (arrival time, adapter, priority, in its
-    order), and prompt-dict keys this engine cannot honour refused by name (they were
-    dropped: the prompt ran without its image or embeddings)."""
+    order) and SamplingParams.output_kind, and prompt-dict keys this engine cannot honour
+    refused by name (they were dropped: the prompt ran without its image or embeddings)."""
     prompt = random_prompts(1, seed=40, low=8, high=9)[0]
     greedy = SamplingParams(temperature=0, max_tokens=3)
     [expected] = llm.generate({"prompt_token_ids": prompt}, greedy, use_tqdm=False)
@@ -217,6 +218,19 @@ def test_vllm_style_engine_calls_and_prompt_keys(llm):
     while engine.has_unfinished_requests():
         outputs += engine.step()
     assert outputs[-1].outputs[0].token_ids == expected.outputs[0].token_ids
+    # vLLM's SamplingParams.output_kind: each output holds only its new token; LLM.generate
+    # returns the final outputs whatever it says.
+    delta = SamplingParams(temperature=0, max_tokens=3, output_kind=RequestOutputKind.DELTA)
+    engine.add_request("deltas", {"prompt_token_ids": prompt}, delta)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    pieces = [list(o.outputs[0].token_ids) for o in outputs]
+    assert len(pieces) > 1 and sum(pieces, []) == expected.outputs[0].token_ids
+    [final] = llm.generate({"prompt_token_ids": prompt}, delta, use_tqdm=False)
+    assert final.outputs[0].token_ids == expected.outputs[0].token_ids
+    with pytest.raises(ValueError, match="output_kind must be a RequestOutputKind"):
+        SamplingParams(output_kind="delta")
     for key in ("multi_modal_data", "prompt_embeds", "mm_processor_kwargs"):
         with pytest.raises(ValueError, match=f"not \\['{key}'\\]"):
             llm.generate({"prompt_token_ids": prompt, key: {}}, greedy, use_tqdm=False)

@@ -23,7 +23,6 @@ answer after it. A streamed reply goes through the same parsers as a growing tex
 
 from collections.abc import AsyncIterator
 
-from jengine.engine.output_processor import RequestOutputKind
 from jengine.entrypoints.openai.chat_messages import template_messages
 from jengine.entrypoints.openai.errors import param_of, to_openai_error
 from jengine.entrypoints.openai.protocol import OpenAIError
@@ -63,6 +62,7 @@ from jengine.entrypoints.openai.tool_parsers import (
     get_tool_parser,
 )
 from jengine.outputs import CompletionOutput, RequestOutput
+from jengine.sampling_params import RequestOutputKind
 
 
 class OpenAIServingChat(OpenAIServing):

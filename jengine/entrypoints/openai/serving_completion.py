@@ -12,7 +12,6 @@ prompt_index * n + sequence_index, as in OpenAI's API.
 
 from collections.abc import AsyncIterator
 
-from jengine.engine.output_processor import RequestOutputKind
 from jengine.entrypoints.openai.logprob_format import clamp_logprob
 from jengine.entrypoints.openai.protocol import (
     MAX_PROMPTS,
@@ -32,6 +31,7 @@ from jengine.entrypoints.openai.serving_engine import (
 )
 from jengine.entrypoints.openai.structured_outputs import constraint_field
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput
+from jengine.sampling_params import RequestOutputKind
 
 
 class OpenAIServingCompletion(OpenAIServing):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from jengine.engine.input_processor import check_truncation
-from jengine.engine.output_processor import RequestError, RequestOutputKind
+from jengine.engine.output_processor import RequestError
 from jengine.entrypoints.openai.async_merge import merge_async_iterators
 from jengine.entrypoints.openai.errors import engine_dead_error, param_of, to_openai_error
 from jengine.entrypoints.openai.logprob_format import LogprobFormat
@@ -43,7 +43,7 @@ from jengine.entrypoints.openai.serving_models import ServingModels
 from jengine.fault_injection import FaultInjector
 from jengine.lora_request import LoRARequest
 from jengine.outputs import RequestOutput
-from jengine.sampling_params import SamplingParams
+from jengine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
