@@ -14,6 +14,7 @@ import sys
 import time
 
 import httpx2
+import pytest
 
 from tests.entrypoints.remote_server import (
     LONG_SERVER_ARGS,
@@ -169,26 +170,49 @@ def test_sigkill_of_the_api_server_takes_the_engine_down(tiny_model):
         server.stop()
 
 
-def test_an_api_server_stopped_while_its_engine_starts_takes_the_engine_down(tiny_model):
+# `jengine serve` as typed in a terminal: Ctrl-C raises KeyboardInterrupt (a process this
+# test starts may inherit SIGINT ignored, as a non-interactive shell's background jobs do).
+SERVE_AS_TYPED = (
+    "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "from jengine.entrypoints.cli import main; main()"
+)
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "Ctrl-C"])
+def test_an_api_server_stopped_while_its_engine_starts_takes_the_engine_down(tiny_model, stop):
     """SIGTERM to `jengine serve` as soon as its engine process exists (still importing,
-    loading, compiling): the engine does not live on as an orphan. (It once read its
+    loading, compiling), or Ctrl-C's SIGINT to its process group once the engine has
+    loaded (the server waits for its warmup): the server exits, its engine stopped before
+    the end of its warmup, and the engine does not live on as an orphan. (It once read its
     parent's pid only once ready, by then init's, so it never noticed; and it warmed up
-    and held its KV cache until SIGKILLed.)"""
-    command = [sys.executable, "-m", "jengine.entrypoints.cli", "serve", tiny_model,
+    and held its KV cache until SIGKILLed. Ctrl-C's first SIGINT once only cancelled the
+    event loop's task, which went on waiting for the engine to the end of its warmup.)"""
+    command = [sys.executable, "-c", SERVE_AS_TYPED, "serve", tiny_model,
                "--host", "127.0.0.1", "--port", str(free_port()), *LONG_SERVER_ARGS]  # fmt: skip
     server = subprocess.Popen(
-        command, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1")
+        command,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        start_new_session=True,  # its own process group, as a terminal's foreground job
     )
+    wait_for = "started the engine-core process" if stop == "SIGTERM" else "KV cache: "
     try:
+        engine_pid = None
         for line in server.stderr:
             started = re.search(r"started the engine-core process \(pid (\d+)\)", line)
-            if started:
-                engine_pid = int(started.group(1))
+            engine_pid = int(started.group(1)) if started else engine_pid
+            if wait_for in line:
                 break
         else:
-            raise AssertionError("the engine process was never started")
-        server.terminate()
+            raise AssertionError(f"the server never logged {wait_for!r}")
+        if stop == "SIGTERM":
+            server.terminate()
+        else:
+            os.killpg(server.pid, signal.SIGINT)
         server.wait(30)
+        # Ctrl-C stops the engine at its current compile, not at the end of its warmup.
+        assert "engine ready" not in server.stderr.read()
         deadline = time.monotonic() + 5
         while alive(engine_pid):
             assert time.monotonic() < deadline, "the engine outlived its API server by 5 s"

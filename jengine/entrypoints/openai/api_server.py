@@ -209,20 +209,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 async def serve_http(
-    args, config: EngineConfig, engine_core: AsyncMPClient, sock: socket.socket
+    args, engine: AsyncLLM, chat_template: str | None, sock: socket.socket
 ) -> None:
-    """Serve on `sock` (bound) in front of `engine_core`, whose processes `jengine serve`
-    started before it imported this module; the caller shuts both down."""
-    try:
-        chat_template = load_chat_template(args.chat_template)
-    except ValueError as e:
-        raise SystemExit(f"error: --chat-template: {e}") from None
-    engine = AsyncLLM(
-        config,
-        log_stats=not args.disable_log_stats,
-        log_stats_interval=args.log_stats_interval,
-        engine_core=engine_core,
-    )
+    """Serve on `sock` (bound) in front of `engine` (ready); the caller shuts both down."""
     try:
         names = args.served_model_name or [args.model]
         app = build_app(
@@ -284,4 +273,19 @@ def _raise_keyboard_interrupt(signum, frame):
 
 
 def run_server(args, config: EngineConfig, engine_core: AsyncMPClient, sock) -> None:
-    asyncio.run(serve_http(args, config, engine_core, sock))
+    """Serve on `sock` (bound) in front of `engine_core`, whose processes `jengine serve`
+    started before it imported this module; the caller shuts both down."""
+    try:
+        chat_template = load_chat_template(args.chat_template)
+    except ValueError as e:
+        raise SystemExit(f"error: --chat-template: {e}") from None
+    # The wait for the engine (its load and warmup: minutes) is outside the event loop,
+    # where Ctrl-C raises at once; asyncio.run's first Ctrl-C only cancels its task, which
+    # a wait that never awaits leaves running to the end of warmup.
+    engine = AsyncLLM(
+        config,
+        log_stats=not args.disable_log_stats,
+        log_stats_interval=args.log_stats_interval,
+        engine_core=engine_core,
+    )
+    asyncio.run(serve_http(args, engine, chat_template, sock))
