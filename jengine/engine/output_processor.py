@@ -20,6 +20,7 @@ Promises:
   `RequestFailedError` (it failed mid-way), naming the engine's reason.
 """
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -131,8 +132,9 @@ class OutputProcessor:
     def __init__(self, tokenizer, faults: FaultInjector | None = None):
         self.tokenizer = tokenizer
         self.faults = faults
-        self.request_states: dict[str, RequestState] = {}
-        self.parents: dict[str, ParentRequest] = {}
+        self.request_states: dict[str, RequestState] = {}  # by engine-core id
+        self.parents: dict[str, ParentRequest] = {}  # by the user's id
+        self._registrations = itertools.count()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.request_states)
@@ -151,7 +153,8 @@ class OutputProcessor:
         output_kind: RequestOutputKind | None = None,
     ) -> list[EngineCoreRequest]:
         """Register a user request (validated by the input processor); returns the
-        engine-core sequences to send: the request itself, or its n > 1 fan-out. Its
+        engine-core sequences to send: the request under an id of its own (the user's
+        with this registration's number), or its n > 1 fan-out. Its
         outputs are `output_kind`'s, by default its sampling params' (an embedding's one
         final output whatever is asked). Raises ValueError if the id is already in use."""
         request_id = request.request_id
@@ -170,6 +173,11 @@ class OutputProcessor:
             pooling_params=request.pooling_params,
         )
         self.parents[request_id] = parent
+        # The engine core knows the request by an id of this registration only: outputs it
+        # sent before an abort reached it must not land on a new request of the same id
+        # (a client retrying under its own id at once got the abandoned one's tokens).
+        request = request.__copy__()
+        request.request_id = f"{request_id}-{next(self._registrations)}"
         sequences = fan_out(request)
         for index, sequence in enumerate(sequences):
             params = sequence.sampling_params

@@ -20,12 +20,14 @@ def tokenizer(tmp_path_factory):
 def _run(tokenizer, params, kind, token_ids, *, finish=None, stop_reason=None, step=1):
     processor = OutputProcessor(tokenizer)
     prompt = tokenizer.encode("Hark:")
-    processor.add_request(EngineCoreRequest("r", prompt, params), "Hark:", output_kind=kind)
+    [sequence] = processor.add_request(
+        EngineCoreRequest("r", prompt, params), "Hark:", output_kind=kind
+    )
     outputs, aborted = [], []
     for i in range(0, len(token_ids), step):
         last = i + step >= len(token_ids)
         core = EngineCoreOutput(
-            "r",
+            sequence.request_id,
             token_ids[i : i + step],
             finish_reason=finish if last else None,
             stop_reason=stop_reason if last else None,
@@ -67,7 +69,7 @@ def test_stop_string_cuts_text_and_aborts(tokenizer, include):
     full = tokenizer.decode(ids)
     cut = full.index("summer") + (len("summer") if include else 0)
     assert text == full[:cut]
-    assert aborted == ["r"] and not processor.has_unfinished_requests()
+    assert aborted == ["r-0"] and not processor.has_unfinished_requests()
     assert outputs[-1].outputs[0].finish_reason == "stop"
     assert outputs[-1].outputs[0].stop_reason == "summer"
 
@@ -138,14 +140,14 @@ def test_n_children_gathered_in_order(tokenizer):
     sequences = processor.add_request(
         EngineCoreRequest("p", prompt, SamplingParams(n=2)), "Hark:", RequestOutputKind.FINAL_ONLY
     )
-    assert [s.request_id for s in sequences] == ["0_p", "1_p"]
+    assert [s.request_id for s in sequences] == ["0_p-0", "1_p-0"]
     a, b = tokenizer.encode("winter"), tokenizer.encode("summer")
     out = processor.process_outputs(
-        [EngineCoreOutput("1_p", b, finish_reason=FinishReason.LENGTH)]
+        [EngineCoreOutput("1_p-0", b, finish_reason=FinishReason.LENGTH)]
     ).request_outputs
     assert out == []  # FINAL_ONLY waits for every child
     out = processor.process_outputs(
-        [EngineCoreOutput("0_p", a, finish_reason=FinishReason.LENGTH)]
+        [EngineCoreOutput("0_p-0", a, finish_reason=FinishReason.LENGTH)]
     ).request_outputs
     assert [c.text for c in out[0].outputs] == [tokenizer.decode(a), tokenizer.decode(b)]
     assert [c.index for c in out[0].outputs] == [0, 1] and out[0].request_id == "p"
@@ -173,3 +175,26 @@ def test_decode_stream_gives_the_python_methods_text(tokenizer):
                 assert fast.text == slow.text
     # Only prompt contexts that end mid-character keep the Python method.
     assert used_stream > len(sequences)
+
+
+def test_an_id_used_again_after_an_abort_gets_none_of_the_old_requests_outputs(tokenizer):
+    """A client that abandons a request and at once sends another under its id: what the
+    engine core sent for the first before the abort reached it is dropped, not put in
+    front of the second's tokens (each registration has an engine-core id of its own)."""
+    processor = OutputProcessor(tokenizer)
+    prompt = tokenizer.encode("Hark:")
+
+    def add():
+        request = EngineCoreRequest("r", prompt, SamplingParams())
+        [sequence] = processor.add_request(request, "Hark:", RequestOutputKind.DELTA)
+        return sequence.request_id
+
+    first = add()
+    assert processor.abort_requests(["r"]) == [first]
+    second = add()
+    assert second != first
+    old, new = tokenizer.encode(" winter"), tokenizer.encode(" summer")
+    outputs = processor.process_outputs(
+        [EngineCoreOutput(first, old), EngineCoreOutput(second, new)]
+    ).request_outputs
+    assert [(o.request_id, o.outputs[0].token_ids) for o in outputs] == [("r", new)]
