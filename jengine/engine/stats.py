@@ -23,8 +23,10 @@ class FinishedRequestStats:
     e2e_latency: float
     num_prompt_tokens: int
     num_generation_tokens: int
-    # Request parameters (vLLM's request_params_*): n, and max_tokens (None: to the limit).
-    n: int = 1
+    # Request parameters (vLLM's request_params_*): the user request's n, on the sequence
+    # that ended it only (None on its others: one observation a request), and max_tokens
+    # (None: to the limit).
+    n: int | None = 1
     max_tokens: int | None = None
     # Phases on the engine core's clock (vLLM's): waiting until first scheduled, then to the
     # first token, then to the last; None where the engine never reported them (an abort).
@@ -100,6 +102,7 @@ class StatsTracker:
         stats = IterationStats()
         for request_id in request_ids:
             parent = output_processor.parents.get(request_id)
+            n = len(parent.children) if parent else None  # the request ends here
             for state in parent.children.values() if parent else ():
                 if state.request_id not in output_processor.request_states:
                     continue  # this sequence already finished
@@ -110,8 +113,11 @@ class StatsTracker:
                         now - arrival,
                         len(parent.prompt_token_ids),
                         len(state.output_token_ids),
+                        n=n,
+                        max_tokens=state.detokenizer.params.max_tokens,
                     )
                 )
+                n = None
         return stats
 
     def forget(self, request_ids: list[str]) -> None:
@@ -132,18 +138,22 @@ class _Observation:
     engine_time: float
 
     def finish(self) -> IterationStats:
+        ended = set()  # user requests whose n is counted (two children may end in one step)
         for state, output in self.states:
             if state.finish_reason is None:
                 continue
             times = self.tracker.take_times(state.request_id)
             parent = state.parent
             arrival = parent.metrics.arrival_time if parent.metrics else self.now
+            ends_parent = parent.finished() and id(parent) not in ended
+            if ends_parent:
+                ended.add(id(parent))
             finished = FinishedRequestStats(
                 finish_reason=state.finish_reason,
                 e2e_latency=self.now - arrival,
                 num_prompt_tokens=len(parent.prompt_token_ids),
                 num_generation_tokens=len(state.output_token_ids),
-                n=len(parent.children),
+                n=len(parent.children) if ends_parent else None,
                 max_tokens=state.detokenizer.params.max_tokens,
             )
             if times is None:  # no token (an embedding): its first and last at its end

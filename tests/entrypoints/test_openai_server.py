@@ -813,8 +813,28 @@ def test_request_phase_and_parameter_histograms(client, http):
     assert delta["request_inference_time_seconds_sum"] == pytest.approx(
         delta["request_prefill_time_seconds_sum"] + delta["request_decode_time_seconds_sum"]
     )
-    assert (delta["request_params_n_count"], delta["request_params_n_sum"]) == (2, 4)
-    assert delta["request_params_max_tokens_sum"] == 10
+    # n once a request (it was once each of its sequences, each saying n = 2), max_tokens
+    # once each sequence.
+    assert (delta["request_params_n_count"], delta["request_params_n_sum"]) == (1, 2)
+    assert (delta["request_params_max_tokens_count"], delta["request_params_max_tokens_sum"]) == (
+        2,
+        10,
+    )
+    # A request its client leaves: the same (its sequences said n = 1 and max_tokens up to
+    # the context limit).
+    before = scrape()
+    stream = complete(client, prompt=PROMPT, max_tokens=100, n=3, temperature=0.8, stream=True)
+    next(iter(stream))
+    stream.close()
+    deadline = time.monotonic() + 10
+    while (after := scrape())["request_params_max_tokens_count"] < before[
+        "request_params_max_tokens_count"
+    ] + 3:
+        assert time.monotonic() < deadline, "the left request never ended"
+        time.sleep(0.05)
+    assert after["request_params_n_count"] - before["request_params_n_count"] == 1
+    assert after["request_params_n_sum"] - before["request_params_n_sum"] == 3
+    assert after["request_params_max_tokens_sum"] - before["request_params_max_tokens_sum"] == 300
     assert delta["request_prompt_tokens_sum"] == 2 * num_prompt
     assert delta["request_generation_tokens_sum"] == response.usage.completion_tokens
     assert delta["iteration_tokens_total_sum"] == delta["tokens"]

@@ -223,7 +223,8 @@ class PrometheusStatLogger(StatLoggerBase):
         self.e2e.observe(finished.e2e_latency)
         self.request_prompt_tokens.observe(finished.num_prompt_tokens)
         self.request_generation_tokens.observe(finished.num_generation_tokens)
-        self.params_n.observe(finished.n)
+        if finished.n is not None:  # once a user request, as vLLM's
+            self.params_n.observe(finished.n)
         max_tokens = finished.max_tokens
         if max_tokens is None:  # up to the context limit, as vLLM fills it in
             max_tokens = self.max_model_len - finished.num_prompt_tokens
