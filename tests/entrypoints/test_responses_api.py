@@ -130,6 +130,29 @@ def test_a_cut_off_response_is_incomplete(client):
     [done] = [e for e in events if e.type == "response.output_item.done"]
     assert done.item.status == "incomplete" and events[-1].type == "response.incomplete"
     assert [item.status for item in events[-1].response.output] == ["incomplete"]
+    # A function call cut short is "incomplete" too (its arguments are not whole: it said
+    # "completed"), streamed (OpenAI's stream_options taken) or not.
+    forced = dict(input="What is the weather like in Tokyo today?", tools=[WEATHER],
+                  tool_choice="required", max_output_tokens=6)  # fmt: skip
+    [call] = respond(client, **forced).output
+    assert call.type == "function_call" and call.status == "incomplete"
+    events = list(
+        respond(client, **forced, stream=True, stream_options={"include_obfuscation": False})
+    )
+    assert [item.status for item in events[-1].response.output] == ["incomplete"]
+
+
+def test_a_reply_of_nothing_is_an_empty_message(client):
+    """A reply a stop string ends before any text is one message item of "" (there was
+    no item), as the chat route's `content: ""`, whole and streamed."""
+    first_word = respond(client, input=QUESTION, max_output_tokens=4).output_text.split()[0]
+    stopped = dict(input=QUESTION, max_output_tokens=8, extra_body={"stop": [first_word]})
+    for output in (
+        respond(client, **stopped).output,
+        list(respond(client, **stopped, stream=True))[-1].response.output,
+    ):
+        [message] = output
+        assert message.type == "message" and message.content[0].text == ""
 
 
 def test_streamed_events_come_in_order_and_join_to_the_text(client):
@@ -207,6 +230,8 @@ def test_a_function_tool_round_trip(client):
     [done] = [e for e in streamed if e.type == "response.function_call_arguments.done"]
     assert done.arguments == call.arguments
     assert streamed[-1].response.output[0].arguments == call.arguments
+    # One creation time, when the request was taken (each event's was its own moment).
+    assert len({e.response.created_at for e in streamed if hasattr(e, "response")}) == 1
 
     result = {"temperature_c": 21, "sky": "clear"}
     follow_up = [

@@ -54,6 +54,9 @@ class ResponsesRequest(RequestModel):
     temperature: float | None = None
     top_p: float | None = None
     stream: bool | None = False
+    # OpenAI's {"include_obfuscation": bool}: jengine pads no stream events, so it is
+    # taken and changes nothing.
+    stream_options: dict[str, Any] | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool | None = True

@@ -23,16 +23,18 @@ def output_items(
 ) -> list[dict]:
     """A chat reply as Responses output items, in the order the model wrote them; the
     reply's `logprobs` go on the message's text. `cut_short` (max_output_tokens ended the
-    reply): the text item it ended is "incomplete", as OpenAI's."""
+    reply): the item it ended, the last, is "incomplete", as OpenAI's (a function call's
+    arguments then are not whole). A reply of nothing (EOS at once) is an empty message,
+    as the chat route's `content: ""`."""
     items = []
     if message.reasoning_content:
         items.append(_reasoning_item(message.reasoning_content))
-    if message.content:
-        items.append(_message_item(message.content, logprobs=_entries(logprobs)))
-    if cut_short and items:
-        items[-1]["status"] = "incomplete"
+    if message.content or not (items or message.tool_calls):
+        items.append(_message_item(message.content or "", logprobs=_entries(logprobs)))
     for call in message.tool_calls or []:
         items.append(_function_call_item(call.id, call.function.name, call.function.arguments))
+    if cut_short:
+        items[-1]["status"] = "incomplete"
     return items
 
 
@@ -204,11 +206,18 @@ class StreamedItems:
         return events
 
     def finish(self, cut_short: bool = False) -> list[str]:
-        """The done events; `cut_short` as in `output_items`."""
+        """The done events; `cut_short` and a reply of nothing as in `output_items`."""
+        calls = [call for _, call in sorted(self.calls.items())]
         events = []
+        if not (self.output or calls):
+            item = _message_item(None, status="in_progress")
+            events += self._open(item)
+            events.append(
+                self._content_event("response.content_part.added", item, part=_output_text(""))
+            )
         if self.open_item is not None:
-            events += self._close("incomplete" if cut_short else "completed")
-        for _, call in sorted(self.calls.items()):
+            events += self._close("incomplete" if cut_short and not calls else "completed")
+        for position, call in enumerate(calls):
             item = _function_call_item(
                 call["id"] or random_id("call_"), call["name"], "", "in_progress"
             )
@@ -223,7 +232,8 @@ class StreamedItems:
                         **{key: call["arguments"]},
                     )
                 )
-            item.update(arguments=call["arguments"], status="completed")
+            cut = cut_short and position == len(calls) - 1
+            item.update(arguments=call["arguments"], status="incomplete" if cut else "completed")
             events.append(self._done(item))
         return events
 

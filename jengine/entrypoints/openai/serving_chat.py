@@ -225,6 +225,7 @@ class OpenAIServingChat(OpenAIServing):
         num_logprobs = prepared.prompts[0].params.logprobs
         return ChatCompletionResponse(
             id=prepared.request_id,
+            created=prepared.created,
             model=prepared.model,
             choices=[
                 self.response_choice(request, seq, role, echo, num_logprobs, prepared.thinking)
@@ -366,6 +367,7 @@ class OpenAIServingChat(OpenAIServing):
     ) -> ChatCompletionStreamResponse:
         return ChatCompletionStreamResponse(
             id=prepared.request_id,
+            created=prepared.created,
             model=prepared.model,
             choices=[
                 ChatCompletionResponseStreamChoice(

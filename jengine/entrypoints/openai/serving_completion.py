@@ -127,6 +127,7 @@ class OpenAIServingCompletion(OpenAIServing):
         choices.sort(key=lambda c: c.index)
         return CompletionResponse(
             id=prepared.request_id,
+            created=prepared.created,
             model=prepared.model,
             choices=choices,
             usage=self.usage_of(finals),
@@ -168,7 +169,10 @@ class OpenAIServingCompletion(OpenAIServing):
                         choice.prompt_token_ids = list(prompt.token_ids)
                 started[i] = True
                 yield CompletionStreamResponse(
-                    id=prepared.request_id, model=prepared.model, choices=[choice]
+                    id=prepared.request_id,
+                    created=prepared.created,
+                    model=prepared.model,
+                    choices=[choice],
                 )
 
     @staticmethod

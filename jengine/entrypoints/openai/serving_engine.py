@@ -36,6 +36,7 @@ from jengine.entrypoints.openai.protocol import (
     PromptTokenUsageInfo,
     SamplingRequest,
     UsageInfo,
+    now,
     random_id,
 )
 from jengine.entrypoints.openai.sampling_request import sampling_params_of
@@ -72,6 +73,8 @@ class PreparedRequest:
     lora_request: LoRARequest | None = None
     # chat with --reasoning-parser: whether the reply starts inside a think block
     thinking: bool | None = None
+    # The response's `created` (every chunk's, as OpenAI's): when the request was taken.
+    created: int = field(default_factory=now)
 
 
 @dataclass
@@ -362,7 +365,11 @@ class OpenAIServing:
                     yield sse(chunk.model_dump_json())
             if include_usage:
                 final = self.chunk_type(
-                    id=prepared.request_id, model=prepared.model, choices=[], usage=counts.info()
+                    id=prepared.request_id,
+                    created=prepared.created,
+                    model=prepared.model,
+                    choices=[],
+                    usage=counts.info(),
                 )
                 yield sse(final.model_dump_json())
         except Exception as e:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import pydantic
 
 from jengine.entrypoints.openai.errors import to_openai_error
-from jengine.entrypoints.openai.protocol import OpenAIError, now
+from jengine.entrypoints.openai.protocol import OpenAIError
 from jengine.entrypoints.openai.protocol_chat import ChatCompletionRequest
 from jengine.entrypoints.openai.protocol_responses import (
     ResponseObject,
@@ -72,8 +72,8 @@ _FIELDS_AS_CHAT = {
 # Chat fields a response has no place for: sent as extras, each is a 400 (others, vLLM's
 # sampling and template extras, reach the chat request as they would on the chat route).
 _CHAT_ONLY_FIELDS = (
-    "messages", "n", "echo", "logprobs", "prompt_logprobs", "stream_options",
-    "return_token_ids", "return_tokens_as_token_ids", *_FIELDS_AS_CHAT,
+    "messages", "n", "echo", "logprobs", "prompt_logprobs", "return_token_ids",
+    "return_tokens_as_token_ids", *_FIELDS_AS_CHAT,
 )  # fmt: skip
 
 
@@ -238,7 +238,7 @@ class OpenAIServingResponses(OpenAIServing):
             status, incomplete = "incomplete", {"reason": "max_output_tokens"}
         return ResponseObject(
             id=prepared.request_id,
-            created_at=now(),
+            created_at=prepared.created,
             status=status,
             model=prepared.model,
             output=output,
