@@ -99,9 +99,6 @@ class AsyncLLM:
             return 0
         return self.output_processor.get_num_unfinished_requests()
 
-    def request_id_in_use(self, request_id: str) -> bool:
-        return self.output_processor.in_use(request_id)
-
     @property
     def engine_pid(self) -> int:
         return self.engine_core.engine_pid

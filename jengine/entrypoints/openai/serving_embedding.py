@@ -100,7 +100,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             self.engine.encode(
                 {"prompt_token_ids": token_ids},
                 params,
-                f"{request_id}-{i}",
+                self.engine_request_id(request, f"{request_id}-{i}"),
                 priority=request.priority,
                 lora_request=self.models.lora_request(request.model),
             )

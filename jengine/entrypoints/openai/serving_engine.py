@@ -17,6 +17,7 @@ completion tokens).
 """
 
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -198,15 +199,9 @@ class OpenAIServing:
         self.models.lora_request(model)  # a 404 for a name neither served nor loaded
 
     def prepared(self, request: SamplingRequest, request_id: str, prompts, messages=None):
-        """The checked request, with the adapter its `model` names. A client's request_id
-        already running is a 400 here, before a stream's first chunk (a race of two new
-        requests with one id still ends in the engine's refusal, as an error event)."""
-        if request.request_id and any(
-            self.engine.request_id_in_use(prompt.request_id) for prompt in prompts
-        ):
-            raise OpenAIError(
-                f"request id {request.request_id!r} is already in use", param="request_id"
-            )
+        """The checked request, with the adapter its `model` names."""
+        for prompt in prompts:
+            prompt.request_id = self.engine_request_id(request, prompt.request_id)
         return PreparedRequest(
             request_id,
             prompts,
@@ -222,6 +217,14 @@ class OpenAIServing:
     def require_tokenizer(self) -> None:
         if self.tokenizer is None:
             raise OpenAIError("this model has no tokenizer; only token-id prompts work")
+
+    @staticmethod
+    def engine_request_id(request, engine_id: str) -> str:
+        """`engine_id` (the response's id, a batch's `<id>-<i>`) with a suffix of its own
+        where the client chose the id, as vLLM's: a retry under the id of a request still
+        ending, or two requests with one id at once, run side by side (the second was
+        refused as in use, also while the first's abort was on its way)."""
+        return f"{engine_id}-{uuid.uuid4().hex[:8]}" if request.request_id else engine_id
 
     def response_id(self, request: SamplingRequest) -> str:
         """`<prefix><id>` (`chatcmpl-...`) of the client's id (its X-Request-Id header, else
@@ -317,8 +320,8 @@ class OpenAIServing:
             ):
                 finals[index] = output
         except (ValueError, RequestError) as e:
-            # A client-chosen request_id already in use, a constraint the engine refused
-            # (400) or one that failed mid-way (500): the engine's words either way.
+            # A constraint the engine refused (400) or one that failed mid-way (500): the
+            # engine's words either way.
             raise to_openai_error(e) from None
         if self.faults is not None:
             self.faults.check("format", prepared.request_id)
