@@ -134,20 +134,33 @@ def test_sigterm_to_the_process_group_serves_every_request_received(tiny_model):
         server.stop()
 
 
-def test_shutdown_timeout_ends_streams_with_an_error_event(tiny_model):
-    # A timeout of 0: nothing may finish, so every stream gets the error (deterministically).
-    server = RemoteServer(tiny_model, [*LONG_SERVER_ARGS, "--shutdown-timeout", "0"])
+@pytest.mark.parametrize("cut", ["timeout", "second signal"])
+def test_shutdown_timeout_ends_streams_with_an_error_event(tiny_model, cut):
+    """A timeout of 0: nothing may finish, so every stream gets the error
+    (deterministically). A second signal while draining (a supervisor's repeated SIGTERM,
+    Ctrl-C twice) skips the wait the same way: the error event, then a quiet exit (uvicorn
+    cut the streams with no error event, and logged a traceback for each)."""
+    flags = ["--shutdown-timeout", "0" if cut == "timeout" else "60"]
+    server = RemoteServer(tiny_model, [*LONG_SERVER_ARGS, *flags])
     try:
         processes = descendants(server.proc.pid)
         connections = send_streams(server, STREAMS)
         wait_running(server)
         server.proc.send_signal(signal.SIGTERM)
+        if cut == "second signal":
+            deadline = time.monotonic() + 30
+            while "new requests are refused" not in server.log_text():
+                assert time.monotonic() < deadline, "the drain never started"
+                time.sleep(0.05)
+            server.proc.send_signal(signal.SIGINT)
         for connection in connections:
             status, events = read_stream(connection)
             assert status == 200 and events[-1] == "[DONE]", events[-3:]
             error = json.loads(events[-2])["error"]
-            assert error["code"] == 503 and "--shutdown-timeout" in error["message"]
+            assert error["code"] == 503 and "shutting down" in error["message"]
+            assert ("--shutdown-timeout" in error["message"]) == (cut == "timeout")
         _stop_and_wait(server, processes)
+        assert "Traceback" not in server.log_text()
     finally:
         server.stop()
 

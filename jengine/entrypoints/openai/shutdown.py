@@ -14,7 +14,9 @@ shuts the engine down once `serve` returns. On the first signal:
    aborted in the engine;
 4. uvicorn stops: it closes the listening socket and waits for the responses still being
    written; `serve` returns and the engine process is shut down. Exit code 0.
-A second signal skips the wait (uvicorn's own handling; SIGINT twice forces the exit).
+A second signal skips the wait of step 3: what is still running ends with the 503 error
+at once, then the server stops as in step 4 (uvicorn's own handling of it cut the streams
+with no error event, and logged each). A third is uvicorn's: the exit is forced.
 """
 
 import asyncio
@@ -47,14 +49,17 @@ class DrainingServer(uvicorn.Server):
         self.admission = admission
         self.shutdown_timeout = shutdown_timeout
         self._drain: asyncio.Task | None = None
+        self._hurried = False  # a second signal: the wait is skipped
 
     def handle_exit(self, sig: int, frame) -> None:
         # Runs in the main thread, between two steps of the event loop.
-        if self._drain is not None or self.should_exit:
+        if self._drain is None and not self.should_exit:
+            loop = asyncio.get_running_loop()
+            self._drain = loop.create_task(self._drain_then_exit(), name="graceful_shutdown")
+        elif self._drain is not None and not self._drain.done() and not self._hurried:
+            self._hurried = True
+        else:
             super().handle_exit(sig, frame)
-            return
-        loop = asyncio.get_running_loop()
-        self._drain = loop.create_task(self._drain_then_exit(), name="graceful_shutdown")
 
     def _unfinished(self) -> int:
         return max(self.admission.num_in_flight, self.engine.num_unfinished_requests)
@@ -70,13 +75,15 @@ class DrainingServer(uvicorn.Server):
             self.shutdown_timeout,
             self._unfinished(),
         )
-        while self._unfinished() and time.monotonic() < deadline:
+        while self._unfinished() and time.monotonic() < deadline and not self._hurried:
             if engine.errored:
                 break
             await asyncio.sleep(_POLL_SECONDS)
         self.admission.closed = True
         left = engine.num_unfinished_requests
         if left and not engine.errored:
-            logger.warning("shutdown timeout: ending %d unfinished requests with an error", left)
-            await engine.abort_all(shutting_down_error(f"{TIMED_OUT} ({self.shutdown_timeout:g}s)"))
+            why = "a second signal" if self._hurried else "shutdown timeout"
+            logger.warning("%s: ending %d unfinished requests with an error", why, left)
+            detail = "" if self._hurried else f"{TIMED_OUT} ({self.shutdown_timeout:g}s)"
+            await engine.abort_all(shutting_down_error(detail))
         self.should_exit = True
