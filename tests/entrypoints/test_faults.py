@@ -3,7 +3,8 @@ failure while building one request's output, or while formatting it, ends that r
 an error and nothing else; a client that reads its stream slowly stalls nobody; clients
 that hang up mid-generation get their sequences aborted and every KV block back; a request
 whose client-chosen id a running request holds runs beside it, and one used again once
-its request ended gets its own tokens; a failing
+its request ended gets its own tokens; a prompt of megabytes stalls nobody while it is
+tokenized; a failing
 engine step is logged with its request ids and takes the engine down cleanly into 503s.
 The server runs with JENGINE_FAULT_INJECTION set; the step fault kills its engine, so that
 test comes last."""
@@ -146,6 +147,26 @@ def test_a_slow_reader_stalls_nobody(server, http):
         for choice in httpx2.Response(200, content=event).json()["choices"]:
             texts[choice["index"]] += choice["text"]
     assert texts == [choice["text"] for choice in expected["choices"]]
+
+
+def test_a_huge_prompt_stalls_no_other_client(server, http):
+    """A prompt of megabytes takes seconds to tokenize, off the event loop: /health answers
+    meanwhile (it waited for the tokenizer: 11 s for 4 MB on 2 cores), and the prompt is
+    then refused as too long."""
+    body = {"model": MODEL_NAME, "prompt": "hello world " * 350_000, "max_tokens": 1}
+    answer = {}
+    sender = threading.Thread(
+        target=lambda: answer.update(response=http.post("/v1/completions", json=body, timeout=300))
+    )
+    sender.start()
+    time.sleep(1.0)  # sent, and being tokenized
+    started = time.monotonic()
+    assert http.get("/health").status_code == 200
+    waited = time.monotonic() - started
+    sender.join()
+    assert answer["response"].status_code == 400
+    assert "maximum context length" in answer["response"].json()["error"]["message"]
+    assert waited < 1.0, waited
 
 
 def test_a_request_id_in_use_runs_beside_it(server, http):
