@@ -124,6 +124,13 @@ def test_a_fault_building_one_output_ends_only_that_request(server, http, site):
     assert http.post("/v1/completions", json=BODY).json()["choices"][0]["text"] == expected
     if site == "output":
         assert "building the output of request cmpl-fault-output-stream" in server.log_text()
+        # A response stream ends with the error, then `response.failed` (OpenAI's last event
+        # of a response that failed: the stream had none).
+        body = {"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 8, "stream": True}
+        headers = {"X-Request-Id": "fault-output-response"}
+        with http.stream("POST", "/v1/responses", json=body, headers=headers) as response:
+            lines = [line for line in response.iter_lines() if line.startswith("event: ")]
+        assert lines[-2:] == ["event: error", "event: response.failed"]
 
 
 def test_a_slow_reader_stalls_nobody(server, http):

@@ -49,6 +49,9 @@ def test_a_plain_response_is_the_chat_answer(client):
     assert response.usage.output_tokens_details.reasoning_tokens == 0  # no reasoning parser
     salted = respond(client, input=QUESTION, max_output_tokens=32, extra_body={"cache_salt": "s"})
     assert salted.output_text == response.output_text
+    # The sampling knobs used, the model's defaults where none was asked (they were null).
+    defaults = client.responses.create(model="smollm2", input=QUESTION, max_output_tokens=1)
+    assert (defaults.temperature, defaults.top_p) == (1.0, 1.0)
 
 
 def test_vllms_extra_fields_apply_as_on_the_chat_route(client):

@@ -227,15 +227,20 @@ class OpenAIServingResponses(OpenAIServing):
         finish_reason: str | None,
         counts: StreamUsage,
         reasoning_tokens: int = 0,
+        error: dict | None = None,
     ) -> ResponseObject:
-        """The response with `output`; in progress while `finish_reason` is None. Its usage
-        always tells the cached input tokens and the reasoning tokens (OpenAI's Responses API
-        always has both fields)."""
+        """The response with `output`; in progress while `finish_reason` is None, failed
+        with an `error`. Its usage always tells the cached input tokens and the reasoning
+        tokens (OpenAI's Responses API always has both fields); its sampling knobs are the
+        ones used (the model's defaults where the request set none, as OpenAI's)."""
         status, incomplete = "completed", None
-        if finish_reason is None:
+        if error is not None:
+            status = "failed"
+        elif finish_reason is None:
             status = "in_progress"
         elif finish_reason == "length":
             status, incomplete = "incomplete", {"reason": "max_output_tokens"}
+        used = prepared.prompts[0].params
         return ResponseObject(
             id=prepared.request_id,
             created_at=prepared.created,
@@ -244,14 +249,14 @@ class OpenAIServingResponses(OpenAIServing):
             output=output,
             instructions=request.instructions,
             max_output_tokens=request.max_output_tokens,
-            temperature=request.temperature,
-            top_p=request.top_p,
+            temperature=used.temperature if request.temperature is None else request.temperature,
+            top_p=used.top_p if request.top_p is None else request.top_p,
             tools=request.tools or [],
             tool_choice=request.tool_choice or "auto",
             parallel_tool_calls=request.parallel_tool_calls is not False,
             text=request.text or {},
             usage=None
-            if finish_reason is None
+            if finish_reason is None and error is None
             else ResponseUsage(
                 input_tokens=counts.prompt_tokens,
                 output_tokens=counts.completion_tokens,
@@ -260,6 +265,7 @@ class OpenAIServingResponses(OpenAIServing):
                 output_tokens_details={"reasoning_tokens": reasoning_tokens},
             ),
             incomplete_details=incomplete,
+            error=error,
             metadata=request.metadata,
         )
 
@@ -307,3 +313,9 @@ class OpenAIServingResponses(OpenAIServing):
             yield events(
                 "error", code=str(error.status_code), message=error.message, param=error.param
             )
+            # The response ends failed, with what it had written (OpenAI's last event).
+            failed = {"code": "server_error", "message": error.message}
+            final = self.response_object(
+                request, prepared, items.output, finish_reason, counts, error=failed
+            )
+            yield events("response.failed", response=final)
