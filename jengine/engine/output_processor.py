@@ -154,9 +154,9 @@ class OutputProcessor:
     ) -> list[EngineCoreRequest]:
         """Register a user request (validated by the input processor); returns the
         engine-core sequences to send: the request under an id of its own (the user's
-        with this registration's number), or its n > 1 fan-out. Its
-        outputs are `output_kind`'s, by default its sampling params' (an embedding's one
-        final output whatever is asked). Raises ValueError if the id is already in use."""
+        with this registration's number), or its n > 1 fan-out. Its outputs are
+        `output_kind`'s, by default its sampling params' (an embedding's one final output
+        whatever is asked). Raises ValueError if the id is already in use."""
         request_id = request.request_id
         if self.in_use(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
