@@ -93,8 +93,9 @@ def step_times(num_running: int, steps: int, tokenizer) -> dict:
     for index in range(num_running):
         prompt = rng.integers(100, 31000, size=PROMPT_LEN).tolist()
         request = EngineCoreRequest(str(index), prompt, params)
-        output_processor.add_request(request, None, RequestOutputKind.DELTA)
-        scheduler.add_request(Request(str(index), prompt, params))
+        # The engine core knows it by the id of this registration.
+        [sequence] = output_processor.add_request(request, None, RequestOutputKind.DELTA)
+        scheduler.add_request(Request(sequence.request_id, prompt, params))
 
     parts = {"schedule": [], "runner": [], "update": [], "output_processing": []}
     decoding = False
@@ -113,6 +114,10 @@ def step_times(num_running: int, steps: int, tokenizer) -> dict:
             for name, seconds in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
                 parts[name].append(seconds)
         decoding = scheduler_output.total_num_scheduled_tokens == num_running
+    # What was timed processed every request's tokens (none is dropped as unknown).
+    taken = [len(state.output_token_ids) for state in output_processor.request_states.values()]
+    if len(taken) != num_running or min(taken) == 0:
+        raise RuntimeError("the output processor took no tokens of some requests")
     totals = [sum(step) for step in zip(*parts.values(), strict=True)]
     return dict(
         num_running=num_running,
