@@ -46,7 +46,6 @@ from jengine.entrypoints.openai.serving_engine import (
     EnginePrompt,
     OpenAIServing,
     PreparedRequest,
-    StreamUsage,
 )
 from jengine.entrypoints.openai.serving_models import ServingModels
 from jengine.entrypoints.openai.structured_outputs import (
@@ -61,6 +60,7 @@ from jengine.entrypoints.openai.tool_parsers import (
     ToolParser,
     get_tool_parser,
 )
+from jengine.entrypoints.openai.usage_counts import StreamUsage
 from jengine.outputs import CompletionOutput, RequestOutput
 from jengine.sampling_params import RequestOutputKind
 

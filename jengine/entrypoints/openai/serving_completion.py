@@ -27,9 +27,9 @@ from jengine.entrypoints.openai.serving_engine import (
     EnginePrompt,
     OpenAIServing,
     PreparedRequest,
-    StreamUsage,
 )
 from jengine.entrypoints.openai.structured_outputs import constraint_field
+from jengine.entrypoints.openai.usage_counts import StreamUsage
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput
 from jengine.sampling_params import RequestOutputKind
 

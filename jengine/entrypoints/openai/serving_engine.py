@@ -34,7 +34,6 @@ from jengine.entrypoints.openai.protocol import (
     MAX_STOP_SEQUENCES,
     UNSUPPORTED_FIELDS,
     OpenAIError,
-    PromptTokenUsageInfo,
     SamplingRequest,
     UsageInfo,
     now,
@@ -42,6 +41,7 @@ from jengine.entrypoints.openai.protocol import (
 )
 from jengine.entrypoints.openai.sampling_request import sampling_params_of
 from jengine.entrypoints.openai.serving_models import ServingModels
+from jengine.entrypoints.openai.usage_counts import StreamUsage, usage
 from jengine.fault_injection import FaultInjector
 from jengine.lora_request import LoRARequest
 from jengine.outputs import RequestOutput
@@ -76,42 +76,6 @@ class PreparedRequest:
     thinking: bool | None = None
     # The response's `created` (every chunk's, as OpenAI's): when the request was taken.
     created: int = field(default_factory=now)
-
-
-@dataclass
-class StreamUsage:
-    """Token counts of a stream so far; `stream_chunks` adds each choice's completion
-    tokens (`add`) and notes each prompt's cached tokens (by prompt index)."""
-
-    prompt_lengths: list[int]  # each prompt's tokens
-    completion_tokens: int = 0
-    cached_tokens: dict[int, int] = field(default_factory=dict)
-    with_details: bool = False  # --enable-prompt-tokens-details
-    n: int = 1  # choices per prompt: choice i answers prompt i // n
-    choice_tokens: dict[int, int] = field(default_factory=dict)
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(self.prompt_lengths)
-
-    @property
-    def num_cached_tokens(self) -> int:
-        return sum(self.cached_tokens.values())
-
-    def add(self, choice: int, num_tokens: int) -> None:
-        self.completion_tokens += num_tokens
-        self.choice_tokens[choice] = self.choice_tokens.get(choice, 0) + num_tokens
-
-    def info(self) -> UsageInfo:
-        cached = self.num_cached_tokens if self.with_details else None
-        return usage(self.prompt_tokens, self.completion_tokens, cached)
-
-    def of_choice(self, choice: int) -> UsageInfo:
-        """One choice's usage so far (continuous_usage_stats, as vLLM's): its prompt's
-        tokens and its own completion tokens."""
-        prompt = choice // self.n
-        cached = self.cached_tokens.get(prompt, 0) if self.with_details else None
-        return usage(self.prompt_lengths[prompt], self.choice_tokens.get(choice, 0), cached)
 
 
 class OpenAIServing:
@@ -391,20 +355,6 @@ class OpenAIServing:
 
 
 # -- small helpers ----------------------------------------------------------------------------
-
-
-def usage(
-    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
-) -> UsageInfo:
-    """OpenAI's usage; `prompt_tokens_details` only where `cached_tokens` is given."""
-    return UsageInfo(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=None
-        if cached_tokens is None
-        else PromptTokenUsageInfo(cached_tokens=cached_tokens),
-    )
 
 
 def sse(data: str) -> str:

@@ -53,7 +53,8 @@ from jengine.entrypoints.openai.responses_items import (
     output_items,
 )
 from jengine.entrypoints.openai.serving_chat import OpenAIServingChat
-from jengine.entrypoints.openai.serving_engine import OpenAIServing, PreparedRequest, StreamUsage
+from jengine.entrypoints.openai.serving_engine import OpenAIServing, PreparedRequest
+from jengine.entrypoints.openai.usage_counts import StreamUsage
 from jengine.outputs import RequestOutput
 
 # The `include` entry that asks for the output text's logprobs (other entries, such as
