@@ -42,7 +42,6 @@ def measure(shape, batch: int, repeats: int) -> dict:
     import jax.numpy as jnp
 
     from jengine.models.decoder import DecoderConfig
-    from jengine.models.layers import RopeConfig
     from jengine.models.moe import (
         dense_moe_mlp,
         experts_impl,
@@ -51,6 +50,7 @@ def measure(shape, batch: int, repeats: int) -> dict:
         moe_mlp,
         route,
     )
+    from jengine.models.rope_config import RopeConfig
 
     experts, top_k, hidden, width = shape
     config = DecoderConfig(

@@ -9,7 +9,7 @@ describes; the loader and the sharding code key on the names here.
 from dataclasses import dataclass
 from typing import ClassVar
 
-from jengine.models.layers import RopeConfig
+from jengine.models.rope_config import RopeConfig
 from jengine.pallas_kernels.quantized_matmul import QuantFormat
 
 LINEAR_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -25,7 +25,7 @@ from jengine.models.decoder import (
     sizes_from_hf,
     sliding_windows_from_hf,
 )
-from jengine.models.layers import RopeConfig
+from jengine.models.rope_config import RopeConfig
 
 _MODEL_TYPES = ("gemma2", "gemma3_text")
 _ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")

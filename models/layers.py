@@ -8,12 +8,12 @@ rotary angles are computed in float32 and cast back, as HF does, so f32 logits a
 """
 
 import functools
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+
+from jengine.models.rope_config import RopeConfig
 
 # A linear layer without its bias: [T, in] -> [T, out].
 Linear = Callable[[jax.Array], jax.Array]
@@ -62,86 +62,14 @@ def gated_mlp(x, gate_up, down: Linear, biases=None, *, activation="silu"):
     return out if biases is None else out + biases[2]
 
 
-@dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding parameters as HF writes them (`rope_parameters` or the older
-    `rope_theta` + `rope_scaling`). Supported types: default, linear, llama3; and a GGUF's
-    `freq_factors` (llama.cpp's rope_freqs: each inverse frequency's divisor)."""
-
-    head_dim: int
-    theta: float = 10000.0
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    partial_rotary_factor: float = 1.0
-    freq_factors: tuple[float, ...] | None = None
-
-    SUPPORTED = ("default", "linear", "llama3")
-
-    def __post_init__(self) -> None:
-        dim = int(self.head_dim * self.partial_rotary_factor)
-        if self.freq_factors is not None and len(self.freq_factors) != dim // 2:
-            raise ValueError(
-                f"rope freq_factors (a GGUF's rope_freqs) has {len(self.freq_factors)} values; "
-                f"the rotary dimension {dim} takes {dim // 2}"
-            )
-
-    @classmethod
-    def from_hf(cls, hf_config: dict, head_dim: int) -> "RopeConfig":
-        params = dict(hf_config.get("rope_parameters") or {})
-        legacy = hf_config.get("rope_scaling") or {}
-        params = {**legacy, **params}
-        theta = params.get("rope_theta", hf_config.get("rope_theta", 10000.0))
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type not in cls.SUPPORTED:
-            raise ValueError(
-                f"rope type {rope_type!r} is not supported (supported: {', '.join(cls.SUPPORTED)})"
-            )
-        return cls(
-            head_dim=head_dim,
-            theta=float(theta),
-            rope_type=rope_type,
-            factor=float(params.get("factor", 1.0)),
-            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(
-                params.get("original_max_position_embeddings", 8192)
-            ),
-            partial_rotary_factor=float(
-                params.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))
-            ),
-            freq_factors=tuple(params["freq_factors"]) if params.get("freq_factors") else None,
-        )
-
-    def inv_freq(self) -> jax.Array:
-        """[rotary_dim / 2] inverse frequencies, as HF's rope init functions compute them."""
-        dim = int(self.head_dim * self.partial_rotary_factor)
-        inv_freq = 1.0 / (self.theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
-        if self.freq_factors is not None:
-            inv_freq = inv_freq / jnp.asarray(self.freq_factors, jnp.float32)
-        if self.rope_type == "linear":
-            return inv_freq / self.factor
-        if self.rope_type == "llama3":
-            low_freq_wavelen = self.original_max_position_embeddings / self.low_freq_factor
-            high_freq_wavelen = self.original_max_position_embeddings / self.high_freq_factor
-            wavelen = 2 * math.pi / inv_freq
-            scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / self.factor, inv_freq)
-            smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor) / (
-                self.high_freq_factor - self.low_freq_factor
-            )
-            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
-            is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-            return jnp.where(is_medium, smoothed, scaled)
-        return inv_freq
-
-
 def rope_cos_sin(rope: RopeConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos/sin tables [T, rotary_dim] in f32 for the given positions (HF layout: halves)."""
-    freqs = positions.astype(jnp.float32)[:, None] * rope.inv_freq()[None, :]
+    """cos/sin tables [T, rotary_dim] in f32 for the given positions (HF layout: halves),
+    scaled by the rope's attention factor as HF scales them."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope.inv_freq())[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    if rope.attention_factor == 1.0:
+        return jnp.cos(emb), jnp.sin(emb)
+    return jnp.cos(emb) * rope.attention_factor, jnp.sin(emb) * rope.attention_factor
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -18,7 +18,7 @@ from jengine.models.decoder import (
     sizes_from_hf,
     sliding_windows_from_hf,
 )
-from jengine.models.layers import RopeConfig
+from jengine.models.rope_config import RopeConfig
 
 
 class LlamaForCausalLM(DecoderForCausalLM):

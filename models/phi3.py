@@ -5,8 +5,8 @@ layer's q, k and v projections as one `qkv_proj` tensor and its gate and up proj
 one `gate_up_proj` (gate first, as transformers' `chunk(2)` reads it); `Phi3Config` names
 them as fused weights, which the loader splits into the decoder's own (`fused_weights`), so
 sharding, quantization and weight updates see the usual q/k/v/gate/up. Its sliding window
-(`sliding_window`, in every layer) and partial rotary factor are the config's; "longrope"
-scaling (the 128k variants) is refused with the rope types that are supported.
+(`sliding_window`, in every layer) and partial rotary factor are the config's; the 128k
+variants' "longrope" scaling is served up to its original length (models/rope_config.py).
 """
 
 from dataclasses import dataclass, replace

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import logging
 import re
 
 import pytest
@@ -110,8 +111,12 @@ def test_max_model_len_past_the_trained_positions_needs_saying_so(tmp_path, monk
         ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, 600),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, 300),  # already scaled
         ({"model_type": "gemma3_text", "rope_scaling": {"type": "linear", "factor": 8}}, 300),
+        # YaRN scales its original length (Qwen2.5's 32K x 4 = 128K).
+        ({"rope_scaling": {"type": "yarn", "factor": 4.0,
+                           "original_max_position_embeddings": 100}}, 400),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, 600),
     ],
-)
+)  # fmt: skip
 def test_a_linear_rope_scaling_multiplies_the_context(tmp_path, monkeypatch, rope, context):
     """vLLM's reading: positions scaled linearly by a factor serve that many times
     max_position_embeddings (the context was a quarter of a 4x-scaled checkpoint's)."""
@@ -120,6 +125,33 @@ def test_a_linear_rope_scaling_multiplies_the_context(tmp_path, monkeypatch, rop
     assert EngineArgs(model=str(tmp_path)).create_engine_config().scheduler.max_model_len == context
     with pytest.raises(ValueError, match=f"context \\({context}:"):
         EngineArgs(model=str(tmp_path), max_model_len=context + 1).create_engine_config()
+
+
+@pytest.mark.parametrize(
+    ("rope", "exact"),
+    [
+        # Phi-3.5-mini's kind: 131072 positions, long factors past 4096 (here 300 / 64).
+        ({"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]},
+          "original_max_position_embeddings": 64}, 64),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, 300),
+    ],
+)  # fmt: skip
+def test_a_rope_that_changes_with_length_is_served_where_it_does_not(
+    tmp_path, monkeypatch, caplog, rope, exact
+):
+    """ "longrope" and "dynamic" frequencies depend on the sequence's length in transformers:
+    the default context stops where they are fixed, with a warning naming why, and a longer
+    max_model_len is refused even with JENGINE_ALLOW_LONG_MAX_MODEL_LEN (outputs past it
+    would differ from transformers' with no error)."""
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 300, **rope}))
+    monkeypatch.setenv("JENGINE_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    with caplog.at_level(logging.WARNING):
+        config = EngineArgs(model=str(tmp_path)).create_engine_config()
+    assert config.scheduler.max_model_len == exact
+    assert f"exact up to {exact} tokens" in caplog.text
+    assert EngineArgs(model=str(tmp_path), max_model_len=exact).create_engine_config()
+    with pytest.raises(ValueError, match=f"longer than {exact}: its '.*' rope is exact up to"):
+        EngineArgs(model=str(tmp_path), max_model_len=exact + 1).create_engine_config()
 
 
 @pytest.mark.parametrize(

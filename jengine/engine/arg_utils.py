@@ -10,6 +10,7 @@ folder's config.json or a GGUF's metadata).
 """
 
 import argparse
+import logging
 import os
 import secrets
 from dataclasses import dataclass, field, fields
@@ -29,7 +30,10 @@ from jengine.config import (
 )
 from jengine.config_checks import check_number_types
 from jengine.models.checkpoint import holds_base_model, read_hf_config, resolve_model
+from jengine.models.rope_config import exact_context_length, rope_parameters
 from jengine.pooling import PoolerConfig
+
+logger = logging.getLogger(__name__)
 
 # What a field's annotation admits (a numpy integer is an int; an int is a float).
 # Set to 1, max_model_len may exceed the checkpoint's context (trained_context_length).
@@ -38,15 +42,20 @@ ALLOW_LONG_MAX_MODEL_LEN = "JENGINE_ALLOW_LONG_MAX_MODEL_LEN"
 
 def trained_context_length(hf_config: dict) -> int | None:
     """The context a checkpoint was trained for, as vLLM reads it: max_position_embeddings,
-    times the factor of a linear rope scaling (a 4096-position model scaled 4x serves 16K).
-    Not Gemma 3's, whose factor scales its global layers only (vLLM leaves it too); llama3
-    scaling already states the scaled length."""
+    times the factor of a linear or dynamic rope scaling (a 4096-position model scaled 4x
+    serves 16K), or a YaRN scaling's original length times its factor. Not Gemma 3's,
+    whose factor scales its global layers only (vLLM leaves it too); llama3 and longrope
+    scalings already state the scaled length."""
     length = hf_config.get("max_position_embeddings")
-    rope = {**(hf_config.get("rope_scaling") or {}), **(hf_config.get("rope_parameters") or {})}
-    linear = rope.get("rope_type", rope.get("type")) == "linear"
-    if length is None or not linear or "gemma3" in str(hf_config.get("model_type")):
+    rope = rope_parameters(hf_config)
+    rope_type = rope.get("rope_type", rope.get("type"))
+    if length is None or "gemma3" in str(hf_config.get("model_type")) or "factor" not in rope:
         return length
-    return int(length * float(rope.get("factor", 1.0)))
+    if rope_type == "yarn":
+        length = rope.get("original_max_position_embeddings", length)
+    elif rope_type not in ("linear", "dynamic"):
+        return length
+    return int(length * float(rope["factor"]))
 
 
 @dataclass
@@ -108,8 +117,14 @@ class EngineArgs:
         else:
             hf_config = read_hf_config(model)  # fail here, not in the engine process
         trained_len = trained_context_length(hf_config)
+        exact_len, why = exact_context_length(hf_config) or (None, "")
         if max_model_len is None:
             max_model_len = trained_len or SchedulerConfig.max_model_len
+            if exact_len is not None and max_model_len > exact_len:
+                logger.warning("max_model_len is %d, not %d: %s", exact_len, max_model_len, why)
+                max_model_len = exact_len
+        elif exact_len is not None and max_model_len > exact_len:
+            raise ValueError(f"max_model_len={max_model_len} is longer than {exact_len}: {why}")
         elif (
             trained_len is not None
             and max_model_len > trained_len  # a number: check_number_types saw to it
@@ -117,8 +132,8 @@ class EngineArgs:
         ):
             raise ValueError(
                 f"max_model_len={max_model_len} is longer than the model's context "
-                f"({trained_len}: its max_position_embeddings, times a linear rope scaling's "
-                "factor): positions past it were never trained. Set "
+                f"({trained_len}: its max_position_embeddings, times a linear, dynamic or "
+                "YaRN rope scaling's factor): positions past it were never trained. Set "
                 f"{ALLOW_LONG_MAX_MODEL_LEN}=1 to allow it anyway (as vLLM's "
                 "VLLM_ALLOW_LONG_MAX_MODEL_LEN)"
             )

@@ -43,6 +43,40 @@ def test_ragged_mixed_batch_in_one_token_query_blocks(family_checkpoint):
     _check_ragged_mixed_batch(family_checkpoint, q_block_size=1)
 
 
+# Scaled ropes on a family that reads them (each family's config takes the same dict):
+# YaRN with transformers' defaults and with every knob set; LongRoPE (Phi-3.5's kind) with
+# its short factors and attention factor, within its original length (the sequences here
+# are at most 23 tokens); dynamic NTK within max_position_embeddings.
+SCALED_ROPES = {
+    "yarn": ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}),
+    "yarn-knobs": ("llama2", {
+        "rope_type": "yarn", "rope_theta": 50000.0, "factor": 8.0, "beta_fast": 16.0,
+        "beta_slow": 2.0, "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": False,
+        "original_max_position_embeddings": 12,
+    }),
+    "longrope": ("phi3", {
+        "rope_type": "longrope", "partial_rotary_factor": 0.5,
+        "short_factor": [1.0, 1.3, 2.1, 3.7], "long_factor": [5.0, 7.0, 9.0, 11.0],
+    }),
+    "dynamic": ("llama2", {"rope_type": "dynamic", "factor": 2.0}),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=sorted(SCALED_ROPES))
+def scaled_rope_checkpoint(request, tmp_path_factory):
+    family, rope = SCALED_ROPES[request.param]
+    overrides = {"rope_parameters": {"rope_theta": 10000.0, **rope}}
+    if family == "phi3":
+        overrides["original_max_position_embeddings"] = 32
+    path = tmp_path_factory.mktemp(request.param)
+    hf_model = make_checkpoint(family, str(path), config_overrides=overrides)
+    return request.param, hf_model, load_model(str(path), dtype="float32")
+
+
+def test_scaled_ropes_match_transformers(scaled_rope_checkpoint):
+    _check_ragged_mixed_batch(scaled_rope_checkpoint, q_block_size=4)
+
+
 def _check_ragged_mixed_batch(family_checkpoint, q_block_size: int):
     _, hf_model, model = family_checkpoint
     seqs = _sequences(1, [13, 9, 20, 6])

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from jengine.models.decoder import DecoderConfig
-from jengine.models.layers import RopeConfig
 from jengine.models.moe import (
     dense_moe_mlp,
     experts_impl,
@@ -21,6 +20,7 @@ from jengine.models.moe import (
     moe_mlp,
     route,
 )
+from jengine.models.rope_config import RopeConfig
 
 D, F, E, LAYERS = 64, 48, 6, 3
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jengine.models import AttentionMetadata, LlamaConfig, LlamaForCausalLM
-from jengine.models.layers import RopeConfig
+from jengine.models.rope_config import RopeConfig
 
 CONFIG = LlamaConfig(
     vocab_size=128,
