@@ -326,17 +326,24 @@ class OutputProcessor:
         state.output_token_ids.extend(new_token_ids)
         if output.new_logprobs is not None and state.logprobs is not None:
             num = len(new_token_ids)
-            for row in self._logprob_dicts(output.new_logprobs, state.num_logprobs or 0)[:num]:
-                state.logprobs.append(row)
+            rows = self._logprob_dicts(state, output.new_logprobs, state.num_logprobs or 0)
+            state.logprobs.extend(rows[:num])
             state.cumulative_logprob += sum(r[0] for r in output.new_logprobs.logprobs[:num])
         if output.new_prompt_logprobs is not None:
-            rows = self._logprob_dicts(output.new_prompt_logprobs, state.num_prompt_logprobs or 0)
+            rows = self._logprob_dicts(
+                state, output.new_prompt_logprobs, state.num_prompt_logprobs or 0
+            )
             if state.prompt_logprobs is None:
                 state.prompt_logprobs = [None]
             state.prompt_logprobs.extend(rows)
 
-    def _logprob_dicts(self, lists: LogprobsLists, num: int) -> list[dict[int, Logprob]]:
-        decode = self.tokenizer.decode if self.tokenizer is not None else (lambda ids: None)
+    def _logprob_dicts(
+        self, state: RequestState, lists: LogprobsLists, num: int
+    ) -> list[dict[int, Logprob]]:
+        """Each position's sampled (or prompt) token and its top `num`; their text only
+        where the request is detokenized (as vLLM's, decoded_token is None otherwise)."""
+        tokenizer = self.tokenizer if state.detokenizer.params.detokenize else None
+        decode = tokenizer.decode if tokenizer is not None else (lambda ids: None)
         rows = []
         for ids, values, rank in zip(lists.token_ids, lists.logprobs, lists.ranks, strict=True):
             row = {ids[0]: Logprob(values[0], rank, decode([ids[0]]))}

@@ -5,7 +5,7 @@ import pytest
 
 from jengine.engine.detokenizer import IncrementalDetokenizer
 from jengine.engine.output_processor import OutputProcessor
-from jengine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
+from jengine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 from jengine.sampling_params import RequestOutputKind, SamplingParams
 from tests.entrypoints.tiny_model import make_tokenizer
 
@@ -39,6 +39,41 @@ def _run(tokenizer, params, kind, token_ids, *, finish=None, stop_reason=None, s
         if abort:
             break
     return outputs, aborted, processor
+
+
+@pytest.mark.parametrize("detokenize", [True, False])
+def test_detokenize_false_gives_no_text_and_no_decoded_tokens(tokenizer, detokenize):
+    """vLLM's detokenize=False: tokens and logprobs without any text, the logprobs'
+    decoded_token included (the tokenizer decoded every top token of every row)."""
+    processor = OutputProcessor(tokenizer)
+    prompt = tokenizer.encode("Hark:")
+    params = SamplingParams(max_tokens=2, logprobs=1, prompt_logprobs=1, detokenize=detokenize)
+    [sequence] = processor.add_request(EngineCoreRequest("r", prompt, params), "Hark:")
+    ids = tokenizer.encode(" winter of")[:2]
+
+    def rows(tokens: list[int]) -> LogprobsLists:
+        return LogprobsLists([[t, t + 1] for t in tokens], [[-0.5, -1.0]] * len(tokens),
+                             [1] * len(tokens))  # fmt: skip
+
+    core = EngineCoreOutput(
+        sequence.request_id,
+        ids,
+        new_logprobs=rows(ids),
+        new_prompt_logprobs=rows(prompt[1:]),
+        finish_reason=FinishReason.LENGTH,
+    )
+    [output] = processor.process_outputs([core]).request_outputs
+    completion = output.outputs[0]
+    assert completion.token_ids == ids
+    assert (completion.text != "") == detokenize
+    top = [
+        (token_id, logprob.decoded_token)
+        for row in completion.logprobs + output.prompt_logprobs[1:]
+        for token_id, logprob in row.items()
+    ]
+    assert len(top) == 2 * (len(ids) + len(prompt) - 1)
+    for token_id, text in top:
+        assert text == (tokenizer.decode([token_id]) if detokenize else None)
 
 
 def test_incremental_text_equals_full_decode(tokenizer):
