@@ -242,8 +242,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             self.top_k,
         )
         _require(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]", self.min_p)
+        # 64 bits, as torch's generators take (vLLM's); a larger seed would wrap onto another.
         _require(
-            self.seed is None or isinstance(self.seed, int), "seed", "must be an int", self.seed
+            self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64),
+            "seed",
+            "must be an int of at most 64 bits (from -2**63 to 2**64 - 1)",
+            self.seed,
         )
         _require(
             all(isinstance(s, str) and s for s in self.stop),

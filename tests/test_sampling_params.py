@@ -51,6 +51,8 @@ def test_normalization():
         ({"logit_bias": {-1: 1.0}}, "logit_bias"),
         ({"logit_bias": {1: float("inf")}}, "logit_bias"),
         ({"seed": 1.5}, "seed"),
+        ({"seed": 2**64}, "seed"),  # it wrapped onto seed 0
+        ({"seed": -(2**63) - 1}, "seed"),
         # Wrong types: a TypeError of a comparison once, naming no field.
         ({"temperature": "0.5"}, "temperature"),
         ({"top_p": "1"}, "top_p"),
