@@ -52,6 +52,10 @@ def test_a_plain_response_is_the_chat_answer(client):
     # The sampling knobs used, the model's defaults where none was asked (they were null).
     defaults = client.responses.create(model="smollm2", input=QUESTION, max_output_tokens=1)
     assert (defaults.temperature, defaults.top_p) == (1.0, 1.0)
+    # The text format echoed as OpenAI's: its type alone (a "name" came with every one).
+    assert defaults.text.to_dict() == {"format": {"type": "text"}}
+    text = {"format": {"type": "json_object"}}
+    assert respond(client, input=QUESTION, max_output_tokens=1, text=text).text.to_dict() == text
 
 
 def test_vllms_extra_fields_apply_as_on_the_chat_route(client):
@@ -264,7 +268,7 @@ def test_a_json_schema_text_format_validates(client):
     answer = json.loads(response.output_text)
     jsonschema.validate(answer, schema)
     assert "Paris" in answer["city"]
-    assert response.text.format.type == "json_schema"
+    assert response.text.to_dict() == text
 
 
 @pytest.mark.parametrize(

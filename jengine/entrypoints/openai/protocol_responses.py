@@ -9,7 +9,7 @@ result, refused by serving_responses.py with a 400 naming them.
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_serializer
 
 from jengine.entrypoints.openai.protocol import _INT64, OpenAIBaseModel, RequestModel
 from jengine.entrypoints.openai.protocol_chat import ToolParameters
@@ -31,13 +31,21 @@ class FunctionToolChoice(OpenAIBaseModel):
 
 
 class TextFormat(OpenAIBaseModel):
-    """`text.format`: plain text, any JSON object, or JSON under a schema."""
+    """`text.format`: plain text, any JSON object, or JSON under a schema. Echoed as
+    OpenAI's response gives it: the schema's fields only for "json_schema", and only
+    those the request set."""
 
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
+
+    @model_serializer(mode="wrap")
+    def _echo(self, handler) -> dict[str, Any]:
+        if self.type != "json_schema":
+            return {"type": self.type}
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class TextConfig(OpenAIBaseModel):
