@@ -10,6 +10,7 @@ The server runs with JENGINE_FAULT_INJECTION set; the step fault kills its engin
 test comes last."""
 
 import asyncio
+import json
 import threading
 import time
 
@@ -156,15 +157,23 @@ def test_a_slow_reader_stalls_nobody(server, http):
     assert texts == [choice["text"] for choice in expected["choices"]]
 
 
-def test_a_huge_prompt_stalls_no_other_client(server, http):
+@pytest.mark.parametrize("chunked", [False, True], ids=["sized", "chunked"])
+def test_a_huge_prompt_stalls_no_other_client(server, http, chunked):
     """A prompt of megabytes takes seconds to tokenize, off the event loop: /health answers
     meanwhile (it waited for the tokenizer: 11 s for 4 MB on 2 cores), and the prompt is
-    then refused as too long."""
+    then refused as too long. Also when the body comes chunked, with no Content-Length
+    (it was tokenized on the event loop then)."""
     body = {"model": MODEL_NAME, "prompt": "hello world " * 350_000, "max_tokens": 1}
+    data = json.dumps(body).encode()
+    content = iter([data[i : i + 65536] for i in range(0, len(data), 65536)]) if chunked else data
+    headers = {"content-type": "application/json"}
+
+    def send():
+        answer["response"] = http.post("/v1/completions", content=content, headers=headers,
+                                       timeout=300)  # fmt: skip
+
     answer = {}
-    sender = threading.Thread(
-        target=lambda: answer.update(response=http.post("/v1/completions", json=body, timeout=300))
-    )
+    sender = threading.Thread(target=send)
     sender.start()
     time.sleep(1.0)  # sent, and being tokenized
     started = time.monotonic()

@@ -103,12 +103,13 @@ async def generation_response(
 # A body this large is prepared (its template rendered, its text tokenized: seconds for
 # megabytes) in a worker thread, where the tokenizer lets go of the GIL: a 4 MB prompt held
 # every other stream and /health for 11 s. Smaller ones stay on the event loop, in the
-# order they came.
+# order they came. A chunked body has no Content-Length: its bytes, already read and kept
+# by the request, are counted.
 _PREPARE_ASIDE_BYTES = 256 * 1024
 
 
 async def _prepare(serving, body, raw_request: Request):
-    size = int(raw_request.headers.get("content-length") or 0)
+    size = int(raw_request.headers.get("content-length") or 0) or len(await raw_request.body())
     if size < _PREPARE_ASIDE_BYTES:
         return serving.prepare(body)
     return await asyncio.to_thread(serving.prepare, body)
