@@ -107,7 +107,26 @@ def make_parser() -> argparse.ArgumentParser:
     # Optional only to argparse, whose error for a missing one named `options` as missing too.
     bench.add_argument("benchmark", nargs="?", choices=BENCHMARKS)
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own flags")
+    for command in (serve, generate, chat):
+        _show_defaults(command)
     return parser
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every flag's help names its default where it has one and does not say it already
+    (`%(default)s`: the value at --help time, after a command's set_defaults)."""
+    for action in parser._actions:
+        default, text = action.default, action.help
+        if (
+            not action.option_strings
+            or default is None
+            or default is False  # a store_true flag (not 0, which `in` would take for it)
+            or default == argparse.SUPPRESS
+            or text is argparse.SUPPRESS
+            or "default" in (text or "")
+        ):
+            continue
+        action.help = f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
 def cmd_serve(args: argparse.Namespace) -> None:

@@ -204,6 +204,25 @@ def test_serve_flags_out_of_range_are_refused(capsys, flag, value, error):
     assert error in capsys.readouterr().err
 
 
+def test_help_names_every_flags_default(capsys):
+    """Each flag with a default says it in --help (--port, --seed, --block-size,
+    --enable-prefix-caching... said nothing), the command's own where it sets one."""
+    expected = {
+        "serve": ["--port PORT           default: 8000", "--seed SEED           default: 0",
+                  "tokens per KV-cache block (default: 16)", "requests running at once "
+                  "(default: 128)"],
+        "generate": ["requests running at once (default: 1)",
+                     "--max-tokens MAX_TOKENS default: 64"],
+    }  # fmt: skip
+    for command, phrases in expected.items():
+        with pytest.raises(SystemExit):
+            make_parser().parse_args([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        for phrase in phrases:
+            assert " ".join(phrase.split()) in text, (command, phrase)
+        assert "(default: None)" not in text and "default: False" not in text
+
+
 def test_ctrl_c_in_a_one_shot_command_exits_quietly(monkeypatch, capsys):
     """Ctrl-C during `jengine generate` (loading, compiling or streaming): exit 130, as a
     shell reports SIGINT, without the traceback it printed."""
