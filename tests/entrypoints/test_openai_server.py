@@ -768,6 +768,13 @@ def test_models_tokenize_detokenize_version_health_metrics(server, client, http,
     ):
         metric(text, name)
     assert metric(text, "jengine:generation_tokens_total") >= 4
+    # vLLM's cache_config_info: the cache's settings as labels, value 1.
+    [info] = [line for line in text.splitlines() if line.startswith("jengine:cache_config_info{")]
+    assert info.endswith(" 1.0")
+    total = metric(text, "jengine:kv_cache_total_blocks")
+    for label in ('block_size="16"', 'enable_prefix_caching="True"', 'kv_cache_dtype="auto"',
+                  f'num_gpu_blocks="{int(total) + 1}"'):  # fmt: skip
+        assert label in info, (label, info)
     assert metric(text, "jengine:time_to_first_token_seconds_count") >= 1
     assert 'jengine:request_success_total{finished_reason="length",model_name="tiny"}' in text
     # The periodic stats line (every second here).

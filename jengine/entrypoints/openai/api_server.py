@@ -87,7 +87,9 @@ def build_app(
     `allow_runtime_lora_updating`: the load/unload endpoints answer (else 404)."""
     model_path = engine.config.model.model
     names = list(served_model_names or [model_path])
-    prometheus = PrometheusStatLogger(names[0], engine.num_blocks, engine.max_model_len)
+    prometheus = PrometheusStatLogger(
+        names[0], engine.num_blocks, engine.max_model_len, engine.config.cache
+    )
     engine.stat_loggers.append(prometheus)
     models = ServingModels(names, model_path, engine.max_model_len, lora_modules)
     chat = OpenAIServingChat(

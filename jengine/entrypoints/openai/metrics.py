@@ -12,6 +12,8 @@ after warmup), summed over data-parallel replicas, with each replica's requests 
 Each app gets its own CollectorRegistry, so several apps in one process do not clash.
 """
 
+from dataclasses import fields
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -21,6 +23,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from jengine.config import CacheConfig
 from jengine.engine.stats import FinishedRequestStats, IterationStats, StatLoggerBase
 from jengine.protocol import SchedulerStats
 
@@ -56,10 +59,24 @@ __all__ = ["CONTENT_TYPE_LATEST", "PrometheusStatLogger"]
 
 
 class PrometheusStatLogger(StatLoggerBase):
-    def __init__(self, model_name: str, num_blocks: int, max_model_len: int):
+    def __init__(
+        self,
+        model_name: str,
+        num_blocks: int,
+        max_model_len: int,
+        cache_config: CacheConfig | None = None,
+    ):
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
+        if cache_config is not None:
+            # vLLM's info gauge: the cache's settings as labels, value 1; num_gpu_blocks is
+            # the count allocated (the null block included), the override as asked.
+            info = {f.name: str(getattr(cache_config, f.name)) for f in fields(cache_config)}
+            info["num_gpu_blocks_override"] = info.pop("num_gpu_blocks")
+            info["num_gpu_blocks"] = str(num_blocks)
+            Gauge("jengine:cache_config_info", "The KV cache's settings (labels)",
+                  sorted(info), registry=r).labels(**info).set(1)  # fmt: skip
 
         def gauge(name, doc):
             return Gauge(name, doc, labels, registry=r).labels(model_name)
