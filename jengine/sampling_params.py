@@ -350,3 +350,28 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def clone(self) -> SamplingParams:
         """A deep copy (the lists and dict are not shared), e.g. one per n-way child."""
         return copy.deepcopy(self)
+
+
+class BeamSearchParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """vLLM's parameters of `LLM.beam_search` (jengine/beam_search.py): `beam_width` beams
+    grown for at most `max_tokens` tokens each; `temperature` 0 takes each beam's top
+    2 x beam_width candidates, above 0 its sampled token joins them; `length_penalty`
+    ranks the finished beams (cumulative logprob / length ** length_penalty)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            _require(ok, name, "must be an int of at least 1", value)
+        for name in ("temperature", "length_penalty"):
+            value = getattr(self, name)
+            ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+            _require(ok and math.isfinite(value), name, "must be a finite number", value)
+        _require(self.temperature >= 0, "temperature", "must be at least 0", self.temperature)

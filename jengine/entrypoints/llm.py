@@ -17,35 +17,25 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import fields
 
-import jax
 import msgspec
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
+from jengine.beam_search import BeamSearchOutput, beam_search
 from jengine.engine.arg_utils import EngineArgs
 from jengine.engine.core import EngineCore
 from jengine.engine.llm_engine import LLMEngine
 from jengine.engine.tokenizer import load_tokenizer
+from jengine.entrypoints.llm_params import own_module_copy, own_module_from_params
 from jengine.entrypoints.openai.cli_args import take_met_offline
 from jengine.lora_request import LoRARequest
-from jengine.models import (
-    model_from_params,
-    quantized_params,
-    read_hf_config,
-    resolve_architecture,
-    resolve_dtype,
-    resolve_model,
-)
-from jengine.models.checkpoint import gguf_file
 from jengine.models.default import default_model, describe_default
-from jengine.models.gguf_loader import gguf_layout
 from jengine.models.lora import adapter_from_weights
-from jengine.models.param_tree import flatten, unflatten
 from jengine.outputs import EmbeddingRequestOutput, RequestOutput
 from jengine.pooling import PoolingParams
-from jengine.sampling_params import RequestOutputKind, SamplingParams
+from jengine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +93,9 @@ class LLM:
                     f"tensor_parallel_size={size} but the mesh has {len(devices)} devices"
                 )
         if module is None and params is not None:
-            module = _module_from_params(path, params, dtype, engine_kwargs.get("quantization"))
+            module = own_module_from_params(path, params, dtype, engine_kwargs.get("quantization"))
         elif module is not None:
-            module = _module_copy(module, params, dtype)
+            module = own_module_copy(module, params, dtype)
         if module is not None and engine_kwargs.get("max_model_len") is None:
             engine_kwargs["max_model_len"] = module.config.max_position_embeddings
         config = EngineArgs(model=path, **engine_kwargs).create_engine_config()
@@ -144,6 +134,18 @@ class LLM:
         # An empty list is a list of the wrong length, not "none given".
         params = self.get_default_sampling_params() if sampling_params is None else sampling_params
         return self._run_prompts(prompts, params, use_tqdm, priority, lora_request)
+
+    def beam_search(
+        self,
+        prompts,
+        params: BeamSearchParams,
+        lora_request: LoRARequest | None = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search: the best `params.beam_width` continuations of each prompt (a
+        string, token ids or a prompt dict), in order (jengine/beam_search.py)."""
+        del use_tqdm  # vLLM's; a step is one short generate, shown by none
+        return beam_search(self, prompts, params, lora_request)
 
     def embed(
         self,
@@ -349,51 +351,3 @@ def _token_ids_as_ints(prompt):
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], numbers.Integral):
         return [int(t) if isinstance(t, numbers.Integral) else t for t in prompt]
     return prompt
-
-
-def _module_from_params(path: str, params, dtype, quantization: str | None) -> nnx.Module:
-    path = resolve_model(path)
-    if isinstance(params, nnx.State):
-        params = nnx.to_pure_dict(params)
-    params = _own_copies(params)
-    gguf_path = gguf_file(path)
-    if gguf_path is not None and quantization in (None, "gguf") and _holds_packed(params):
-        # What load_model gives for a GGUF: the weights of the kept types still packed.
-        layout = gguf_layout(gguf_path)
-        return model_from_params(layout.model_cls, layout.config, params, resolve_dtype(dtype))
-    hf_config = read_hf_config(path)
-    model_cls, config_cls = resolve_architecture(hf_config)
-    config = config_cls.from_hf(hf_config)
-    params, config = quantized_params(params, config, quantization, hf_config)
-    return model_from_params(model_cls, config, params, resolve_dtype(dtype))
-
-
-def _holds_packed(params: dict) -> bool:
-    """Whether a params tree holds quantized weights (each a dict of packed arrays)."""
-    layers = params.get("layers") if isinstance(params, dict) else None
-    weights = [*params.values(), *(layers.values() if isinstance(layers, dict) else ())]
-    return any(isinstance(w, dict) for w in weights if w is not layers)
-
-
-def _module_copy(module: nnx.Module, params, dtype) -> nnx.Module:
-    """The engine's own copy of a caller's module, with `params` (a State or nested dict,
-    whole or in part) over its weights, in `dtype` ("auto": the module's own)."""
-    weights = dict(flatten(nnx.to_pure_dict(nnx.state(module, nnx.Param))))
-    if isinstance(params, nnx.State):
-        params = nnx.to_pure_dict(params)
-    if params is not None:
-        weights.update(flatten(params))
-    dtype = module.dtype if dtype in (None, "auto") else resolve_dtype(dtype)
-    return model_from_params(type(module), module.config, _own_copies(unflatten(weights)), dtype)
-
-
-def _own_copies(params):
-    """The engine's own copy of every array, on the caller's devices: a train step that
-    donates (or edits) the caller's arrays next must not reach the engine's weights."""
-
-    def copy(x):
-        if isinstance(x, jax.Array):
-            return jax.device_put(x, x.sharding, may_alias=False)
-        return np.array(x) if isinstance(x, np.ndarray) else x
-
-    return jax.tree.map(copy, params)

@@ -18,6 +18,7 @@ from flax import nnx
 from jengine import LLM, SamplingParams
 from jengine.models.checkpoint import installed_smollm2
 from jengine.runner.kv_cache_sizing import weight_bytes
+from jengine.sampling_params import BeamSearchParams
 from tests.engine.engine_helpers import hf_teacher_forced
 from tests.runner.test_huge_pages import collapse_expected, mappings_over
 
@@ -107,6 +108,25 @@ def llm():
 def _chat_prompts(llm) -> list[list[int]]:
     render = llm.llm_engine.input_processor.render_chat
     return [render([{"role": "user", "content": q}])[1] for q in QUESTIONS]
+
+
+def test_beam_search_answers_and_leaves_off_the_eos(llm):
+    """`LLM.beam_search` on a real chat prompt: the best beam is the answer, beams that end
+    do so on EOS, and their text is the beam's own tokens without it (with it when
+    include_stop_str_in_output)."""
+    prompt = _chat_prompts(llm)[0]
+    eos = llm.llm_engine.input_processor.eos_token_id
+    tokenizer = llm.get_tokenizer()
+    for include in (False, True):
+        params = BeamSearchParams(beam_width=3, max_tokens=12, include_stop_str_in_output=include)
+        [output] = llm.beam_search({"prompt_token_ids": prompt}, params)
+        best = output.sequences[0]
+        assert best.finish_reason == "stop" and "Paris" in best.text
+        for beam in output.sequences:
+            own = beam.tokens[len(prompt) :]
+            assert (own[-1] == eos) == (beam.finish_reason == "stop")
+            ended = beam.finish_reason == "stop"
+            assert beam.text == tokenizer.decode(own[:-1] if ended and not include else own)
 
 
 def test_the_kept_weights_are_near_the_files_size(llm):
