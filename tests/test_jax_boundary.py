@@ -19,6 +19,7 @@ JAX_FREE_MODULES = [
     "jengine.request",
     "jengine.outputs",
     "jengine.sampling_params",
+    "jengine.beam_search",
     "jengine.engine.arg_utils",
     "jengine.engine.client",
     "jengine.engine.async_llm",

@@ -303,6 +303,31 @@ def test_disconnects_return_kv_blocks(server, http):
     assert again.json()["usage"]["completion_tokens"] == 3
 
 
+def test_a_beam_search_the_client_leaves_stops(server, http):
+    """use_beam_search runs a step of engine requests after another: a client that hangs
+    up mid-search stops it (no further step starts) and every block comes back."""
+    start = wait_until_idle(http, engine_gauges(http)["kv_cache_total_blocks"])
+    body = {**BODY, "max_tokens": 500, "n": 4, "use_beam_search": True}
+
+    async def run():
+        async with httpx2.AsyncClient(base_url=server.url_for(), timeout=120) as aclient:
+            task = asyncio.create_task(aclient.post("/v1/completions", json=body))
+            deadline = time.monotonic() + 60
+            while metric((await aclient.get("/metrics")).text,
+                         "jengine:num_requests_running") == 0:  # fmt: skip
+                assert time.monotonic() < deadline and not task.done()
+                await asyncio.sleep(0.01)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(run())
+    wait_until_idle(http, start["kv_cache_free_blocks"])
+    generated = metric(http.get("/metrics").text, "jengine:generation_tokens_total")
+    time.sleep(1.0)  # a search still going would have run more steps by now
+    assert metric(http.get("/metrics").text, "jengine:generation_tokens_total") == generated
+    assert http.post("/v1/completions", json={**BODY, "max_tokens": 3}).status_code == 200
+
+
 def test_a_failing_engine_step_dies_cleanly_into_503s(server, http):
     neighbour = Background(http, {**BODY, "max_tokens": 1000})
     while not neighbour.events:  # running: in the failing step too

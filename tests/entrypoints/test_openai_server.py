@@ -425,13 +425,49 @@ def test_chat_n_stop_logprobs_echo(client):
     assert streamed == reply
 
 
-def test_served_text_equals_llm_generate(client, tiny_model):
-    from jengine import LLM, SamplingParams
+@pytest.fixture(scope="module")
+def offline_llm(tiny_model):
+    """The server's model and engine settings in this process (LLM)."""
+    from jengine import LLM
+
+    return LLM(tiny_model, **ENGINE_ARGS)
+
+
+def test_use_beam_search_answers_llm_beam_searchs_beams(client, offline_llm):
+    """vLLM's use_beam_search: the n choices are LLM.beam_search's beams, best first, with
+    their text, logprobs and finish reasons, whole and streamed, in completions and chat;
+    usage counts every beam's tokens."""
+    from jengine.sampling_params import BeamSearchParams
+
+    beams = dict(use_beam_search=True, length_penalty=0.5)
+    full = complete(client, prompt=PROMPT, max_tokens=6, n=3, logprobs=1, extra_body=beams)
+    params = BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5)
+    [offline] = offline_llm.beam_search(PROMPT, params)
+    choices = sorted(full.choices, key=lambda c: c.index)
+    assert [c.text for c in choices] == [b.text for b in offline.sequences]
+    assert [c.finish_reason for c in choices] == [b.finish_reason for b in offline.sequences]
+    tokenizer = offline_llm.get_tokenizer()
+    for choice, beam in zip(choices, offline.sequences, strict=True):
+        own = beam.tokens[-len(choice.logprobs.token_logprobs) :]
+        assert sum(choice.logprobs.token_logprobs) == pytest.approx(beam.cum_logprob, abs=1e-4)
+        assert choice.logprobs.tokens == [tokenizer.decode([t]) for t in own]
+    assert full.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in choices)
+    streamed = {}
+    for chunk in complete(client, prompt=PROMPT, max_tokens=6, n=3, stream=True, extra_body=beams):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[i] for i in range(3)] == [c.text for c in choices]
+    reply = chat(client, messages=MESSAGES, max_tokens=6, n=2, extra_body=beams)
+    assert len(reply.choices) == 2 and reply.choices[0].message.content
+
+
+def test_served_text_equals_llm_generate(client, offline_llm):
+    from jengine import SamplingParams
 
     prompts = [PROMPT, "Hello, world!", "Blocks of sixteen tokens"]
     served = [complete(client, prompt=p, max_tokens=24).choices[0].text for p in prompts]
     served_chat = chat(client, messages=MESSAGES, max_tokens=24).choices[0].message.content
-    llm = LLM(tiny_model, **ENGINE_ARGS)
+    llm = offline_llm
     params = SamplingParams(temperature=0.0, max_tokens=24)
     offline = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
     assert served == offline
@@ -581,8 +617,12 @@ BAD_COMPLETIONS = [
     ({"prompt": "Hi \ud800"}, "prompt"),
     ({"prompt": ["Hi", "\udfff"]}, "prompt.1"),
     # vLLM's fields jengine does not implement: refused, not ignored.
-    ({"prompt": PROMPT, "use_beam_search": True, "n": 2}, "use_beam_search"),
     ({"prompt": PROMPT, "prompt_embeds": "AAAA"}, "prompt_embeds"),
+    # Beam search takes no sampling knobs it would not apply (vLLM ignores them).
+    ({"prompt": PROMPT, "use_beam_search": True, "n": 2, "stop": ["x"]}, "stop"),
+    ({"prompt": PROMPT, "use_beam_search": True, "n": 2, "guided_choice": ["a"]}, "guided_choice"),
+    ({"prompt": PROMPT, "use_beam_search": True, "n": 11}, "n"),
+    ({"prompt": PROMPT, "length_penalty": 0.5}, "length_penalty"),
 ]
 
 BAD_CHATS = [

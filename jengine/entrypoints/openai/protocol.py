@@ -199,13 +199,16 @@ class SamplingRequest(RequestModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's beam search: n beams (entrypoints/openai/beam_requests.py).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 # vLLM's request fields that jengine does not implement: set, each is a 400 naming it,
 # where an unknown field would be accepted and ignored (a user asking for beam search or
 # a prompt's embeddings must not get an ordinary answer as if they had been applied).
 UNSUPPORTED_FIELDS = (
-    "use_beam_search",
+    "use_beam_search",  # declared (so never extra) on the completion and chat routes
     "logits_processors",
     "prompt_embeds",
     "repetition_detection",

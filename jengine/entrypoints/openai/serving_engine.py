@@ -27,6 +27,7 @@ from pydantic import BaseModel
 from jengine.engine.input_processor import check_truncation
 from jengine.engine.output_processor import RequestError
 from jengine.entrypoints.openai.async_merge import merge_async_iterators
+from jengine.entrypoints.openai.beam_requests import beam_outputs, check_beam_request
 from jengine.entrypoints.openai.errors import engine_dead_error, param_of, to_openai_error
 from jengine.entrypoints.openai.logprob_format import LogprobFormat
 from jengine.entrypoints.openai.protocol import (
@@ -126,6 +127,7 @@ class OpenAIServing:
         if request.stream_options is not None and not request.stream:
             raise OpenAIError("stream_options needs stream=true", param="stream_options")
         self.check_extra_fields(request)
+        check_beam_request(request, self.engine.input_processor.max_logprobs)
         self.check_truncation(request.truncate_prompt_tokens)
         if request.stream and request.prompt_logprobs is not None:
             # vLLM refuses them above 0 and streams none at 0: nothing silently dropped here.
@@ -257,7 +259,10 @@ class OpenAIServing:
         self, request: SamplingRequest, prepared: PreparedRequest, kind: RequestOutputKind
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) of every prompt's engine request, as they arrive; closing
-        it aborts the requests still running."""
+        it aborts the requests still running. With use_beam_search: each prompt's beams,
+        once, as one finished output."""
+        if getattr(request, "use_beam_search", False):
+            return beam_outputs(self.engine, request, prepared)
         generators = [
             self.engine.generate(
                 {

@@ -74,7 +74,7 @@ _FIELDS_AS_CHAT = {
 # sampling and template extras, reach the chat request as they would on the chat route).
 _CHAT_ONLY_FIELDS = (
     "messages", "n", "echo", "logprobs", "prompt_logprobs", "return_token_ids",
-    "return_tokens_as_token_ids", *_FIELDS_AS_CHAT,
+    "return_tokens_as_token_ids", "use_beam_search", "length_penalty", *_FIELDS_AS_CHAT,
 )  # fmt: skip
 
 
