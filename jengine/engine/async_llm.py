@@ -72,7 +72,7 @@ class AsyncLLM:
         self.max_model_len = config.scheduler.max_model_len
         self.input_processor = InputProcessor.from_config(config, self.tokenizer, ready.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer, FaultInjector.from_env())
-        self.stats = StatsTracker()
+        self.stats = StatsTracker(count_lora=config.lora is not None)
         self.stat_loggers: list[StatLoggerBase] = list(stat_loggers)
         if log_stats:
             self.stat_loggers.append(LoggingStatLogger())

@@ -63,6 +63,7 @@ class ParentRequest:
     children: dict[int, "RequestState"] = field(default_factory=dict)
     metrics: RequestMetrics | None = None
     pooling_params: PoolingParams | None = None  # an embedding request
+    lora_name: str | None = None  # the adapter it runs with (None: the base model)
 
     def finished(self) -> bool:
         # A loop, not all(<generator>): this runs for every output of every step.
@@ -171,6 +172,7 @@ class OutputProcessor:
             output_kind,
             metrics=RequestMetrics(arrival_time=request.arrival_time or time.time()),
             pooling_params=request.pooling_params,
+            lora_name=request.lora_request.lora_name if request.lora_request else None,
         )
         self.parents[request_id] = parent
         # The engine core knows the request by an id of this registration only: outputs it

@@ -45,6 +45,10 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    # vLLM's LoRA gauges: sequences in flight per adapter name, waiting for their first
+    # token or running (after this step's outputs).
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -61,10 +65,12 @@ class _TokenTimes:
 
 
 class StatsTracker:
-    """Turns engine-core outputs into IterationStats (per engine-core sequence)."""
+    """Turns engine-core outputs into IterationStats (per engine-core sequence);
+    `count_lora`: with the sequences in flight per LoRA adapter (an engine serving them)."""
 
-    def __init__(self):
+    def __init__(self, count_lora: bool = False):
         self._token_times: dict[str, _TokenTimes] = {}
+        self.count_lora = count_lora
 
     def observe(self, outputs: EngineCoreOutputs, output_processor) -> "_Observation":
         """Call before `process_outputs`; finish with `.finish()` after it."""
@@ -94,7 +100,7 @@ class StatsTracker:
             else:
                 stats.inter_token_latencies.append((now - times.last_seen) / num_new)
                 times.last_seen, times.last_engine_time = now, engine_time
-        return _Observation(self, stats, states, now, engine_time)
+        return _Observation(self, output_processor, stats, states, now, engine_time)
 
     def aborted(self, request_ids: list[str], output_processor) -> IterationStats:
         """Stats of user requests about to be aborted (call before aborting them)."""
@@ -132,6 +138,7 @@ class StatsTracker:
 @dataclass(slots=True)
 class _Observation:
     tracker: StatsTracker
+    output_processor: object
     stats: IterationStats
     states: list[tuple]  # (RequestState, its EngineCoreOutput) pairs
     now: float
@@ -167,7 +174,22 @@ class _Observation:
                 finished.decode_time = times.last_engine_time - times.first_engine_time
                 finished.inference_time = times.last_engine_time - times.scheduled_time
             self.stats.finished_requests.append(finished)
+        if self.tracker.count_lora:
+            self._count_adapters()
         return self.stats
+
+    def _count_adapters(self) -> None:
+        """Sequences in flight per LoRA adapter: running once their first token came."""
+        token_times = self.tracker._token_times
+        for state in self.output_processor.request_states.values():
+            name = state.parent.lora_name
+            if name is not None and state.finish_reason is None:
+                counts = (
+                    self.stats.running_lora_adapters
+                    if state.request_id in token_times
+                    else self.stats.waiting_lora_adapters
+                )
+                counts[name] = counts.get(name, 0) + 1
 
 
 class StatLoggerBase:

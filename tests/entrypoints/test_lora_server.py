@@ -6,6 +6,7 @@ served completions are those of the in-process engine with the same adapters (wh
 equality with PEFT tests/engine/test_lora_engine.py shows)."""
 
 import os
+import re
 
 import httpx2
 import openai
@@ -97,6 +98,14 @@ def test_adapters_selected_by_model_loaded_and_unloaded(tiny_model, adapters):
         assert gone.status_code == 404 and gone.json()["error"]["type"] == "NotFoundError"
         # The adapter still loaded serves on.
         assert _texts(client, "attn-r4") == expected["attn-r4"]
+        # vLLM's lora_requests_info: steps ran with attn-r4 running (its two prompts at
+        # once), and the series set last (at the idle steps) names no adapter.
+        text = httpx2.get(server.url_for("metrics"), timeout=60).text
+        series = dict(re.findall(r"^jengine:lora_requests_info\{(.*)\} (\S+)$", text, re.M))
+        assert 'max_lora="2",running_lora_adapters="attn-r4",waiting_lora_adapters=""' in series
+        assert 'running_lora_adapters="mlp-r8"' in " ".join(series)
+        latest = max(series, key=lambda labels: float(series[labels]))
+        assert latest == 'max_lora="2",running_lora_adapters="",waiting_lora_adapters=""'
 
 
 def test_lora_modules_flag_forms():

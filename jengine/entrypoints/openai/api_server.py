@@ -87,9 +87,11 @@ def build_app(
     `allow_runtime_lora_updating`: the load/unload endpoints answer (else 404)."""
     model_path = engine.config.model.model
     names = list(served_model_names or [model_path])
+    lora = engine.config.lora
     prometheus = PrometheusStatLogger(
-        names[0], engine.num_blocks, engine.max_model_len, engine.config.cache
-    )
+        names[0], engine.num_blocks, engine.max_model_len, engine.config.cache,
+        max_loras=lora.max_loras if lora is not None else None,
+    )  # fmt: skip
     engine.stat_loggers.append(prometheus)
     models = ServingModels(names, model_path, engine.max_model_len, lora_modules)
     chat = OpenAIServingChat(

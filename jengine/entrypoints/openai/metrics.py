@@ -65,6 +65,7 @@ class PrometheusStatLogger(StatLoggerBase):
         num_blocks: int,
         max_model_len: int,
         cache_config: CacheConfig | None = None,
+        max_loras: int | None = None,
     ):
         self.registry = CollectorRegistry()
         labels = ["model_name"]
@@ -77,6 +78,16 @@ class PrometheusStatLogger(StatLoggerBase):
             info["num_gpu_blocks"] = str(num_blocks)
             Gauge("jengine:cache_config_info", "The KV cache's settings (labels)",
                   sorted(info), registry=r).labels(**info).set(1)  # fmt: skip
+        # vLLM's: with LoRA served, the adapters waiting and running (labels, comma-separated
+        # names) as of the time this series was last set (its value).
+        self.max_loras = max_loras
+        if max_loras is not None:
+            self.lora_info = Gauge(
+                "jengine:lora_requests_info",
+                "LoRA adapters of the requests waiting and running (labels); value: when set",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=r,
+            )
 
         def gauge(name, doc):
             return Gauge(name, doc, labels, registry=r).labels(model_name)
@@ -230,6 +241,12 @@ class PrometheusStatLogger(StatLoggerBase):
                 self.itl.observe(value)
             if it.num_prompt_tokens or it.num_generation_tokens:
                 self.iteration_tokens.observe(it.num_prompt_tokens + it.num_generation_tokens)
+            if self.max_loras is not None:
+                self.lora_info.labels(
+                    max_lora=str(self.max_loras),
+                    waiting_lora_adapters=",".join(sorted(it.waiting_lora_adapters)),
+                    running_lora_adapters=",".join(sorted(it.running_lora_adapters)),
+                ).set_to_current_time()
             for finished in it.finished_requests:
                 self._record_finished(finished)
 
