@@ -160,7 +160,6 @@ def beam_search(llm, prompts, params: BeamSearchParams, lora_request=None):
     processor = engine.input_processor
     if not isinstance(prompts, list | tuple) or (prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
-    search = None
     starts, salts = [], []
     for prompt in prompts:  # each tokenized and checked as generate would, before any step
         _, request = processor.process(
@@ -233,17 +232,11 @@ async def beam_search_output(
         logprobs = None
         if num_logprobs is not None:
             logprobs = [_top(r, t, num_logprobs) for r, t in zip(beam.logprobs, own)]
-        outputs.append(
-            CompletionOutput(
-                index,
-                beam.text or "",
-                own,
-                beam.cum_logprob,
-                logprobs,
-                beam.finish_reason,
-                beam.stop_reason,
-            )  # fmt: skip
-        )
+        completion = CompletionOutput(
+            index, beam.text or "", own, beam.cum_logprob, logprobs, beam.finish_reason,
+            beam.stop_reason,
+        )  # fmt: skip
+        outputs.append(completion)
     return RequestOutput(request_id, None, prompt_token_ids, None, outputs, finished=True)
 
 

@@ -40,8 +40,10 @@ def check_beam_request(request, max_logprobs: int) -> None:
                 "length_penalty applies only with use_beam_search", param="length_penalty"
             )
         return
+    fields = type(request).model_fields
     for name in NOT_WITH_BEAMS:
-        if name in request.model_fields_set and getattr(request, name) not in (None, [], {}):
+        value = getattr(request, name, None)
+        if name in request.model_fields_set and value not in (None, [], {}, fields[name].default):
             raise OpenAIError(f"{name} does not apply with use_beam_search", param=name)
     tool_choice = getattr(request, "tool_choice", None)  # chat: a forced call constrains
     if tool_choice == "required" or isinstance(tool_choice, dict):
