@@ -17,9 +17,10 @@ Promises (vLLM's semantics): `BeamSearchSequence.tokens` are the prompt's and th
 tokens' logprobs; where no beam ends (`ignore_eos`), the beams are transformers' beam
 search's with `num_beams=beam_width` (the 2 x beam_width candidates hold every beam's
 share of the best beam_width). With temperature > 0 each beam's sampled token joins its
-candidates (it is in the logprobs row), as in vLLM. A beam that reaches max_model_len
-stops there ("length"). EOS is every id that ends a request in `generate` (the model's
-and its generation config's).
+candidates (it is in the logprobs row), as in vLLM. A beam stops ("length") once it holds
+max_model_len tokens (as in generate, a prompt of max_model_len tokens still gets one).
+EOS is every id that ends a request in `generate` (the model's and its generation
+config's). A beam runs with its prompt's LoRA adapter.
 """
 
 import asyncio
@@ -72,7 +73,7 @@ class BeamSearch:
         eos_token_ids: set[int],
         max_model_len: int,
         max_logprobs: int,
-        lora_request: LoRARequest | None = None,
+        lora_requests: list[LoRARequest | None] | None = None,
     ):
         if 2 * params.beam_width > max_logprobs:
             raise ValueError(
@@ -87,7 +88,11 @@ class BeamSearch:
         self.step_params = SamplingParams(
             max_tokens=1, logprobs=2 * params.beam_width, temperature=params.temperature
         )
-        self.live = [[BeamSearchSequence(list(p), lora_request=lora_request)] for p in prompts]
+        loras = lora_requests or [None] * len(prompts)
+        self.live = [
+            [BeamSearchSequence(list(p), lora_request=lora)]
+            for p, lora in zip(prompts, loras, strict=True)
+        ]
         self.finished: list[list[BeamSearchSequence]] = [[] for _ in prompts]
         self.steps = 0
         self._extending: list[tuple[int, BeamSearchSequence]] = []
@@ -96,10 +101,10 @@ class BeamSearch:
     def done(self) -> bool:
         return self.steps >= self.params.max_tokens or not any(self.live)
 
-    def step_beams(self) -> list[tuple[int, list[int]]]:
-        """(prompt index, tokens) of every live beam: the sequences to extend by one."""
+    def step_beams(self) -> list[tuple[int, BeamSearchSequence]]:
+        """(prompt index, beam) of every live beam: the sequences to extend by one."""
         self._extending = [(i, beam) for i, group in enumerate(self.live) for beam in group]
-        return [(i, beam.tokens) for i, beam in self._extending]
+        return list(self._extending)
 
     def take(self, rows: list[dict[int, Logprob]]) -> None:
         """The engine's logprob row (its candidates) of each beam of `step_beams`."""
@@ -155,18 +160,22 @@ def eos_token_ids_of(input_processor) -> set[int]:
 
 def beam_search(llm, prompts, params: BeamSearchParams, lora_request=None):
     """Beam search for each prompt (a string, token ids or a prompt dict) on `llm`, an
-    `LLM`; returns one BeamSearchOutput per prompt, in order."""
+    `LLM`; returns one BeamSearchOutput per prompt, in order. `lora_request`: one for every
+    prompt, or a list of one per prompt (None: the base model)."""
     engine = llm.llm_engine
     processor = engine.input_processor
     if not isinstance(prompts, list | tuple) or (prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
+    loras = (
+        lora_request if isinstance(lora_request, list | tuple) else [lora_request] * len(prompts)
+    )
+    if len(loras) != len(prompts):
+        raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
     starts, salts = [], []
-    for prompt in prompts:  # each tokenized and checked as generate would, before any step
+    for prompt, lora in zip(prompts, loras, strict=True):
+        # Each tokenized and checked as generate would, before any step runs.
         _, request = processor.process(
-            engine.next_request_id(),
-            prompt,
-            SamplingParams(max_tokens=1),
-            lora_request=lora_request,
+            engine.next_request_id(), prompt, SamplingParams(max_tokens=1), lora_request=lora
         )
         starts.append(list(request.prompt_token_ids))
         salts.append(prompt.get("cache_salt") if isinstance(prompt, dict) else None)
@@ -176,11 +185,13 @@ def beam_search(llm, prompts, params: BeamSearchParams, lora_request=None):
         eos_token_ids=eos_token_ids_of(processor),
         max_model_len=engine.config.scheduler.max_model_len,
         max_logprobs=processor.max_logprobs,
-        lora_request=lora_request,
+        lora_requests=list(loras),
     )
     while not search.done:
-        batch = [_beam_prompt(tokens, salts[i]) for i, tokens in search.step_beams()]
-        outputs = llm.generate(batch, search.step_params, use_tqdm=False, lora_request=lora_request)
+        beams = search.step_beams()
+        batch = [_beam_prompt(beam.tokens, salts[i]) for i, beam in beams]
+        step_loras = [beam.lora_request for _, beam in beams]
+        outputs = llm.generate(batch, search.step_params, use_tqdm=False, lora_request=step_loras)
         search.take([output.outputs[0].logprobs[0] for output in outputs])
     tokenizer = llm.get_tokenizer()
     return search.results(tokenizer.decode if tokenizer is not None else None)
@@ -207,7 +218,7 @@ async def beam_search_output(
         eos_token_ids=eos_token_ids_of(processor),
         max_model_len=engine.max_model_len,
         max_logprobs=processor.max_logprobs,
-        lora_request=lora_request,
+        lora_requests=[lora_request],
     )
 
     async def row(tokens: list[int], engine_id: str) -> dict[int, Logprob]:
@@ -221,9 +232,9 @@ async def beam_search_output(
         return last.outputs[0].logprobs[0]
 
     while not search.done:
-        beams = search.step_beams()
-        engine_ids = [f"{request_id}-beam{search.steps}-{i}" for i in range(len(beams))]
-        search.take(await asyncio.gather(*map(row, [t for _, t in beams], engine_ids)))
+        tokens = [beam.tokens for _, beam in search.step_beams()]
+        engine_ids = [f"{request_id}-beam{search.steps}-{i}" for i in range(len(tokens))]
+        search.take(await asyncio.gather(*map(row, tokens, engine_ids)))
     tokenizer = engine.get_tokenizer()
     [result] = search.results(tokenizer.decode if tokenizer is not None else None)
     outputs = []

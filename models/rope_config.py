@@ -181,7 +181,8 @@ def exact_context_length(hf_config: dict) -> tuple[int, str] | None:
 
 
 def _rope_type(params: dict) -> str:
-    return params.get("rope_type", params.get("type", "default"))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    return "longrope" if rope_type == "su" else rope_type  # older Phi-3 128k files' name
 
 
 def _original_length(hf_config: dict, params: dict) -> int:

@@ -134,6 +134,9 @@ def test_a_linear_rope_scaling_multiplies_the_context(tmp_path, monkeypatch, rop
         ({"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]},
           "original_max_position_embeddings": 64}, 64),
         ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, 300),
+        # Older Phi-3 128k files call longrope "su" (transformers and vLLM read it so).
+        ({"rope_scaling": {"type": "su", "short_factor": [1.0], "long_factor": [2.0]},
+          "original_max_position_embeddings": 64}, 64),
     ],
 )  # fmt: skip
 def test_a_rope_that_changes_with_length_is_served_where_it_does_not(

@@ -139,11 +139,12 @@ class LLM:
         self,
         prompts,
         params: BeamSearchParams,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = False,
     ) -> list[BeamSearchOutput]:
         """vLLM's beam search: the best `params.beam_width` continuations of each prompt (a
-        string, token ids or a prompt dict), in order (jengine/beam_search.py)."""
+        string, token ids or a prompt dict), in order (jengine/beam_search.py);
+        `lora_request` as `generate` takes it."""
         del use_tqdm  # vLLM's; a step is one short generate, shown by none
         return beam_search(self, prompts, params, lora_request)
 

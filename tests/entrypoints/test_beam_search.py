@@ -102,6 +102,15 @@ def test_bad_parameters_are_named_and_harm_nothing(llm):
         llm.beam_search([[5, 6, 7], [9] * 500], BeamSearchParams(beam_width=2, max_tokens=2))
     [output] = llm.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=2, max_tokens=3))
     assert len(output.sequences) == 2
+    # A LoRA request per prompt, as generate takes them: each beam runs with its prompt's
+    # (the list was handed to every step, whose beams outnumber the prompts).
+    params = BeamSearchParams(beam_width=2, max_tokens=3)
+    with pytest.raises(ValueError, match="got 1 LoRA requests for 2 prompts"):
+        llm.beam_search([[5, 6, 7], [8, 9]], params, lora_request=[None])
+    each = llm.beam_search([[5, 6, 7], [8, 9]], params, lora_request=[None, None])
+    assert [o.sequences for o in each] == [
+        o.sequences for o in llm.beam_search([[5, 6, 7], [8, 9]], params)
+    ]
     # Beams stop at max_model_len (96): two tokens past a 94-token prompt.
     params = BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True)
     [output] = llm.beam_search([[9] * 94], params)
