@@ -11,7 +11,8 @@ Promises:
   inside `tokenizers`' `DecodeStream`, one call per token instead of two Python-level
   decodes (~1 us against ~6 us: detokenization was most of a 256-request step's host
   time); a prompt context that ends mid-character keeps the Python method, whose text
-  the stream would not reproduce exactly;
+  the stream would not reproduce exactly, and so does a sequence whose text stops being
+  monotonic (a byte-fallback tokenizer's lone byte, then a word), where the stream raises;
 - stop strings are searched only in the newly added text (plus the tail that could start
   a match), once past the first `min_tokens` tokens (as vLLM's: a stop string the
   min_tokens-th token completes does not count); on a match the text is cut before the
@@ -66,30 +67,37 @@ class IncrementalDetokenizer:
         if self.tokenizer is None:
             self.num_output_tokens += len(new_token_ids)
             return None
-        if self.stream is not None:
-            for token_id in new_token_ids:
-                self.num_output_tokens += 1
-                added = self.stream.step(self.backend, token_id)
-                if added:
-                    self.text += added
-                    stop = self._check_stop(len(added))
-                    if stop is not None:
-                        return stop
-            return None
         for token_id in new_token_ids:
             self.token_ids.append(token_id)
             self.num_output_tokens += 1
-            prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
-            full = self._decode(self.token_ids[self.prefix_offset :])
-            if len(full) > len(prefix) and not full.endswith("\ufffd"):
-                added = full[len(prefix) :]
+            added = self._stream_step(token_id) if self.stream is not None else self._window_step()
+            if added:
                 self.text += added
-                self.prefix_offset = self.read_offset
-                self.read_offset = len(self.token_ids)
                 stop = self._check_stop(len(added))
                 if stop is not None:
                     return stop
         return None
+
+    def _stream_step(self, token_id: int) -> str | None:
+        try:
+            added = self.stream.step(self.backend, token_id)
+        except Exception:
+            # tokenizers' "Invalid prefix encountered while decoding stream": a byte-fallback
+            # tokenizer's text is not always monotonic (a lone byte, then a word: vLLM issue
+            # 17448). The window method takes over from the same offsets.
+            self.stream = None
+            return self._window_step()
+        if added:  # every token so far is in the text: the offsets the window method keeps
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return added
+
+    def _window_step(self) -> str:
+        prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.token_ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+            return full[len(prefix) :]
+        return ""
 
     def _check_stop(self, num_added: int) -> str | None:
         # As vLLM's: only a token past the first min_tokens may complete a stop string.

@@ -95,6 +95,33 @@ def test_incremental_text_equals_full_decode(tokenizer):
     assert final[0].outputs[0].token_ids == ids
 
 
+def test_text_that_stops_being_monotonic_decodes_on(tmp_path):
+    """A byte-fallback tokenizer (Llama 2's, Mistral's kind): a lone byte, an incomplete
+    UTF-8 lead byte, then a word. tokenizers' DecodeStream raised "Invalid prefix
+    encountered" there, which failed the request (a 500 over HTTP); the window method
+    takes over and the text goes on, the word and the words after it as decode gives
+    them, and valid UTF-8 spelled in byte pieces decodes exactly."""
+    from transformers import AutoTokenizer
+
+    from tests.engine.tokenizer_kinds import save_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(save_tokenizer("sentencepiece-style", str(tmp_path)))
+    words = tokenizer.encode(" winter of our discontent", add_special_tokens=False)
+    lone = tokenizer.convert_tokens_to_ids(["<0x0A>", "<0xF0>"])
+    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("Now is"), SamplingParams())
+    for token_id in [*lone, *words]:
+        detokenizer.update([token_id])
+    assert detokenizer.text.endswith(tokenizer.decode(words[1:]))
+    assert detokenizer.num_output_tokens == len(lone) + len(words)
+    spelled = tokenizer.convert_tokens_to_ids([f"<0x{b:02X}>" for b in " café 日本".encode()])
+    prompt = tokenizer.encode("Now is")
+    exact = IncrementalDetokenizer(tokenizer, prompt, SamplingParams())
+    for token_id in spelled + words:
+        exact.update([token_id])
+    whole, head = tokenizer.decode(prompt + spelled + words), tokenizer.decode(prompt)
+    assert exact.text == whole[len(head) :] and exact.text.startswith(" café 日本 ")
+
+
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_string_cuts_text_and_aborts(tokenizer, include):
     ids = tokenizer.encode(TEXT)
