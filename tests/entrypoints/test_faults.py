@@ -11,6 +11,7 @@ test comes last."""
 
 import asyncio
 import json
+import socket
 import threading
 import time
 
@@ -132,6 +133,32 @@ def test_a_fault_building_one_output_ends_only_that_request(server, http, site):
         with http.stream("POST", "/v1/responses", json=body, headers=headers) as response:
             lines = [line for line in response.iter_lines() if line.startswith("event: ")]
         assert lines[-2:] == ["event: error", "event: response.failed"]
+
+
+def test_an_unexpected_error_keeps_the_connection(server):
+    """A 500 from an exception no route turned into an error body (the format fault) is
+    OpenAI's error body, and the client's next request on the same keep-alive connection
+    is served (Starlette's last-resort handler re-raised, and uvicorn closed it: the
+    official client's next call failed with a connection error)."""
+    failing = json.dumps({**BODY, "request_id": "fault-format-keepalive"}).encode()
+    plain = json.dumps({**BODY, "max_tokens": 2}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as conn:
+        reader = conn.makefile("rb")
+        statuses = []
+        for body in (failing, plain):
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            conn.sendall(head + b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            status = reader.readline()
+            assert status, "the server closed the connection"
+            headers = {}
+            while (line := reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.decode().partition(":")
+                headers[name.strip().lower()] = value.strip()
+            payload = json.loads(reader.read(int(headers["content-length"])))
+            statuses.append((int(status.split()[1]), payload))
+    (code, error), (ok, reply) = statuses
+    assert code == 500 and error["error"]["code"] == 500 and "InjectedFault" in str(error)
+    assert ok == 200 and reply["usage"]["completion_tokens"] == 2
 
 
 def test_a_slow_reader_stalls_nobody(server, http):

@@ -44,6 +44,7 @@ from jengine.entrypoints.openai.middleware import (
     BodySizeLimitMiddleware,
     DrainingMiddleware,
     RequestIdHeaderMiddleware,
+    UnexpectedErrorMiddleware,
 )
 from jengine.entrypoints.openai.protocol import OpenAIError
 from jengine.entrypoints.openai.routes import router, version
@@ -127,6 +128,7 @@ def build_app(
         engine.config.scheduler.max_num_seqs * parallel.data_parallel_size, max_queued_requests
     )
     # Added innermost first: a request meets draining, CORS, the key, then the body limit.
+    app.add_middleware(UnexpectedErrorMiddleware)
     if max_request_body_bytes is not None:
         app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key:
@@ -181,17 +183,11 @@ async def _on_engine_dead(request: Request, exc: EngineDeadError):
     return error_response(engine_dead_error(exc))
 
 
-async def _on_unexpected(request: Request, exc: Exception):
-    logger.exception("unhandled error in %s %s", request.method, request.url.path)
-    return error_response(OpenAIError(f"internal error: {type(exc).__name__}", 500))
-
-
 EXCEPTION_HANDLERS = {
     OpenAIError: _on_openai_error,
     RequestValidationError: _on_validation_error,
     StarletteHTTPException: _on_http_error,
     EngineDeadError: _on_engine_dead,
-    Exception: _on_unexpected,
 }
 
 

@@ -12,18 +12,25 @@ error body:
   here, never more than the limit, then handed on).
 - `RequestIdHeaderMiddleware` (with --enable-request-id-headers, vLLM's): every response
   carries `X-Request-Id`, the request's own or a fresh one.
+- `UnexpectedErrorMiddleware`, innermost: an exception no route turned into an error body
+  is a 500 in OpenAI's shape, logged, and the connection stays open for the client's next
+  request (Starlette's own last-resort handler re-raises after its 500, and uvicorn then
+  closed a keep-alive connection, failing that next request).
 - `DrainingMiddleware`, outermost, so it sees a request the moment uvicorn has read it:
   once shutdown began, every request arriving but /metrics and /version is a 503 at once
   (/health included, so load balancers stop sending traffic); before that it counts the
   requests in flight, which the shutdown waits for (received means served).
 """
 
+import logging
 import secrets
 import uuid
 
 from jengine.entrypoints.openai.admission import Admission, shutting_down_error
 from jengine.entrypoints.openai.errors import error_response
 from jengine.entrypoints.openai.protocol import OpenAIError
+
+logger = logging.getLogger(__name__)
 
 PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/metrics")
 OPEN_WHILE_DRAINING = ("/metrics", "/version")
@@ -132,3 +139,28 @@ class DrainingMiddleware:
             await self.app(scope, receive, send)
         finally:
             self.admission.num_in_flight -= 1
+
+
+class UnexpectedErrorMiddleware:
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if not _is_http(scope):
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as e:
+            if started:  # half a response is out: only closing the connection ends it
+                raise
+            logger.exception("unhandled error in %s %s", scope["method"], scope["path"])
+            error = OpenAIError(f"internal error: {type(e).__name__}", 500)
+            await error_response(error)(scope, receive, send)
