@@ -80,6 +80,9 @@ def test_64_streams_balanced_over_two_replicas(server, tiny_model):
     assert total == 2 * (ENGINE_ARGS["num_gpu_blocks_override"] - 1)
     assert metric(text, "jengine:kv_cache_free_blocks") == total
     assert metric(text, "jengine:compiles_after_warmup") == 0
+    # cache_config_info: what one replica allocated (it said 79 for 2 x 40 blocks).
+    blocks = ENGINE_ARGS["num_gpu_blocks_override"]
+    assert f'num_gpu_blocks="{blocks}",num_gpu_blocks_override="{blocks}"' in text
 
 
 def test_a_dead_replica_fails_only_its_requests(server):

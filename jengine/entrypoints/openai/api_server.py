@@ -89,8 +89,11 @@ def build_app(
     model_path = engine.config.model.model
     names = list(served_model_names or [model_path])
     lora = engine.config.lora
+    replicas = engine.config.parallel.data_parallel_size
     prometheus = PrometheusStatLogger(
         names[0], engine.num_blocks, engine.max_model_len, engine.config.cache,
+        # Each replica's pool (alike; the engine's count sums their usable blocks).
+        replica_blocks=(engine.num_blocks - 1) // replicas + 1,
         max_loras=lora.max_loras if lora is not None else None,
     )  # fmt: skip
     engine.stat_loggers.append(prometheus)

@@ -65,6 +65,7 @@ class PrometheusStatLogger(StatLoggerBase):
         num_blocks: int,
         max_model_len: int,
         cache_config: CacheConfig | None = None,
+        replica_blocks: int | None = None,
         max_loras: int | None = None,
     ):
         self.registry = CollectorRegistry()
@@ -72,10 +73,11 @@ class PrometheusStatLogger(StatLoggerBase):
         r = self.registry
         if cache_config is not None:
             # vLLM's info gauge: the cache's settings as labels, value 1; num_gpu_blocks is
-            # the count allocated (the null block included), the override as asked.
+            # the count one engine core allocated (its null block included: each
+            # data-parallel replica's), the override as asked.
             info = {f.name: str(getattr(cache_config, f.name)) for f in fields(cache_config)}
             info["num_gpu_blocks_override"] = info.pop("num_gpu_blocks")
-            info["num_gpu_blocks"] = str(num_blocks)
+            info["num_gpu_blocks"] = str(replica_blocks or num_blocks)
             Gauge("jengine:cache_config_info", "The KV cache's settings (labels)",
                   sorted(info), registry=r).labels(**info).set(1)  # fmt: skip
         # vLLM's: with LoRA served, the adapters waiting and running (labels, comma-separated
