@@ -65,7 +65,7 @@ class RopeConfig:
     def from_hf(cls, hf_config: dict, head_dim: int) -> "RopeConfig":
         params = rope_parameters(hf_config)
         theta = params.get("rope_theta", hf_config.get("rope_theta", 10000.0))
-        rope_type = _rope_type(params)
+        rope_type = rope_type_of(params)
         if rope_type not in cls.SUPPORTED:
             raise ValueError(
                 f"rope type {rope_type!r} is not supported (supported: {', '.join(cls.SUPPORTED)})"
@@ -165,7 +165,7 @@ def exact_context_length(hf_config: dict) -> tuple[int, str] | None:
     None for any length: rope types whose frequencies change with the sequence's length
     are served only where they do not (the module docstring)."""
     params = rope_parameters(hf_config)
-    rope_type = _rope_type(params)
+    rope_type = rope_type_of(params)
     if rope_type == "dynamic" and "max_position_embeddings" in hf_config:
         length = int(hf_config["max_position_embeddings"])
         why = "past it transformers raises the base with each sequence's length"
@@ -180,7 +180,8 @@ def exact_context_length(hf_config: dict) -> tuple[int, str] | None:
     return length, f"its {rope_type!r} rope is exact up to {length} tokens ({why})"
 
 
-def _rope_type(params: dict) -> str:
+def rope_type_of(params: dict) -> str:
+    """The rope type `rope_parameters` names (either key; "su" is longrope's older name)."""
     rope_type = params.get("rope_type", params.get("type", "default"))
     return "longrope" if rope_type == "su" else rope_type  # older Phi-3 128k files' name
 

@@ -30,7 +30,7 @@ from jengine.config import (
 )
 from jengine.config_checks import check_number_types
 from jengine.models.checkpoint import holds_base_model, read_hf_config, resolve_model
-from jengine.models.rope_config import exact_context_length, rope_parameters
+from jengine.models.rope_config import exact_context_length, rope_parameters, rope_type_of
 from jengine.pooling import PoolerConfig
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def trained_context_length(hf_config: dict) -> int | None:
     scalings already state the scaled length."""
     length = hf_config.get("max_position_embeddings")
     rope = rope_parameters(hf_config)
-    rope_type = rope.get("rope_type", rope.get("type"))
+    rope_type = rope_type_of(rope)
     if length is None or "gemma3" in str(hf_config.get("model_type")) or "factor" not in rope:
         return length
     if rope_type == "yarn":

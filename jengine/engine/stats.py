@@ -130,6 +130,9 @@ class StatsTracker:
         for request_id in request_ids:
             self._token_times.pop(request_id, None)
 
+    def has_first_token(self, request_id: str) -> bool:
+        return request_id in self._token_times
+
     def take_times(self, request_id: str) -> _TokenTimes | None:
         """A finished sequence's token times, forgotten here."""
         return self._token_times.pop(request_id, None)
@@ -180,13 +183,12 @@ class _Observation:
 
     def _count_adapters(self) -> None:
         """Sequences in flight per LoRA adapter: running once their first token came."""
-        token_times = self.tracker._token_times
         for state in self.output_processor.request_states.values():
             name = state.parent.lora_name
             if name is not None and state.finish_reason is None:
                 counts = (
                     self.stats.running_lora_adapters
-                    if state.request_id in token_times
+                    if self.tracker.has_first_token(state.request_id)
                     else self.stats.waiting_lora_adapters
                 )
                 counts[name] = counts.get(name, 0) + 1
