@@ -6,8 +6,9 @@ later `collect(InFlightStep) -> ModelRunnerOutput`, which waits for its sampled 
 (`execute` is both at once). Under async scheduling the engine dispatches step N+1
 before it collects step N. This is the only place that holds jax arrays; the
 scheduler sees numbers and lists only. The runner follows the scheduler with
-`input_batch.InputBatch` (host arrays), runs the jitted functions of `step.py` on them,
-sizes its KV cache with `kv_cache_sizing.py` and compiles through `compilation.py`.
+`input_batch.InputBatch` (host arrays), runs the jitted programs of `step_programs.py`
+on them, sizes its KV cache with `kv_cache_sizing.py` and compiles through
+`compilation.py`.
 
 Promises:
 - the KV cache and the sampling state are donated to the step functions (updated in
@@ -47,9 +48,8 @@ from jengine.core.sched_output import SchedulerOutput
 from jengine.models.lora import with_lora_slots
 from jengine.pallas_kernels.ragged_paged_attention import resolve_impl
 from jengine.runner import distributed
-from jengine.runner.branches import selects
 from jengine.runner.buckets import BucketSpec, StepShape
-from jengine.runner.compilation import CompileCounter, StaticJit, compile_ahead_of_time
+from jengine.runner.compilation import CompileCounter, compile_ahead_of_time
 from jengine.runner.draft_model import DraftModel, check_draft_model
 from jengine.runner.grammar_mask import DeviceBitmasks, place_grammar_rows
 from jengine.runner.huge_pages import move_to_huge_pages, zeros_in_huge_pages
@@ -58,19 +58,11 @@ from jengine.runner.kv_cache_sizing import KVCacheSizing, default_kv_budget, wei
 from jengine.runner.lora_slots import LoRASlots
 from jengine.runner.pooler import Pooler, host_rows
 from jengine.runner.prepared_step import PreparedStep
-from jengine.runner.sampler import SamplingState, slot_history_args, write_slot_history
+from jengine.runner.sampler import SamplingState, slot_history_args
 from jengine.runner.sharding import TensorParallel
-from jengine.runner.step import (
-    ForwardInputs,
-    decode_step,
-    first_rows,
-    forward_step,
-    multi_decode_step,
-    prompt_logprobs_step,
-    sample_step,
-    sampling_args,
-)
+from jengine.runner.step import ForwardInputs, sampling_args
 from jengine.runner.step_outputs import InFlightStep, collected_output
+from jengine.runner.step_programs import StepPrograms
 from jengine.runner.weight_update import updated_params
 from jengine.sampling_params import MAX_LOGPROBS
 
@@ -158,9 +150,16 @@ class ModelRunner:
         )
         if draft_model is not None:
             self.kv_sizing = DraftModel.sharing_blocks(self.kv_sizing, draft_model, kv_cache_dtype)
-        self.num_blocks = num_blocks or self._blocks_from_budget(
-            kv_cache_memory_bytes, gpu_memory_utilization
-        )
+        if not num_blocks:
+            budget = kv_cache_memory_bytes or default_kv_budget(
+                self.device,
+                self.params,
+                max_num_batched_tokens=self.buckets.max_num_batched_tokens,
+                vocab_size=self.config.vocab_size,
+                gpu_memory_utilization=gpu_memory_utilization,
+            )
+            num_blocks = self.kv_sizing.blocks_from_budget(budget)
+        self.num_blocks = num_blocks
         if jax.process_count() > 1:  # every host must build the same cache: the smallest
             self.num_blocks = int(multihost_utils.process_allgather(self.num_blocks).min())
         cache_shape = model.kv_cache_shape(self.num_blocks, block_size)
@@ -179,26 +178,16 @@ class ModelRunner:
             (1, self.config.num_attention_heads, self.config.head_dim), self.dtype
         )
         self.attention_impl = resolve_impl(attention_impl, q, self.kv_cache, self.device.platform)
-        mesh = tp.mesh if tp else None
-        bound = (self.graphdef, self.attention_impl, mesh)  # the model steps' static arguments
-        select = selects(self.device.platform)  # how the sampling steps skip work
-        self._forward_fn = StaticJit(forward_step, *bound, donate_argnums=(1,))
-        # The sampling programs' static arguments: how they skip work, and how many top
-        # logprobs they compute (a request slices what it asked for).
-        num_logprobs = min(max_logprobs, self.config.vocab_size)
-        sampling = (select, num_logprobs)
-        self._decode_fn = StaticJit(decode_step, *bound, *sampling, donate_argnums=(1, 3))
         self.num_decode_steps = num_decode_steps
-        multi = (*bound, *sampling, block_size, num_decode_steps)
-        self._multi_decode_fn = StaticJit(multi_decode_step, *multi, donate_argnums=(1, 3))
-        self._first_rows = jax.jit(first_rows, static_argnums=1)
-        self._sample_fn = StaticJit(
-            sample_step, self.graphdef, mesh, *sampling, donate_argnums=(0,)
+        self.programs = StepPrograms.create(
+            self.graphdef,
+            self.attention_impl,
+            tp.mesh if tp else None,
+            platform=self.device.platform,
+            num_logprobs=min(max_logprobs, self.config.vocab_size),
+            block_size=block_size,
+            num_decode_steps=num_decode_steps,
         )
-        self._prompt_logprobs_fn = StaticJit(
-            prompt_logprobs_step, self.graphdef, mesh, num_logprobs
-        )
-        self._write_history = jax.jit(write_slot_history, donate_argnums=0)
         self._compile_counter = CompileCounter()
         self.draft = None
         if draft_model is not None:
@@ -214,17 +203,6 @@ class ModelRunner:
             )
 
     # -- memory ---------------------------------------------------------------------------
-
-    def _blocks_from_budget(self, kv_cache_memory_bytes, gpu_memory_utilization) -> int:
-        if kv_cache_memory_bytes is None:
-            kv_cache_memory_bytes = default_kv_budget(
-                self.device,
-                self.params,
-                max_num_batched_tokens=self.buckets.max_num_batched_tokens,
-                vocab_size=self.config.vocab_size,
-                gpu_memory_utilization=gpu_memory_utilization,
-            )
-        return self.kv_sizing.blocks_from_budget(kv_cache_memory_bytes)
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -265,9 +243,10 @@ class ModelRunner:
         programs = [program for step in steps for program in self._step_programs(step)]
         # The dummy steps sample S = R rows; the selections of fewer rows run alone.
         selections = [(zero_rows(r), s) for r, s in self.buckets.all_row_selections()]
-        programs += [(self._first_rows, *args) for args in selections]
+        programs += [(self.programs.first_rows, *args) for args in selections]
         programs += [
-            (self._prompt_logprobs_fn, self.params, hidden[t], targets[t]) for t in token_counts
+            (self.programs.prompt_logprobs, self.params, hidden[t], targets[t])
+            for t in token_counts
         ]
         if self.draft is not None:
             programs += self.draft.programs(map(PreparedStep.padding, shapes), self.replicated)
@@ -280,19 +259,22 @@ class ModelRunner:
             drafts = self.draft.programs(map(PreparedStep.padding, shapes), self.replicated)
             outputs += [self.draft.propose(*program[3:]) for program in drafts]
         outputs += [
-            self._prompt_logprobs_fn(self.params, hidden[t], targets[t]) for t in token_counts
+            self.programs.prompt_logprobs(self.params, hidden[t], targets[t]) for t in token_counts
         ]
         # The sampling program alone, at each S a selection keeps (decode shapes sample
         # inside their own program; the other shapes' dummy steps sampled their R rows).
         for rows, num_rows in selections:
             dummy = PreparedStep.padding(StepShape(num_rows, num_rows, 1, 1))
-            rows, args = self._first_rows(rows, num_rows), sampling_args(dummy, self.bitmasks)
-            self.sampling_state, sampled = self._sample_fn(
+            rows, args = (
+                self.programs.first_rows(rows, num_rows),
+                sampling_args(dummy, self.bitmasks),
+            )
+            self.sampling_state, sampled = self.programs.sample(
                 self.sampling_state, self.params, rows, *args
             )
             outputs.append(sampled)
         history = slot_history_args(self.max_model_len)  # compiles the slot-history writer
-        self.sampling_state = self._write_history(self.sampling_state, *history)
+        self.sampling_state = self.programs.write_history(self.sampling_state, *history)
         # Wait for every warmup program, not only the last cache update: dispatch is
         # asynchronous, and a queue of unfinished warmup work (the prompt-logprob programs
         # take seconds) would otherwise delay the first request.
@@ -309,26 +291,28 @@ class ModelRunner:
         inputs = ForwardInputs.from_prepared(prepared)
         sampling = sampling_args(prepared, self.bitmasks)
         if prepared.num_steps > 1:
-            self.kv_cache, self.sampling_state, sampled = self._multi_decode_fn(
+            self.kv_cache, self.sampling_state, sampled = self.programs.multi_decode(
                 self.params, self.kv_cache, inputs, self.sampling_state, *sampling
             )
             return sampled, None, None
         if prepared.shape.is_decode:
-            self.kv_cache, self.sampling_state, hidden, sampled = self._decode_fn(
+            self.kv_cache, self.sampling_state, hidden, sampled = self.programs.decode(
                 self.params, self.kv_cache, inputs, self.sampling_state, *sampling
             )
         else:
-            self.kv_cache, hidden, rows = self._forward_fn(
+            self.kv_cache, hidden, rows = self.programs.forward(
                 self.params, self.kv_cache, inputs, self.sampling_state.last_token
             )
             if prepared.num_sample_rows < prepared.shape.num_reqs:
-                rows = self._first_rows(rows, prepared.num_sample_rows)
-            self.sampling_state, sampled = self._sample_fn(
+                rows = self.programs.first_rows(rows, prepared.num_sample_rows)
+            self.sampling_state, sampled = self.programs.sample(
                 self.sampling_state, self.params, rows, *sampling
             )
         prompt_logprobs = None
         if prepared.prompt_logprob_rows:
-            prompt_logprobs = self._prompt_logprobs_fn(self.params, hidden, prepared.prompt_targets)
+            prompt_logprobs = self.programs.prompt_logprobs(
+                self.params, hidden, prepared.prompt_targets
+            )
         return sampled, prompt_logprobs, hidden
 
     def _step_programs(self, prepared: PreparedStep) -> list[tuple]:
@@ -338,7 +322,7 @@ class ModelRunner:
         sampling = sampling_args(prepared, self.bitmasks)
         state, params = self.sampling_state, self.params
         if prepared.shape.is_decode:
-            decode = self._multi_decode_fn if prepared.num_steps > 1 else self._decode_fn
+            decode = self.programs.multi_decode if prepared.num_steps > 1 else self.programs.decode
             return [(decode, params, self.kv_cache, inputs, state, *sampling)]
         rows = jax.ShapeDtypeStruct(
             (prepared.num_sample_rows, self.config.hidden_size),
@@ -346,8 +330,8 @@ class ModelRunner:
             sharding=self.replicated,
         )
         return [
-            (self._forward_fn, params, self.kv_cache, inputs, state.last_token),
-            (self._sample_fn, state, params, rows, *sampling),
+            (self.programs.forward, params, self.kv_cache, inputs, state.last_token),
+            (self.programs.sample, state, params, rows, *sampling),
         ]
 
     def lower_step(self, prepared: PreparedStep) -> list:
@@ -370,7 +354,7 @@ class ModelRunner:
             if state.uses_history:
                 tokens = batch.all_token_ids(state.req_id)
                 history = slot_history_args(self.max_model_len, state, tokens)
-                self.sampling_state = self._write_history(self.sampling_state, *history)
+                self.sampling_state = self.programs.write_history(self.sampling_state, *history)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return InFlightStep(None, None, None, None, batch.num_removals)
         prepared = batch.prepare(scheduler_output)
