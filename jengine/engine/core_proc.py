@@ -14,8 +14,10 @@ import logging
 import os
 import queue
 import signal
+import sys
 import threading
 import time
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -200,25 +202,7 @@ class EngineCoreProc(EngineCore):
         jengine/engine/client.py, which watches `parent_pid`, the front end's): build the
         engine, hand-shake, run until told to stop."""
 
-        def ignore_stops():
-            for stop in (ENGINE_STOP_SIGNAL, signal.SIGTERM):
-                signal.signal(stop, signal.SIG_IGN)
-
-        def on_stop(signum, frame):
-            ignore_stops()  # once: a second must not interrupt the exit (jax's clean-up)
-            raise SystemExit(0)
-
-        def on_sigterm(signum, frame):
-            if os.getppid() != parent_pid:  # orphaned (see client.watch_parent)
-                on_stop(signum, frame)
-
-        # The front end owns shutdown: it drains its requests, then sends
-        # ENGINE_STOP_SIGNAL. SIGTERM and Ctrl-C's SIGINT sent to the whole process group
-        # (systemd, `kill -- -PGID`) reach the engine too; while its parent lives it
-        # ignores them, so it does not die under the requests being drained.
-        signal.signal(ENGINE_STOP_SIGNAL, on_stop)
-        signal.signal(signal.SIGTERM, on_sigterm)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        ignore_stops = install_stop_handlers(parent_pid)
         try:
             try:
                 engine = EngineCoreProc(
@@ -249,6 +233,51 @@ class EngineCoreProc(EngineCore):
             if config.parallel.multi_host:
                 distributed.exit_now(1)  # the other hosts wait for this one: end them too
             raise
+
+
+def install_stop_handlers(parent_pid: int) -> Callable[[], None]:
+    """Make ENGINE_STOP_SIGNAL end this engine process (SystemExit(0) on the main thread,
+    at its current compile or step) and SIGTERM end it once orphaned; returns the function
+    that ignores both from then on.
+
+    The front end owns shutdown: it drains its requests, then sends ENGINE_STOP_SIGNAL,
+    once. SIGTERM and Ctrl-C's SIGINT sent to the whole process group (systemd,
+    `kill -- -PGID`) reach the engine too; while its parent lives it ignores them, so it
+    does not die under the requests being drained."""
+    stopping = False
+
+    def ignore_stops():
+        for stop in (ENGINE_STOP_SIGNAL, signal.SIGTERM):
+            signal.signal(stop, signal.SIG_IGN)
+
+    def on_stop(signum, frame):
+        nonlocal stopping
+        stopping = True
+        ignore_stops()  # once: a second must not interrupt the exit (jax's clean-up)
+        raise SystemExit(0)
+
+    def on_sigterm(signum, frame):
+        if os.getppid() != parent_pid:  # orphaned (see client.watch_parent)
+            on_stop(signum, frame)
+
+    def on_unraisable(unraisable):
+        # Python runs a signal handler wherever the main thread is; in a finalizer (a
+        # `__del__`, a weakref callback: jax runs them all through warmup) the SystemExit
+        # is printed and dropped, and the engine went on to warm up and serve, deaf to the
+        # one stop its front end sends. Send the stop again a moment later: raised here, it
+        # would run (and be dropped) at once; then it lands once the main thread is past
+        # the finalizer (or in the next one, and comes back here).
+        if stopping and unraisable.exc_type is SystemExit:
+            signal.signal(ENGINE_STOP_SIGNAL, on_stop)
+            threading.Timer(0.01, os.kill, (os.getpid(), ENGINE_STOP_SIGNAL)).start()
+        else:
+            sys.__unraisablehook__(unraisable)
+
+    signal.signal(ENGINE_STOP_SIGNAL, on_stop)
+    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.unraisablehook = on_unraisable
+    return ignore_stops
 
 
 def _report_start_failure(input_address: str, identity: bytes, error: str) -> None:

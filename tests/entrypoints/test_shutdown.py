@@ -225,7 +225,8 @@ def test_an_api_server_stopped_while_its_engine_starts_takes_the_engine_down(tin
             os.killpg(server.pid, signal.SIGINT)
         server.wait(30)
         # Ctrl-C stops the engine at its current compile, not at the end of its warmup.
-        assert "engine ready" not in server.stderr.read()
+        log = server.stderr.read()
+        assert "engine ready" not in log, log
         deadline = time.monotonic() + 5
         while alive(engine_pid):
             assert time.monotonic() < deadline, "the engine outlived its API server by 5 s"
