@@ -58,12 +58,24 @@ constexpr int64_t kStreamRows = 8;
 // 6.15 against 6.64 ms (median of 16, the two alternated in one process), the engine's
 // single-stream decode 113.7 against 105.3 tok/s; 128 floats ahead was no faster than no
 // hint, 256 or more, or a prefetch into every cache level, slower (bench/README.md). Not
-// measured on Intel, whose L2 streamer the hint may keep from running ahead: off there.
+// measured on Intel, whose L2 streamer the hint may keep from running ahead: off there. Off
+// on AVX-512 AMD CPUs (Zen 4) too, where it cost 2-3% (below, `kOneRowStreams`).
 constexpr int64_t kFloatsPerLine = 64 / sizeof(float);  // a 64-byte cache line
 constexpr int64_t kPrefetchFloats = 64;
+// Weight rows one row of x streams side by side (`RowsOutputs`' S). On a 2-core AVX-512
+// EPYC, every decode weight of the 56M model once through this kernel, in 2 MiB pages (60
+// alternated passes): 8 streams with the hint 2.70 ms, without 2.63; 4 streams without
+// 2.45, 2 streams 2.46, 1 stream 2.98. The engine's decode step there: 3.56/3.53/3.12 ms
+// against 3.91/3.90/3.65 (`jengine bench overhead`, alternated; bench/README.md). On AVX2
+// EPYCs and the AMX Xeon, 8 (the Xeon read as fast with 4).
+#ifdef __AVX512F__
+constexpr int kOneRowStreams = 4;
+#else
+constexpr int kOneRowStreams = 8;
+#endif
 
 bool StreamHint() {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(__AVX512F__)
   static const bool amd = [] {
     __builtin_cpu_init();  // the kernel is a shared library: not initialized for it before
     return __builtin_cpu_is("amd") != 0;
@@ -203,7 +215,7 @@ void ManyRows(const Work& p, const Segment& s, int64_t begin, int64_t end) {
   switch (p.num_rows - t) {
     case 3: RowsOutputs<3, 2>(p, s, begin, end, t, hint); break;
     case 2: RowsOutputs<2, 4>(p, s, begin, end, t, hint); break;
-    case 1: RowsOutputs<1, 8>(p, s, begin, end, t, hint); break;
+    case 1: RowsOutputs<1, kOneRowStreams>(p, s, begin, end, t, hint); break;
   }
 }
 
