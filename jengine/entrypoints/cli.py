@@ -17,6 +17,7 @@ import importlib
 import logging
 import os
 import select
+import signal
 import socket
 import sys
 from dataclasses import fields
@@ -169,15 +170,26 @@ def cmd_serve(args: argparse.Namespace) -> None:
     # transformers, the tokenizer: seconds): both start-ups then run side by side.
     from jengine.engine.mp_clients import AsyncMPClient
 
-    engine_core = AsyncMPClient(config)
-    try:
-        from jengine.entrypoints.openai.api_server import run_server
+    # SIGTERM while the engine starts stops it as Ctrl-C does, through the `finally` below
+    # (the engine stopped, its socket folder removed, exit code 0); Python's default ended
+    # this process on the spot and left the folder in /tmp. Once the server serves, uvicorn
+    # takes SIGTERM to drain it, and re-raises a second one (which cut the drain short)
+    # after it stops: that too reaches the `finally` instead of killing the process. (Cut
+    # short inside the constructor, the client's exit hook stops what it started.)
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    with contextlib.suppress(KeyboardInterrupt):
+        engine_core = AsyncMPClient(config)
+        try:
+            from jengine.entrypoints.openai.api_server import run_server
 
-        with contextlib.suppress(KeyboardInterrupt):
             run_server(args, config, engine_core, sock)
-    finally:
-        engine_core.shutdown()
-        sock.close()
+        finally:
+            engine_core.shutdown()
+            sock.close()
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt("terminated")
 
 
 def _listen_socket(host: str | None, port: int) -> socket.socket:

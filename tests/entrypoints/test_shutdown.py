@@ -192,21 +192,24 @@ SERVE_AS_TYPED = (
 
 
 @pytest.mark.parametrize("stop", ["SIGTERM", "Ctrl-C"])
-def test_an_api_server_stopped_while_its_engine_starts_takes_the_engine_down(tiny_model, stop):
+def test_an_api_server_stopped_while_its_engine_starts_takes_the_engine_down(
+    tiny_model, stop, tmp_path
+):
     """SIGTERM to `jengine serve` as soon as its engine process exists (still importing,
     loading, compiling), or Ctrl-C's SIGINT to its process group once the engine has
     loaded (the server waits for its warmup): the server exits, its engine stopped before
     the end of its warmup, and the engine does not live on as an orphan. (It once read its
     parent's pid only once ready, by then init's, so it never noticed; and it warmed up
     and held its KV cache until SIGKILLed. Ctrl-C's first SIGINT once only cancelled the
-    event loop's task, which went on waiting for the engine to the end of its warmup.)"""
+    event loop's task, which went on waiting for the engine to the end of its warmup. And
+    SIGTERM ended the server on the spot, exit code -15, its socket folder left in /tmp.)"""
     command = [sys.executable, "-c", SERVE_AS_TYPED, "serve", tiny_model,
                "--host", "127.0.0.1", "--port", str(free_port()), *LONG_SERVER_ARGS]  # fmt: skip
     server = subprocess.Popen(
         command,
         stderr=subprocess.PIPE,
         text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        env=dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path)),
         start_new_session=True,  # its own process group, as a terminal's foreground job
     )
     wait_for = "started the engine-core process" if stop == "SIGTERM" else "KV cache: "
@@ -227,6 +230,8 @@ def test_an_api_server_stopped_while_its_engine_starts_takes_the_engine_down(tin
         # Ctrl-C stops the engine at its current compile, not at the end of its warmup.
         log = server.stderr.read()
         assert "engine ready" not in log, log
+        assert server.returncode == 0, log
+        assert not [p for p in os.listdir(tmp_path) if p.startswith("jengine-")], log
         deadline = time.monotonic() + 5
         while alive(engine_pid):
             assert time.monotonic() < deadline, "the engine outlived its API server by 5 s"

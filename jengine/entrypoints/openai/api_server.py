@@ -20,7 +20,6 @@ disconnects, mid-stream or while waiting for a full response, aborts its request
 import asyncio
 import gc
 import logging
-import signal
 import socket
 import sys
 
@@ -253,10 +252,6 @@ async def serve_http(
             timeout_graceful_shutdown=5,
         )
         server = DrainingServer(config, engine, app.state.admission, args.shutdown_timeout)
-        # uvicorn re-raises a second SIGTERM (one that cut the drain short) once it has
-        # stopped; make that reach the `finally` below (engine shutdown, exit code 0)
-        # instead of killing the process on the spot.
-        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
         # Start-up objects live as long as the server: keep them out of GC scans.
         gc.collect()
         gc.freeze()
@@ -269,10 +264,6 @@ async def serve_http(
         await server.serve(sockets=[sock])
     finally:
         engine.shutdown()
-
-
-def _raise_keyboard_interrupt(signum, frame):
-    raise KeyboardInterrupt("terminated")
 
 
 def run_server(args, config: EngineConfig, engine_core: AsyncMPClient, sock) -> None:
