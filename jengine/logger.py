@@ -2,8 +2,8 @@
 process it spawns.
 
 Where it sits: `jengine.entrypoints.cli.main` calls `init_logging()` before anything else,
-and the engine process's spawn target (`jengine.engine.client.run_engine_core`) calls it
-with its pid as a prefix. Library use (`LLM` in a user's program) configures nothing: the
+and the engine process's spawn target (`jengine.engine.engine_process.run_engine_core`)
+calls it with its pid as a prefix. Library use (`LLM` in a user's program) configures nothing: the
 user's logging set-up stays theirs.
 
 What it promises: jengine's INFO lines (model, dtype, attention implementation, KV

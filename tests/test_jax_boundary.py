@@ -22,6 +22,7 @@ JAX_FREE_MODULES = [
     "jengine.beam_search",
     "jengine.engine.arg_utils",
     "jengine.engine.client",
+    "jengine.engine.engine_process",
     "jengine.engine.async_llm",
     "jengine.engine.llm_engine",
     "jengine.engine.input_processor",

@@ -20,7 +20,8 @@ fail (`LostRequests`) and the others carry on. Data-parallel routing is
 jengine/engine/load_balancer.py's.
 
 This module never imports jax (the API process imports it); the engine process reaches
-jax through `run_engine_core`, which imports jengine.engine.core_proc only in the child.
+jax through `engine_process.run_engine_core`, which imports jengine.engine.core_proc only
+in the child.
 """
 
 import atexit
@@ -30,10 +31,8 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import shutil
-import signal
 import tempfile
 import threading
-import time
 import uuid
 from dataclasses import dataclass
 
@@ -42,8 +41,8 @@ import zmq
 import zmq.asyncio
 
 from jengine.config import EngineConfig
+from jengine.engine.engine_process import run_engine_core, sigint_ignored_by_children
 from jengine.engine.load_balancer import DataParallelBalancer, combine_ready
-from jengine.logger import init_logging
 from jengine.protocol import (
     ENGINE_STOP_SIGNAL,
     UTILITY_METHODS,
@@ -54,11 +53,8 @@ from jengine.protocol import (
     UtilityOutput,
     UtilityRequest,
 )
-from jengine.torch_free import keep_torch_out
 
 logger = logging.getLogger(__name__)
-
-_PARENT_POLL_SECONDS = 0.5
 
 
 class InprocClient:
@@ -118,51 +114,6 @@ class EngineReplica:
         )
 
 
-def run_engine_core(
-    config: EngineConfig,
-    input_address: str,
-    output_address: str,
-    identity: bytes,
-    engine_index: int,
-    parent_pid: int,
-) -> None:
-    """Spawn target of the engine process. Lives here, in a jax-free module, because the
-    child imports the target's module first; jax loads only inside this call."""
-    threading.Thread(target=watch_parent, args=(parent_pid,), daemon=True).start()
-    keep_torch_out()
-    data_parallel = config.parallel.data_parallel_size > 1
-    prefix = f"replica {engine_index}" if data_parallel else "engine-core"
-    init_logging(prefix=f"[{prefix} {os.getpid()}] ")
-    if data_parallel:
-        _claim_devices(engine_index, config.parallel.tensor_parallel_size)
-    from jengine.engine.core_proc import EngineCoreProc
-
-    EngineCoreProc.run_engine_core(
-        config, input_address, output_address, identity, engine_index, parent_pid
-    )
-
-
-def watch_parent(parent_pid: int) -> None:
-    """Exit once the front end (`parent_pid`, passed down: by the time the child could ask,
-    its parent may be gone already) is gone. Polled (a reparented process has another
-    ppid) from the child's first moment, so a front end killed while its engine still
-    imports, loads or compiles leaves nothing behind; the main thread may be in a step or
-    a compile, so it is told by SIGTERM (the engine's handler exits when orphaned)."""
-    while os.getppid() == parent_pid:
-        time.sleep(_PARENT_POLL_SECONDS)
-    logger.info("front-end process is gone; engine core exits")
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _claim_devices(engine_index: int, devices_per_replica: int) -> None:
-    """Give data-parallel replica `engine_index` its own accelerators before jax starts
-    (on CPU every process has its own host devices and this changes nothing)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(1024)]
-    first = engine_index * devices_per_replica
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[first : first + devices_per_replica])
-
-
 class MPClient:
     """What the sync and async clients share: start-up, handshake, routing over
     data-parallel replicas, death watch, shutdown.
@@ -207,7 +158,8 @@ class MPClient:
             self.replicas.append(EngineReplica(index, name, identity, proc))
         try:
             for replica in self.replicas:
-                replica.proc.start()
+                with sigint_ignored_by_children():
+                    replica.proc.start()
                 logger.info("started %s (pid %d)", replica.name, replica.proc.pid)
         except BaseException:  # (before the subclass's I/O exists: not `shutdown()`)
             self._shutting_down = True
@@ -365,9 +317,16 @@ class MPClient:
             return
         self._shutting_down = True
         atexit.unregister(self.shutdown)
-        self._stop_io()
-        self._stop_processes()
-        self._close()
+        # A second Ctrl-C lands in one of these (a join, mostly): the rest still runs. A
+        # skipped stop left the engines running, ignoring multiprocessing's exit SIGTERM
+        # (their parent lives) while its join waited on them for ever.
+        try:
+            self._stop_io()
+        finally:
+            try:
+                self._stop_processes()
+            finally:
+                self._close()
 
     def _stop_processes(self) -> None:
         live = [r.proc for r in self.replicas if r.proc.pid is not None and r.proc.is_alive()]

@@ -1,7 +1,7 @@
 """EngineCoreProc: the engine core in a process of its own, behind ZeroMQ.
 
 Where it sits: the MP clients (jengine/engine/client.py) spawn it through the jax-free
-`run_engine_core`; it is an `EngineCore` (jengine/engine/core.py) plus its I/O.
+`engine_process.run_engine_core`; it is an `EngineCore` (jengine/engine/core.py) plus its I/O.
 
 `EngineCoreProc` is the same engine in its own process (started with `spawn` by the MP
 clients): a busy loop on the main thread, one input thread (ZMQ DEALER -> decode ->
@@ -50,7 +50,7 @@ class EngineCoreProc(EngineCore):
     The first message in either direction is the `EngineCoreReady` handshake, sent once
     warmup is done. The process exits on `ENGINE_STOP_SIGNAL` from the front end, within
     a second of its parent going away, also while it still loads or compiles (SIGKILL
-    included: client.watch_parent turns that into SIGTERM, so no orphan keeps holding
+    included: engine_process.watch_parent turns that into SIGTERM, so no orphan keeps holding
     memory), and with an error when a step fails (see
     EngineCore); a SIGTERM while its parent lives is the front end's to handle.
     """
@@ -199,7 +199,7 @@ class EngineCoreProc(EngineCore):
         parent_pid: int,
     ) -> None:
         """Body of the engine process (reached through the jax-free spawn target in
-        jengine/engine/client.py, which watches `parent_pid`, the front end's): build the
+        jengine/engine/engine_process.py, which watches `parent_pid`, the front end's): build the
         engine, hand-shake, run until told to stop."""
 
         ignore_stops = install_stop_handlers(parent_pid)
@@ -257,7 +257,7 @@ def install_stop_handlers(parent_pid: int) -> Callable[[], None]:
         raise SystemExit(0)
 
     def on_sigterm(signum, frame):
-        if os.getppid() != parent_pid:  # orphaned (see client.watch_parent)
+        if os.getppid() != parent_pid:  # orphaned (see engine_process.watch_parent)
             on_stop(signum, frame)
 
     def on_unraisable(unraisable):

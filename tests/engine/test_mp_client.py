@@ -1,8 +1,9 @@
 """The engine core in its own process behind ZeroMQ (SyncMPClient), driven by LLMEngine:
 greedy tokens equal Hugging Face's, n > 1 fan-out, utilities, aborts returning blocks,
 a clear error (not a hang) when the engine dies or fails to start, the front end's stop
-taking even where Python drops exceptions, and msgspec round trips of the messages that
-cross the boundary."""
+taking even where Python drops exceptions or a second Ctrl-C cuts the shutdown short,
+engine processes starting with SIGINT ignored, and msgspec round trips of the messages
+that cross the boundary."""
 
 import os
 import shutil
@@ -17,6 +18,7 @@ import pytest
 
 from jengine.engine.arg_utils import EngineArgs
 from jengine.engine.client import EngineDeadError
+from jengine.engine.engine_process import sigint_ignored_by_children
 from jengine.engine.llm_engine import LLMEngine
 from jengine.engine.mp_clients import SyncMPClient
 from jengine.protocol import EngineCoreReady, UtilityOutput, UtilityRequest
@@ -183,3 +185,38 @@ def test_a_stop_landing_in_a_finalizer_still_stops_the_engine():
     assert "went on" not in stopped.stdout
     assert "Exception ignored" not in stopped.stderr
     assert time.monotonic() - started < 5
+
+
+def test_a_shutdown_cut_short_still_stops_the_engines(tiny_model):
+    """A second Ctrl-C landing in the shutdown's first part (the output thread's join) cut
+    it short before the engines were told to stop: they ignored multiprocessing's exit
+    SIGTERM (their parent lived), whose join then waited for ever, and the socket folder
+    stayed in /tmp. Now the stop and the clean-up still run, and the interrupt goes on."""
+    client = SyncMPClient(EngineArgs(model=tiny_model, **ENGINE_ARGS).create_engine_config())
+    socket_dir = client._socket_dir
+
+    stop_io = client._stop_io
+
+    def interrupted():  # as if in its join, once the thread was told to stop
+        stop_io()
+        raise KeyboardInterrupt
+
+    client._stop_io = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        client.shutdown()
+    process = client.replicas[0].proc
+    process.join(30)
+    assert not process.is_alive()
+    assert not os.path.exists(socket_dir)
+
+
+def test_engine_processes_start_with_sigint_ignored():
+    """The front end owns Ctrl-C: a child started under `sigint_ignored_by_children` has
+    SIGINT ignored from its first instruction (it ignored it only once it had imported
+    jax, and a Ctrl-C before printed its traceback), and the parent's handler is back."""
+    ignored = "import signal; print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)"
+    probe = [sys.executable, "-c", ignored]
+    with sigint_ignored_by_children():
+        child = subprocess.run(probe, capture_output=True, text=True, check=True)
+    assert child.stdout.strip() == "True"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -165,10 +165,13 @@ def test_shutdown_timeout_ends_streams_with_an_error_event(tiny_model, cut):
         server.stop()
 
 
-def test_sigkill_of_the_api_server_takes_the_engine_down(tiny_model):
-    server = RemoteServer(tiny_model, LONG_SERVER_ARGS)
+def test_sigkill_of_the_api_server_takes_the_engine_down(tiny_model, tmp_path):
+    """The engine exits within 5 s and removes the server's socket folder (it was left in
+    /tmp: a SIGKILLed process cleans up nothing)."""
+    server = RemoteServer(tiny_model, LONG_SERVER_ARGS, env={"TMPDIR": str(tmp_path)})
     try:
         engine_pid = server.engine_pid
+        assert [p for p in os.listdir(tmp_path) if p.startswith("jengine-")]
         connections = send_streams(server, STREAMS)
         wait_running(server)  # killed mid-step, not while idle
         server.proc.kill()
@@ -177,6 +180,7 @@ def test_sigkill_of_the_api_server_takes_the_engine_down(tiny_model):
         while alive(engine_pid):
             assert time.monotonic() < deadline, "the engine outlived its API server by 5 s"
             time.sleep(0.1)
+        assert not [p for p in os.listdir(tmp_path) if p.startswith("jengine-")]
         for connection in connections:
             connection.close()
     finally:
