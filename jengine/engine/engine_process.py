@@ -36,7 +36,8 @@ def run_engine_core(
 ) -> None:
     """Spawn target of the engine process (see the module docstring)."""
     # The front end's private socket folder (ipc://<folder>/input), removed if it dies.
-    socket_dir = os.path.dirname(input_address[6:]) if input_address.startswith("ipc://") else None
+    ipc = input_address.startswith("ipc://")
+    socket_dir = os.path.dirname(input_address.removeprefix("ipc://")) if ipc else None
     threading.Thread(target=watch_parent, args=(parent_pid, socket_dir), daemon=True).start()
     keep_torch_out()
     data_parallel = config.parallel.data_parallel_size > 1
